@@ -1,0 +1,9 @@
+#pragma once
+// One init_* function per bindings file; module.cpp calls them in order.
+#include <pybind11/pybind11.h>
+
+namespace dwgraph::bindings {
+
+void init_errors(pybind11::module_& m);
+
+}  // namespace dwgraph::bindings

@@ -1,0 +1,35 @@
+"""dwgraph: CUDA graphs for training steps with deferred weight gradients.
+
+``import dwgraph`` loads the native library, which registers the ``torch.ops.dwgraph.*``
+operators. See README.md and docs/ for the contract.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension that links it)
+
+from .errors import ArgumentError, DanglingCaptureError, DwgraphError, GraphStateError
+from . import _C
+from . import ops
+
+__version__ = _C.version()
+
+
+def cuda_built() -> bool:
+    """True when this build compiled the CUDA sources (cuBLASLt GEMMs)."""
+    return bool(_C.cuda_built())
+
+
+def cuda_available() -> bool:
+    """True when CUDA was compiled in and a CUDA device is usable now."""
+    return bool(_C.cuda_available())
+
+
+__all__ = [
+    "__version__",
+    "cuda_built",
+    "cuda_available",
+    "ops",
+    "DwgraphError",
+    "ArgumentError",
+    "GraphStateError",
+    "DanglingCaptureError",
+]

@@ -1,0 +1,142 @@
+# Finds LibTorch (from the Python environment's torch wheel) and decides whether the CUDA
+# sources are compiled. Produces:
+#   DWGRAPH_WITH_CUDA        ON when the CUDA sources are compiled
+#   dwgraph::torch           LibTorch (host libraries, plus the CUDA ones when built with CUDA)
+#   dwgraph::torch_python    libtorch_python, for the extension
+#   dwgraph::cublaslt        cuBLASLt (only when DWGRAPH_WITH_CUDA)
+#   DWGRAPH_RUNTIME_RPATH    where the built binaries find LibTorch and the CUDA libraries
+#
+# Note [Why two ways to import LibTorch]: TorchConfig.cmake of a CUDA wheel insists on a
+# CUDA toolkit (it enables the CUDA language and fails without nvcc). We use it whenever
+# the CUDA sources are compiled, which is the supported configuration. For a host-only
+# build (DWGRAPH_CUDA=OFF, or AUTO with no matching nvcc) we import the host libraries
+# directly, so a machine without a toolkit can still build and test the host path.
+
+execute_process(
+  COMMAND "${Python3_EXECUTABLE}" -c
+    "import torch, os; print(torch.utils.cmake_prefix_path); print(torch.version.cuda or ''); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(os.path.dirname(os.path.dirname(torch.__file__))); print(torch.__version__)"
+  OUTPUT_VARIABLE _dw_torch_info
+  RESULT_VARIABLE _dw_torch_rc
+  OUTPUT_STRIP_TRAILING_WHITESPACE)
+if(NOT _dw_torch_rc EQUAL 0)
+  message(FATAL_ERROR "dwgraph: cannot import torch with ${Python3_EXECUTABLE}; run scripts/setup")
+endif()
+string(REPLACE "\n" ";" _dw_torch_info "${_dw_torch_info}")
+list(GET _dw_torch_info 0 DWGRAPH_TORCH_CMAKE_PREFIX)
+list(GET _dw_torch_info 1 DWGRAPH_TORCH_CUDA_VERSION)
+list(GET _dw_torch_info 2 DWGRAPH_TORCH_CXX11_ABI)
+list(GET _dw_torch_info 3 DWGRAPH_SITE_PACKAGES)
+list(GET _dw_torch_info 4 DWGRAPH_TORCH_VERSION)
+get_filename_component(DWGRAPH_TORCH_ROOT "${DWGRAPH_TORCH_CMAKE_PREFIX}/../.." ABSOLUTE)
+message(STATUS "dwgraph: torch ${DWGRAPH_TORCH_VERSION} at ${DWGRAPH_TORCH_ROOT}, CUDA '${DWGRAPH_TORCH_CUDA_VERSION}'")
+
+# --- decide whether to compile the CUDA sources -------------------------------------------
+# nvcc: CUDA_HOME, then PATH, then /usr/local/cuda, then a PyPI nvidia-cuda-nvcc in the venv.
+find_program(DWGRAPH_NVCC nvcc
+  HINTS "$ENV{CUDA_HOME}/bin" "$ENV{CUDA_PATH}/bin" /usr/local/cuda/bin
+        "${DWGRAPH_SITE_PACKAGES}/nvidia/cu13/bin" "${DWGRAPH_SITE_PACKAGES}/nvidia/cuda_nvcc/bin")
+set(_dw_nvcc_major "")
+if(DWGRAPH_NVCC)
+  execute_process(COMMAND "${DWGRAPH_NVCC}" --version OUTPUT_VARIABLE _dw_nvcc_out ERROR_QUIET)
+  if(_dw_nvcc_out MATCHES "release ([0-9]+)\\.([0-9]+)")
+    set(_dw_nvcc_major "${CMAKE_MATCH_1}")
+  endif()
+endif()
+string(REGEX MATCH "^[0-9]+" _dw_torch_cuda_major "${DWGRAPH_TORCH_CUDA_VERSION}")
+
+set(_dw_cuda_missing "")
+if(NOT _dw_torch_cuda_major)
+  set(_dw_cuda_missing "the installed torch ${DWGRAPH_TORCH_VERSION} is a CPU-only build (torch.version.cuda is None)")
+elseif(NOT DWGRAPH_NVCC)
+  set(_dw_cuda_missing "no nvcc was found (looked in CUDA_HOME, PATH, /usr/local/cuda/bin and the venv's nvidia packages)")
+elseif(NOT _dw_nvcc_major STREQUAL _dw_torch_cuda_major)
+  set(_dw_cuda_missing "nvcc at ${DWGRAPH_NVCC} is CUDA ${_dw_nvcc_major} but torch was built with CUDA ${DWGRAPH_TORCH_CUDA_VERSION}; install a matching compiler (pip install nvidia-cuda-nvcc for CUDA ${_dw_torch_cuda_major}) or set CUDA_HOME")
+endif()
+
+string(TOUPPER "${DWGRAPH_CUDA}" _dw_cuda_mode)
+if(_dw_cuda_mode STREQUAL "OFF")
+  set(DWGRAPH_WITH_CUDA OFF)
+elseif(_dw_cuda_missing STREQUAL "")
+  set(DWGRAPH_WITH_CUDA ON)
+elseif(_dw_cuda_mode STREQUAL "ON")
+  message(FATAL_ERROR "dwgraph: DWGRAPH_CUDA=ON but the CUDA sources cannot be compiled: ${_dw_cuda_missing}")
+else()
+  message(WARNING "dwgraph: building the host path only: ${_dw_cuda_missing}")
+  set(DWGRAPH_WITH_CUDA OFF)
+endif()
+
+set(DWGRAPH_RUNTIME_RPATH "${DWGRAPH_TORCH_ROOT}/lib")
+
+if(DWGRAPH_WITH_CUDA)
+  get_filename_component(_dw_cuda_root "${DWGRAPH_NVCC}" DIRECTORY)
+  get_filename_component(_dw_cuda_root "${_dw_cuda_root}" DIRECTORY)
+  set(CUDA_TOOLKIT_ROOT_DIR "${_dw_cuda_root}" CACHE PATH "" FORCE)
+  set(CMAKE_CUDA_COMPILER "${DWGRAPH_NVCC}" CACHE FILEPATH "" FORCE)
+  # Only the architectures we test on; every extra one multiplies nvcc time.
+  if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+    set(ENV{TORCH_CUDA_ARCH_LIST} "8.0;9.0")
+  endif()
+  if(NOT CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES "80;90" CACHE STRING "" FORCE)
+  endif()
+  set(Torch_DIR "${DWGRAPH_TORCH_CMAKE_PREFIX}/Torch")
+  find_package(Torch REQUIRED)
+  add_library(dwgraph_torch INTERFACE)
+  target_link_libraries(dwgraph_torch INTERFACE ${TORCH_LIBRARIES})
+  target_include_directories(dwgraph_torch SYSTEM INTERFACE ${TORCH_INCLUDE_DIRS})
+  separate_arguments(_dw_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
+  target_compile_options(dwgraph_torch INTERFACE $<$<COMPILE_LANGUAGE:CXX>:${_dw_torch_flags}>)
+  add_library(dwgraph::torch ALIAS dwgraph_torch)
+
+  # cuBLASLt: the copy the torch wheel ships (the one torch itself loads), headers from the
+  # toolkit. Linking the toolkit's copy could load an older libcublasLt.so.N first.
+  find_library(DWGRAPH_CUBLASLT_LIB NAMES cublasLt libcublasLt.so.${_dw_torch_cuda_major}
+    HINTS "${DWGRAPH_SITE_PACKAGES}/nvidia/cu${_dw_torch_cuda_major}/lib"
+          "${DWGRAPH_SITE_PACKAGES}/nvidia/cublas/lib" "${_dw_cuda_root}/lib64"
+    NO_DEFAULT_PATH)
+  if(NOT DWGRAPH_CUBLASLT_LIB)
+    message(FATAL_ERROR "dwgraph: cuBLASLt not found next to torch or in ${_dw_cuda_root}")
+  endif()
+  add_library(dwgraph_cublaslt INTERFACE)
+  target_link_libraries(dwgraph_cublaslt INTERFACE "${DWGRAPH_CUBLASLT_LIB}" CUDA::cudart)
+  target_include_directories(dwgraph_cublaslt SYSTEM INTERFACE "${_dw_cuda_root}/include")
+  add_library(dwgraph::cublaslt ALIAS dwgraph_cublaslt)
+  # The wheel's CUDA libraries first, so the loader never mixes toolkit and wheel copies.
+  foreach(_dw_dir "nvidia/cu${_dw_torch_cuda_major}/lib" "nvidia/cublas/lib" "nvidia/cuda_runtime/lib"
+                  "nvidia/cudnn/lib" "nvidia/nccl/lib" "nvidia/nvshmem/lib" "nvidia/cusparselt/lib")
+    if(EXISTS "${DWGRAPH_SITE_PACKAGES}/${_dw_dir}")
+      list(APPEND DWGRAPH_RUNTIME_RPATH "${DWGRAPH_SITE_PACKAGES}/${_dw_dir}")
+    endif()
+  endforeach()
+else()
+  set(_dw_tlib "${DWGRAPH_TORCH_ROOT}/lib")
+  add_library(dwgraph_torch INTERFACE)
+  target_include_directories(dwgraph_torch SYSTEM INTERFACE
+    "${DWGRAPH_TORCH_ROOT}/include" "${DWGRAPH_TORCH_ROOT}/include/torch/csrc/api/include")
+  target_link_libraries(dwgraph_torch INTERFACE
+    "${_dw_tlib}/libtorch.so" "${_dw_tlib}/libtorch_cpu.so" "${_dw_tlib}/libc10.so")
+  target_compile_definitions(dwgraph_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${DWGRAPH_TORCH_CXX11_ABI})
+  add_library(dwgraph::torch ALIAS dwgraph_torch)
+endif()
+
+add_library(dwgraph_torch_python INTERFACE)
+target_link_libraries(dwgraph_torch_python INTERFACE "${DWGRAPH_TORCH_ROOT}/lib/libtorch_python.so")
+add_library(dwgraph::torch_python ALIAS dwgraph_torch_python)
+
+# One object library per source directory (= one namespace); see the top-level CMakeLists.
+function(dwgraph_add_component name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;CUDA_SOURCES" ${ARGN})
+  set(_srcs ${ARG_SOURCES})
+  if(DWGRAPH_WITH_CUDA)
+    list(APPEND _srcs ${ARG_CUDA_SOURCES})
+  endif()
+  add_library(${name} OBJECT ${_srcs})
+  set_target_properties(${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  target_include_directories(${name} PUBLIC "${PROJECT_SOURCE_DIR}")
+  target_link_libraries(${name} PUBLIC dwgraph::torch)
+  if(DWGRAPH_WITH_CUDA)
+    target_link_libraries(${name} PRIVATE dwgraph::cublaslt)
+    target_compile_definitions(${name} PUBLIC DWGRAPH_WITH_CUDA=1)
+  endif()
+  target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter>)
+endfunction()
