@@ -9,6 +9,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 from .errors import ArgumentError, DanglingCaptureError, DwgraphError, GraphStateError
 from . import _C
 from . import ops
+from . import nn
 
 __version__ = _C.version()
 
@@ -28,6 +29,7 @@ __all__ = [
     "cuda_built",
     "cuda_available",
     "ops",
+    "nn",
     "DwgraphError",
     "ArgumentError",
     "GraphStateError",

@@ -1,0 +1,119 @@
+// Bindings of the deferred-wgrad autograd functions and their store (dwgraph._C.nn);
+// the modules themselves are Python (bindings/python/dwgraph/nn.py).
+#include "bindings/bindings.h"
+
+#include "ops/linear.h"
+#include "ops/wgrad_store.h"
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+
+namespace dwgraph::bindings {
+namespace {
+
+using ops::WeightRef;
+using ops::WgradConfig;
+using ops::WgradStore;
+
+using RefPtr = std::shared_ptr<WeightRef>;
+
+ops::WeightRefPtr as_const(const RefPtr& p) { return p; }
+
+std::vector<ops::WeightRefPtr> as_const(const std::vector<RefPtr>& v) {
+  return std::vector<ops::WeightRefPtr>(v.begin(), v.end());
+}
+
+WgradConfig make_config(bool delay, bool fuse, std::shared_ptr<WgradStore> store, uint64_t unit,
+                        std::string module) {
+  WgradConfig c;
+  c.delay_wgrad_compute = delay;
+  c.fuse_wgrad_accumulation = fuse;
+  c.store = std::move(store);
+  c.unit_id = unit;
+  c.module_name = std::move(module);
+  return c;
+}
+
+}  // namespace
+
+void init_nn(py::module_& parent) {
+  auto m = parent.def_submodule("nn", "Deferred-wgrad autograd functions");
+
+  py::class_<WgradStore, std::shared_ptr<WgradStore>>(m, "WgradStore")
+      .def(py::init<>())
+      .def("new_unit_id", &WgradStore::new_unit_id)
+      .def("run_oldest", &WgradStore::run_oldest, py::arg("owner"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("num_units", &WgradStore::num_units)
+      .def("clear", &WgradStore::clear)
+      // A copied module starts with nothing queued: queued work belongs to the original's
+      // autograd graphs.
+      .def("__deepcopy__", [](const WgradStore&, py::dict) { return std::make_shared<WgradStore>(); });
+
+  py::class_<WeightRef, RefPtr>(m, "WeightRef")
+      .def(py::init([](at::Tensor param, std::string name, std::optional<at::Tensor> main_grad,
+                       std::optional<at::ScalarType> grad_dtype,
+                       std::optional<std::function<at::Tensor()>> materialize_forward,
+                       std::optional<std::function<at::Tensor()>> materialize_backward,
+                       std::optional<std::function<void(const at::Tensor&)>> finalize,
+                       std::optional<std::function<void()>> on_main_grad_accumulated) {
+             auto r = std::make_shared<WeightRef>();
+             r->param = std::move(param);
+             r->name = std::move(name);
+             r->main_grad = std::move(main_grad);
+             r->grad_dtype = grad_dtype;
+             if (materialize_forward) r->materialize_forward = *materialize_forward;
+             if (materialize_backward) r->materialize_backward = *materialize_backward;
+             if (finalize) r->finalize = *finalize;
+             if (on_main_grad_accumulated) r->on_main_grad_accumulated = *on_main_grad_accumulated;
+             return r;
+           }),
+           py::arg("param"), py::arg("name"), py::kw_only(), py::arg("main_grad") = py::none(),
+           py::arg("grad_dtype") = py::none(), py::arg("materialize_forward") = py::none(),
+           py::arg("materialize_backward") = py::none(), py::arg("finalize") = py::none(),
+           py::arg("on_main_grad_accumulated") = py::none());
+
+  m.def(
+      "linear",
+      [](const at::Tensor& x, const RefPtr& weight, const RefPtr& bias, bool delay, bool fuse,
+         std::shared_ptr<WgradStore> store, uint64_t unit, std::string module) {
+        return ops::linear(x, as_const(weight), as_const(bias),
+                           make_config(delay, fuse, std::move(store), unit, std::move(module)));
+      },
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::kw_only(), py::arg("delay_wgrad_compute"),
+      py::arg("fuse_wgrad_accumulation"), py::arg("store"), py::arg("unit_id"), py::arg("module"));
+
+  m.def(
+      "grouped_linear",
+      [](const at::Tensor& x, std::vector<int64_t> m_splits, const std::vector<RefPtr>& weights,
+         const std::vector<RefPtr>& biases, bool delay, bool fuse, std::shared_ptr<WgradStore> store,
+         uint64_t unit, std::string module) {
+        return ops::grouped_linear(x, m_splits, as_const(weights), as_const(biases),
+                                   make_config(delay, fuse, std::move(store), unit, std::move(module)));
+      },
+      py::arg("x"), py::arg("m_splits"), py::arg("weights"), py::arg("biases"), py::kw_only(),
+      py::arg("delay_wgrad_compute"), py::arg("fuse_wgrad_accumulation"), py::arg("store"),
+      py::arg("unit_id"), py::arg("module"));
+
+  m.def(
+      "layernorm_mlp",
+      [](const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
+         const RefPtr& fc1_weight, const RefPtr& fc1_bias, const std::string& activation,
+         const RefPtr& fc2_weight, const RefPtr& fc2_bias, bool delay, bool fuse,
+         std::shared_ptr<WgradStore> store, uint64_t unit, std::string module) {
+        return ops::layernorm_mlp(x, ln_weight, ln_bias, eps, as_const(fc1_weight), as_const(fc1_bias),
+                                  activation, as_const(fc2_weight), as_const(fc2_bias),
+                                  make_config(delay, fuse, std::move(store), unit, std::move(module)));
+      },
+      py::arg("x"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("fc1_weight"),
+      py::arg("fc1_bias"), py::arg("activation"), py::arg("fc2_weight"), py::arg("fc2_bias"),
+      py::kw_only(), py::arg("delay_wgrad_compute"), py::arg("fuse_wgrad_accumulation"),
+      py::arg("store"), py::arg("unit_id"), py::arg("module"));
+
+  m.def("check_activation", &ops::check_activation, py::arg("module"), py::arg("activation"));
+}
+
+}  // namespace dwgraph::bindings

@@ -1,0 +1,327 @@
+"""Deferred-wgrad modules: ``Linear``, ``GroupedLinear``, ``LayerNormMLP`` (SPEC C1, C2, C5).
+
+Each is an ordinary ``torch.nn.Module`` with ordinary ``Parameter``s whose forward applies
+dwgraph's C++ autograd functions. With ``delay_wgrad_compute=True`` the backward returns
+``None`` for the weights and biases and queues their gradient work; each ``backward_dw()``
+runs the oldest queued unit (one backward's worth), which initialises ``.grad`` when it is
+``None`` and adds to it otherwise, then runs the hooks registered with
+``register_wgrad_hook``. With ``fuse_wgrad_accumulation=True`` every weight carries a
+persistent FP32 ``main_grad`` that the wgrad GEMM accumulates into directly.
+See docs/deferred-wgrad.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from . import _C
+from .errors import GraphStateError
+
+__all__ = ["DistributedWeight", "Linear", "GroupedLinear", "LayerNormMLP"]
+
+
+class DistributedWeight(torch.nn.Parameter):
+    """A weight that is materialised on use and receives its gradient in a finalize step.
+
+    Subclasses override :meth:`materialize_forward` / :meth:`materialize_backward` (for
+    example an all-gather of a sharded weight; they may differ) and :meth:`finalize_wgrad`
+    (for example a reduce-scatter into the shard's gradient). dwgraph's autograd functions
+    keep the object itself as a plain reference, never as a saved tensor, so installed
+    ``torch.autograd.graph.saved_tensors_hooks`` cannot strip its type (SPEC C5).
+    """
+
+    def materialize_forward(self) -> torch.Tensor:
+        return self.detach()
+
+    def materialize_backward(self) -> torch.Tensor:
+        return self.materialize_forward()
+
+    def finalize_wgrad(self, wgrad: torch.Tensor) -> None:
+        if self.grad is None:
+            self.grad = wgrad
+        else:
+            self.grad.add_(wgrad)
+
+
+def _set_added_to_main_grad(param: torch.Tensor) -> None:
+    param.grad_added_to_main_grad = True
+
+
+class _DeferredWgradModule(torch.nn.Module):
+    """What the three modules share: the wgrad store, backward_dw, hooks, main_grad."""
+
+    def __init__(self, delay_wgrad_compute: bool, fuse_wgrad_accumulation: bool):
+        super().__init__()
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        self._wgrad_store = _C.nn.WgradStore()
+        self._wgrad_hooks: Dict[int, Callable] = {}
+
+    # -- the deferred-wgrad protocol (also what make_graphed_callables looks for) --------
+    def need_backward_dw(self) -> bool:
+        """True when this module defers its weight gradients to ``backward_dw()``."""
+        return self.delay_wgrad_compute
+
+    def backward_dw(self) -> None:
+        """Runs the oldest queued unit of weight-gradient work, then the wgrad hooks."""
+        if not self.delay_wgrad_compute:
+            raise GraphStateError(
+                f"{self._display_name()}.backward_dw(): delay_wgrad_compute is False, so no "
+                "weight-gradient work is ever queued; expected a module built with "
+                "delay_wgrad_compute=True"
+            )
+        self._wgrad_store.run_oldest(self._display_name())
+        self._run_wgrad_hooks()
+
+    def num_queued_wgrad_units(self) -> int:
+        """How many backwards' worth of weight-gradient work wait for ``backward_dw()``."""
+        return self._wgrad_store.num_units()
+
+    def register_wgrad_hook(self, fn: Callable[["torch.nn.Module"], None]) -> RemovableHandle:
+        """Calls ``fn(module)`` once after each landing of this module's weight gradients:
+        after every ``backward_dw()`` when deferred, at the end of each backward otherwise."""
+        handle = RemovableHandle(self._wgrad_hooks)
+        self._wgrad_hooks[handle.id] = fn
+        return handle
+
+    def _run_wgrad_hooks(self) -> None:
+        for fn in list(self._wgrad_hooks.values()):
+            fn(self)
+
+    def _after_forward(self, out: torch.Tensor) -> torch.Tensor:
+        # Without deferral the gradients land during the backward; the hooks run when the
+        # whole backward has finished (after AccumulateGrad), once per forward.
+        if not self.delay_wgrad_compute and self._wgrad_hooks and out.requires_grad:
+            engine = torch.autograd.Variable._execution_engine
+
+            def queue(_grad):
+                engine.queue_callback(self._run_wgrad_hooks)
+
+            out.register_hook(queue)
+        return out
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _display_name(self) -> str:
+        return f"dwgraph.nn.{type(self).__name__}({self.extra_repr()})"
+
+    def _config(self) -> dict:
+        grad = torch.is_grad_enabled()
+        return dict(
+            delay_wgrad_compute=self.delay_wgrad_compute,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            store=self._wgrad_store,
+            unit_id=self._wgrad_store.new_unit_id() if (self.delay_wgrad_compute and grad) else 0,
+            module=self._display_name(),
+        )
+
+    def _ref(self, name: str, param: Optional[torch.Tensor], *, is_weight: bool):
+        if param is None:
+            return None
+        fused = self.fuse_wgrad_accumulation and is_weight
+        kwargs = {}
+        if fused:
+            kwargs["main_grad"] = getattr(param, "main_grad", None)
+            kwargs["on_main_grad_accumulated"] = functools.partial(_set_added_to_main_grad, param)
+        grad_dtype = getattr(param, "grad_dtype", None)
+        if grad_dtype is not None and grad_dtype != param.dtype:
+            kwargs["grad_dtype"] = grad_dtype
+        if isinstance(param, DistributedWeight):
+            kwargs["materialize_forward"] = param.materialize_forward
+            kwargs["materialize_backward"] = param.materialize_backward
+            kwargs["finalize"] = param.finalize_wgrad
+        return _C.nn.WeightRef(param, name, **kwargs)
+
+    def _weight_names(self) -> List[str]:
+        return [n for n, _ in self.named_parameters(recurse=False) if self._is_deferred_weight(n)]
+
+    @staticmethod
+    def _is_deferred_weight(name: str) -> bool:
+        return name.startswith("weight") or name in ("fc1_weight", "fc2_weight")
+
+    def _allocate_main_grads(self) -> None:
+        for name in self._weight_names():
+            p = getattr(self, name)
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+    def _apply(self, fn, *args, **kwargs):
+        # main_grad is an attribute, not a buffer: follow the parameters to their device,
+        # keeping it FP32 (it is the accumulation buffer, whatever the parameter dtype).
+        had = {n: getattr(p, "main_grad", None) for n, p in self.named_parameters(recurse=False)}
+        out = super()._apply(fn, *args, **kwargs)
+        for n, p in self.named_parameters(recurse=False):
+            mg = had.get(n)
+            if mg is not None and (not hasattr(p, "main_grad") or p.main_grad.device != p.device):
+                p.main_grad = mg.to(device=p.device)
+        return out
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            object.__setattr__(new, k, copy.deepcopy(v, memo))
+        # Parameter.__deepcopy__ drops Python attributes; main_grad goes with its parameter.
+        for name, p in self.named_parameters(recurse=False):
+            if getattr(p, "main_grad", None) is not None:
+                getattr(new, name).main_grad = copy.deepcopy(p.main_grad, memo)
+        return new
+
+
+def _kaiming_(weight: torch.Tensor, bias: Optional[torch.Tensor], fan_in: int) -> None:
+    # torch.nn.Linear's initialisation, so a seeded dwgraph module matches a seeded nn.Linear.
+    torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        torch.nn.init.uniform_(bias, -bound, bound)
+
+
+class Linear(_DeferredWgradModule):
+    """``y = x @ weight.T + bias`` with deferred and/or fused weight gradients.
+
+    Args: ``in_features``, ``out_features``, ``bias``; keyword-only
+    ``delay_wgrad_compute``, ``fuse_wgrad_accumulation``, ``device``, ``dtype``.
+    Shapes: ``x [..., in_features] -> y [..., out_features]``. State-dict keys are
+    ``weight`` and ``bias``, as in ``torch.nn.Linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 delay_wgrad_compute: bool = False, fuse_wgrad_accumulation: bool = False,
+                 device=None, dtype=None):
+        super().__init__(delay_wgrad_compute, fuse_wgrad_accumulation)
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        factory = dict(device=device, dtype=dtype)
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        if not bias:
+            self.register_parameter("bias", None)
+        _kaiming_(self.weight, self.bias, in_features)
+        if self.fuse_wgrad_accumulation:
+            self._allocate_main_grads()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _C.nn.linear(x, self._ref("weight", self.weight, is_weight=True),
+                           self._ref("bias", self.bias, is_weight=False), **self._config())
+        return self._after_forward(out)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, delay_wgrad_compute={self.delay_wgrad_compute}, "
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")
+
+
+class GroupedLinear(_DeferredWgradModule):
+    """``num_gemms`` Linear layers over consecutive row groups: ``forward(x, m_splits)``.
+
+    Rows ``m_splits[g]`` of ``x [tokens, in_features]`` go through weight ``g``. Weights
+    are ``weight0 .. weight{G-1}`` (``[out, in]`` each) with biases ``bias0 ..``, or with
+    ``packed_weights=True`` one ``weight [G, out, in]`` with ``bias [G, out]``.
+    """
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
+                 packed_weights: bool = False, delay_wgrad_compute: bool = False,
+                 fuse_wgrad_accumulation: bool = False, device=None, dtype=None):
+        super().__init__(delay_wgrad_compute, fuse_wgrad_accumulation)
+        self.num_gemms = int(num_gemms)
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.packed_weights = bool(packed_weights)
+        self.use_bias = bool(bias)
+        factory = dict(device=device, dtype=dtype)
+        if self.packed_weights:
+            self.weight = torch.nn.Parameter(torch.empty(num_gemms, out_features, in_features, **factory))
+            self.bias = torch.nn.Parameter(torch.empty(num_gemms, out_features, **factory)) if bias else None
+            for g in range(num_gemms):
+                _kaiming_(self.weight[g], None if self.bias is None else self.bias[g], in_features)
+        else:
+            for g in range(num_gemms):
+                w = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
+                b = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+                _kaiming_(w, b, in_features)
+                setattr(self, f"weight{g}", w)
+                if b is not None:
+                    setattr(self, f"bias{g}", b)
+        if self.fuse_wgrad_accumulation:
+            self._allocate_main_grads()
+
+    def _weights(self):
+        if self.packed_weights:
+            return [("weight", self.weight)]
+        return [(f"weight{g}", getattr(self, f"weight{g}")) for g in range(self.num_gemms)]
+
+    def _biases(self):
+        if not self.use_bias:
+            return []
+        if self.packed_weights:
+            return [("bias", self.bias)]
+        return [(f"bias{g}", getattr(self, f"bias{g}")) for g in range(self.num_gemms)]
+
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
+        out = _C.nn.grouped_linear(
+            x, [int(m) for m in m_splits],
+            [self._ref(n, p, is_weight=True) for n, p in self._weights()],
+            [self._ref(n, p, is_weight=False) for n, p in self._biases()],
+            **self._config())
+        return self._after_forward(out)
+
+    def extra_repr(self) -> str:
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.use_bias}, "
+                f"packed_weights={self.packed_weights}, delay_wgrad_compute={self.delay_wgrad_compute}, "
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")
+
+
+class LayerNormMLP(_DeferredWgradModule):
+    """LayerNorm, fc1, activation, fc2: ``x [..., hidden] -> [..., hidden]``.
+
+    ``activation`` is ``"gelu"`` (erf, as ``torch.nn.GELU()``), ``"gelu_tanh"`` or
+    ``"relu"``. Both FC weights and both FC biases are deferred / fused per the flags; the
+    LayerNorm parameters (``layer_norm_weight``, ``layer_norm_bias``) get their gradients
+    in the main backward as usual. One forward queues one unit (fc2's and fc1's work).
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, *,
+                 activation: str = "gelu", eps: float = 1e-5, delay_wgrad_compute: bool = False,
+                 fuse_wgrad_accumulation: bool = False, device=None, dtype=None):
+        super().__init__(delay_wgrad_compute, fuse_wgrad_accumulation)
+        _C.nn.check_activation(f"dwgraph.nn.LayerNormMLP", activation)
+        self.hidden_size = int(hidden_size)
+        self.ffn_hidden_size = int(ffn_hidden_size)
+        self.activation = activation
+        self.eps = float(eps)
+        self.use_bias = bool(bias)
+        factory = dict(device=device, dtype=dtype)
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(hidden_size, **factory))
+        self.layer_norm_bias = torch.nn.Parameter(torch.zeros(hidden_size, **factory))
+        self.fc1_weight = torch.nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, **factory))
+        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
+        if bias:
+            self.fc1_bias = torch.nn.Parameter(torch.empty(ffn_hidden_size, **factory))
+            self.fc2_bias = torch.nn.Parameter(torch.empty(hidden_size, **factory))
+        else:
+            self.register_parameter("fc1_bias", None)
+            self.register_parameter("fc2_bias", None)
+        _kaiming_(self.fc1_weight, self.fc1_bias, hidden_size)
+        _kaiming_(self.fc2_weight, self.fc2_bias, ffn_hidden_size)
+        if self.fuse_wgrad_accumulation:
+            self._allocate_main_grads()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _C.nn.layernorm_mlp(
+            x, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+            self._ref("fc1_weight", self.fc1_weight, is_weight=True),
+            self._ref("fc1_bias", self.fc1_bias, is_weight=False), self.activation,
+            self._ref("fc2_weight", self.fc2_weight, is_weight=True),
+            self._ref("fc2_bias", self.fc2_bias, is_weight=False), **self._config())
+        return self._after_forward(out)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"bias={self.use_bias}, activation={self.activation!r}, eps={self.eps}, "
+                f"delay_wgrad_compute={self.delay_wgrad_compute}, "
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")

@@ -1,0 +1,123 @@
+#include "ops/impl/wgrad_landing.h"
+
+#include "common/check.h"
+
+#include <ATen/ops/empty.h>
+
+namespace dwgraph::ops::detail {
+
+void land_grad(const at::Tensor& param, const at::Tensor& g, const std::string& what) {
+  at::Tensor& grad = param.mutable_grad();
+  if (!grad.defined()) {
+    // `g` is a fresh buffer nobody else holds: it becomes .grad without a copy.
+    grad = g;
+    return;
+  }
+  DWGRAPH_CHECK_ARG(grad.scalar_type() == g.scalar_type(), what,
+                    ": the existing .grad has dtype ", grad.scalar_type(),
+                    ", expected the gradient's dtype ", g.scalar_type(), " (no silent cast)");
+  DWGRAPH_CHECK_ARG(grad.sizes() == g.sizes(), what, ": the existing .grad has shape ",
+                    grad.sizes(), ", expected ", g.sizes());
+  grad.add_(g);
+}
+
+void check_main_grad(const WeightRef& w, const std::string& module) {
+  DWGRAPH_CHECK_ARG(w.main_grad.has_value() && w.main_grad->defined(), module, ": parameter '",
+                    w.name, "' has fuse_wgrad_accumulation=True but no main_grad; expected a ",
+                    w.param.sizes(), " buffer in param.main_grad, got None");
+  const at::Tensor& mg = *w.main_grad;
+  DWGRAPH_CHECK_ARG(mg.sizes() == w.param.sizes(), module, ": main_grad of parameter '", w.name,
+                    "' must have the parameter's shape ", w.param.sizes(), ", got ", mg.sizes());
+  DWGRAPH_CHECK_ARG(mg.scalar_type() == at::kFloat || mg.scalar_type() == w.param.scalar_type(),
+                    module, ": main_grad of parameter '", w.name,
+                    "' must be float32 or the parameter's dtype ", w.param.scalar_type(), ", got ",
+                    mg.scalar_type());
+  DWGRAPH_CHECK_ARG(mg.device() == w.param.device(), module, ": main_grad of parameter '", w.name,
+                    "' must be on the parameter's device ", w.param.device(), ", got ", mg.device());
+  DWGRAPH_CHECK_ARG(mg.is_contiguous(), module, ": main_grad of parameter '", w.name,
+                    "' must be contiguous, got strides ", mg.strides());
+}
+
+namespace {
+
+at::ScalarType grad_dtype_of(const WeightRef& w) {
+  return w.grad_dtype.value_or(w.param.scalar_type());
+}
+
+at::Tensor fresh_like(const WeightRef& w, at::ScalarType dtype) {
+  return at::empty(w.param.sizes(), w.param.options().dtype(dtype));
+}
+
+}  // namespace
+
+WgradResult compute_wgrad(const WeightRef& w, const WeightRef* bias, const WgradGemm& gemm,
+                          bool deferred, const std::string& module) {
+  WgradResult r;
+  // The GEMM writes the bias gradient in its output's dtype; `bias_out` is made to match
+  // and converted to the bias's own gradient dtype afterwards when they differ.
+  at::Tensor bias_out;
+  auto make_bias_out = [&](at::ScalarType out_dtype) {
+    if (bias != nullptr) bias_out = at::empty(bias->param.sizes(), bias->param.options().dtype(out_dtype));
+  };
+
+  if (w.finalize) {
+    at::Tensor g = fresh_like(w, w.param.scalar_type());
+    make_bias_out(g.scalar_type());
+    gemm(g, /*accumulate=*/false, bias_out);
+    w.finalize(g);
+  } else if (w.main_grad.has_value()) {
+    check_main_grad(w, module);
+    make_bias_out(w.main_grad->scalar_type());
+    gemm(*w.main_grad, /*accumulate=*/true, bias_out);
+    if (w.on_main_grad_accumulated) w.on_main_grad_accumulated();
+  } else if (w.grad_dtype.has_value() && *w.grad_dtype != w.param.scalar_type()) {
+    // Note [grad_dtype]: the first contribution is written by the GEMM (beta = 0) into a
+    // fresh buffer of grad_dtype, later ones accumulate into .grad (beta = 1). Without
+    // deferral the accumulated buffer is returned with .grad cleared, so AccumulateGrad
+    // takes it back instead of adding the buffer to itself.
+    at::Tensor& grad = w.param.mutable_grad();
+    make_bias_out(*w.grad_dtype);
+    if (!grad.defined()) {
+      at::Tensor g = fresh_like(w, *w.grad_dtype);
+      gemm(g, false, bias_out);
+      if (deferred) {
+        grad = g;
+      } else {
+        r.weight = g;
+      }
+    } else {
+      DWGRAPH_CHECK_ARG(grad.scalar_type() == *w.grad_dtype && grad.sizes() == w.param.sizes() &&
+                            grad.is_contiguous(),
+                        module, ": parameter '", w.name, "' has grad_dtype ", *w.grad_dtype,
+                        "; expected its .grad to be a contiguous ", *w.grad_dtype, " ",
+                        w.param.sizes(), " tensor, got ", grad.scalar_type(), " ", grad.sizes());
+      gemm(grad, true, bias_out);
+      if (!deferred) {
+        r.weight = grad;
+        grad = at::Tensor();
+      }
+    }
+  } else {
+    at::Tensor g = fresh_like(w, w.param.scalar_type());
+    make_bias_out(g.scalar_type());
+    gemm(g, false, bias_out);
+    if (deferred) {
+      land_grad(w.param, g, module + ": parameter '" + w.name + "'");
+    } else {
+      r.weight = g;
+    }
+  }
+
+  if (bias != nullptr) {
+    const at::ScalarType bias_dtype = grad_dtype_of(*bias);
+    at::Tensor bg = bias_out.scalar_type() == bias_dtype ? bias_out : bias_out.to(bias_dtype);
+    if (deferred) {
+      land_grad(bias->param, bg, module + ": parameter '" + bias->name + "'");
+    } else {
+      r.bias = bg;
+    }
+  }
+  return r;
+}
+
+}  // namespace dwgraph::ops::detail

@@ -1,0 +1,355 @@
+#include "ops/linear.h"
+
+#include "common/check.h"
+#include "ops/gemm.h"
+#include "ops/impl/wgrad_landing.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/layer_norm.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/sum.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <type_traits>
+#include <utility>
+
+namespace dwgraph::ops {
+namespace {
+
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+void check_config(const WgradConfig& cfg) {
+  DWGRAPH_CHECK_ARG(!cfg.delay_wgrad_compute || cfg.store != nullptr, cfg.module_name,
+                    ": delay_wgrad_compute=True needs a WgradStore, got none");
+}
+
+void check_input(const WgradConfig& cfg, const at::Tensor& x, const at::Tensor& w, int64_t k) {
+  DWGRAPH_CHECK_ARG(x.defined() && x.dim() >= 1 && x.size(-1) == k, cfg.module_name,
+                    ": input must have in_features = ", k, " as its last dimension, got shape ",
+                    x.defined() ? x.sizes() : at::IntArrayRef{});
+  DWGRAPH_CHECK_ARG(x.scalar_type() == w.scalar_type(), cfg.module_name, ": input must have the weight's dtype ",
+                    w.scalar_type(), ", got ", x.scalar_type());
+  DWGRAPH_CHECK_ARG(x.device() == w.device(), cfg.module_name, ": input must be on the weight's device ",
+                    w.device(), ", got ", x.device());
+}
+
+void check_fused_weights(const WgradConfig& cfg, const std::vector<WeightRefPtr>& weights) {
+  if (!cfg.fuse_wgrad_accumulation) return;
+  for (const auto& w : weights) {
+    if (!w->finalize) detail::check_main_grad(*w, cfg.module_name);
+  }
+}
+
+// The GEMMs run on plain tensors, below autograd: our node is the only history.
+struct BelowAutograd {
+  at::AutoDispatchBelowADInplaceOrView guard;
+};
+
+// The shared part of the single and grouped backward: input gradient now, weight
+// gradients now or queued.
+class DeferredGemmNode : public torch::autograd::Node {
+ public:
+  DeferredGemmNode(WgradConfig cfg, std::vector<WeightRefPtr> weights, std::vector<WeightRefPtr> biases)
+      : cfg_(std::move(cfg)), weights_(std::move(weights)), biases_(std::move(biases)) {}
+
+  void release_variables() override { x_.reset_data(); }
+
+  void save_input(const at::Tensor& x2d, std::vector<int64_t> x_sizes) {
+    x_ = SavedVariable(x2d, /*is_output=*/false);
+    x_sizes_ = std::move(x_sizes);
+  }
+
+ protected:
+  // dx [M, K] from dy [M, N] and the weights materialised for backward.
+  virtual at::Tensor dgrad(const at::Tensor& dy, const std::vector<at::Tensor>& w) = 0;
+  // Weight gradient GEMM of weight ref `i` (or all weights for a packed grouped weight).
+  virtual detail::WgradGemm wgrad_gemm_for(size_t i, const at::Tensor& dy, const at::Tensor& x) = 0;
+  // Column sum of dy for bias `i` when the weight needs no gradient.
+  virtual at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) = 0;
+
+  variable_list apply(variable_list&& grads) override {
+    const size_t nw = weights_.size();
+    variable_list out(1 + nw + biases_.size());
+    const at::Tensor& grad = grads[0];
+    if (!grad.defined()) return out;
+    const int64_t n = grad.size(-1);
+    const at::Tensor dy = grad.reshape({-1, n}).contiguous();
+    // Unpacking applies the saved-tensor hooks to the activation; the weights are ours.
+    const at::Tensor x = x_.unpack();
+
+    if (should_compute_output(0)) {
+      std::vector<at::Tensor> wb;
+      wb.reserve(nw);
+      for (const auto& w : weights_) wb.push_back(w->for_backward().contiguous());
+      out[0] = dgrad(dy, wb).view(x_sizes_);
+    }
+
+    std::vector<bool> need_w(nw), need_b(biases_.size());
+    for (size_t i = 0; i < nw; ++i) need_w[i] = should_compute_output(1 + i) || weights_[i]->finalize;
+    for (size_t i = 0; i < biases_.size(); ++i) need_b[i] = should_compute_output(1 + nw + i);
+
+    // The GEMM closures hold the tensors the weight-gradient work needs (not this node),
+    // so queued work keeps dy and x alive and nothing else.
+    const bool deferred = cfg_.delay_wgrad_compute;
+    std::vector<detail::WgradGemm> gemms(nw);
+    std::vector<at::Tensor> bias_only(nw);
+    for (size_t i = 0; i < nw; ++i) {
+      if (need_w[i]) {
+        gemms[i] = wgrad_gemm_for(i, dy, x);
+      } else if (biases_.size() == nw && need_b[i]) {
+        bias_only[i] = bias_only_grad(i, dy);  // frozen weight: just the column sum
+      }
+    }
+    auto work = [cfg = cfg_, weights = weights_, biases = biases_, need_b, gemms = std::move(gemms),
+                 bias_only = std::move(bias_only)](bool land, variable_list* result) {
+      const size_t nw = weights.size();
+      for (size_t i = 0; i < nw; ++i) {
+        const WeightRef* bias = (biases.size() == nw && need_b[i]) ? biases[i].get() : nullptr;
+        detail::WgradResult r;
+        if (gemms[i]) {
+          r = detail::compute_wgrad(*weights[i], bias, gemms[i], land, cfg.module_name);
+        } else if (bias != nullptr) {
+          r.bias = bias_only[i];
+          if (land) {
+            detail::land_grad(bias->param, r.bias, cfg.module_name + ": parameter '" + bias->name + "'");
+          }
+        }
+        if (result != nullptr) {
+          (*result)[1 + i] = r.weight;
+          if (bias != nullptr) (*result)[1 + nw + i] = r.bias;
+        }
+      }
+    };
+    if (deferred) {
+      cfg_.store->push(cfg_.unit_id, [work = std::move(work)] {
+        // backward_dw() runs outside the autograd engine, maybe with grad mode on.
+        const at::NoGradGuard no_grad;
+        work(true, nullptr);
+      });
+    } else {
+      work(false, &out);
+    }
+    return out;
+  }
+
+  WgradConfig cfg_;
+  std::vector<WeightRefPtr> weights_;
+  std::vector<WeightRefPtr> biases_;
+  SavedVariable x_;
+  std::vector<int64_t> x_sizes_;
+};
+
+class LinearBackward final : public DeferredGemmNode {
+ public:
+  using DeferredGemmNode::DeferredGemmNode;
+  std::string name() const override { return "dwgraph::LinearBackward"; }
+
+ protected:
+  at::Tensor dgrad(const at::Tensor& dy, const std::vector<at::Tensor>& w) override {
+    return dgrad_gemm(dy, w[0]);
+  }
+  detail::WgradGemm wgrad_gemm_for(size_t, const at::Tensor& dy, const at::Tensor& x) override {
+    return [dy, x](const at::Tensor& out, bool accumulate, const at::Tensor& bias_out) {
+      at::Tensor o = out;
+      wgrad_gemm(dy, x, o, accumulate,
+                 bias_out.defined() ? std::optional<at::Tensor>(bias_out) : std::nullopt);
+    };
+  }
+  at::Tensor bias_only_grad(size_t, const at::Tensor& dy) override { return dy.sum(0); }
+};
+
+class GroupedLinearBackward final : public DeferredGemmNode {
+ public:
+  GroupedLinearBackward(WgradConfig cfg, std::vector<WeightRefPtr> weights,
+                        std::vector<WeightRefPtr> biases, std::vector<int64_t> m_splits)
+      : DeferredGemmNode(std::move(cfg), std::move(weights), std::move(biases)),
+        m_splits_(std::move(m_splits)) {
+    offsets_.push_back(0);
+    for (int64_t m : m_splits_) offsets_.push_back(offsets_.back() + m);
+  }
+  std::string name() const override { return "dwgraph::GroupedLinearBackward"; }
+
+ protected:
+  bool packed() const { return weights_.size() == 1 && weights_[0]->param.dim() == 3; }
+  at::Tensor rows(const at::Tensor& t, size_t g) const {
+    return t.narrow(0, offsets_[g], offsets_[g + 1] - offsets_[g]);
+  }
+
+  at::Tensor dgrad(const at::Tensor& dy, const std::vector<at::Tensor>& w) override {
+    return packed() ? grouped_dgrad_gemm(dy, w[0], m_splits_) : grouped_dgrad_gemm(dy, at::TensorList(w), m_splits_);
+  }
+  detail::WgradGemm wgrad_gemm_for(size_t i, const at::Tensor& dy, const at::Tensor& x) override {
+    if (packed()) {
+      return [dy, x, splits = m_splits_](const at::Tensor& out, bool accumulate, const at::Tensor& bias_out) {
+        at::Tensor o = out;
+        grouped_wgrad_gemm(dy, x, o, splits, accumulate,
+                           bias_out.defined() ? std::optional<at::Tensor>(bias_out) : std::nullopt);
+      };
+    }
+    return [dy = rows(dy, i), x = rows(x, i)](const at::Tensor& out, bool accumulate, const at::Tensor& bias_out) {
+      at::Tensor o = out;
+      wgrad_gemm(dy, x, o, accumulate, bias_out.defined() ? std::optional<at::Tensor>(bias_out) : std::nullopt);
+    };
+  }
+  at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) override {
+    if (!packed()) return rows(dy, i).sum(0);
+    std::vector<at::Tensor> sums;
+    for (size_t g = 0; g < m_splits_.size(); ++g) sums.push_back(rows(dy, g).sum(0));
+    return at::stack(sums);
+  }
+
+ private:
+  std::vector<int64_t> m_splits_;
+  std::vector<int64_t> offsets_;
+};
+
+// Autograd nodes are held by std::shared_ptr in older torch releases and by
+// c10::intrusive_ptr in newer ones; Edge::function tells which this torch uses.
+using NodePtr = decltype(torch::autograd::Edge::function);
+template <class T>
+inline constexpr bool kSharedNodes = std::is_same_v<std::decay_t<T>, std::shared_ptr<torch::autograd::Node>>;
+
+template <class NodeT, class... Args>
+auto make_node(Args&&... args) {
+  if constexpr (kSharedNodes<NodePtr>) {
+    return std::make_shared<NodeT>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<NodeT>(std::forward<Args>(args)...);
+  }
+}
+
+template <class NodeT, class... Extra>
+void connect(const at::Tensor& y, const at::Tensor& x, const at::Tensor& x2d, const WgradConfig& cfg,
+             const std::vector<WeightRefPtr>& weights, const std::vector<WeightRefPtr>& biases,
+             Extra&&... extra) {
+  std::vector<const at::Tensor*> inputs = {&x};
+  for (const auto& w : weights) inputs.push_back(&w->param);
+  for (const auto& b : biases) inputs.push_back(&b->param);
+  bool needs_grad = false;
+  if (at::GradMode::is_enabled()) {
+    for (const auto* t : inputs) needs_grad = needs_grad || (t->defined() && t->requires_grad());
+  }
+  if (!needs_grad) {
+    // Nothing will call backward, so no unit is queued either.
+    return;
+  }
+  auto node = make_node<NodeT>(cfg, weights, biases, std::forward<Extra>(extra)...);
+  NodePtr base = node;
+  torch::autograd::edge_list edges;
+  for (const auto* t : inputs) edges.push_back(torch::autograd::impl::gradient_edge(*t));
+  // An input that does not require grad gets an invalid edge (no gradient flows there).
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i]->requires_grad()) edges[i] = torch::autograd::Edge();
+  }
+  node->set_next_edges(std::move(edges));
+  node->save_input(x2d, x.sizes().vec());
+  torch::autograd::set_history(y, base);
+}
+
+std::vector<WeightRefPtr> non_null(std::initializer_list<WeightRefPtr> refs) {
+  std::vector<WeightRefPtr> r;
+  for (const auto& p : refs) {
+    if (p) r.push_back(p);
+  }
+  return r;
+}
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightRefPtr& bias,
+                  const WgradConfig& cfg) {
+  check_config(cfg);
+  DWGRAPH_CHECK_ARG(weight != nullptr && weight->param.defined() && weight->param.dim() == 2,
+                    cfg.module_name, ": weight must be a 2-D [out_features, in_features] parameter");
+  const at::Tensor& wp = weight->param;
+  check_input(cfg, x, wp, wp.size(1));
+  check_fused_weights(cfg, {weight});
+  const at::Tensor w = weight->for_forward().contiguous();
+  at::Tensor x2d, y;
+  {
+    BelowAutograd below;
+    x2d = x.reshape({-1, x.size(-1)}).contiguous();
+    y = fwd_gemm(x2d, w, bias ? std::optional<at::Tensor>(bias->param) : std::nullopt);
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = w.size(0);
+    y = y.view(shape);
+  }
+  connect<LinearBackward>(y, x, x2d, cfg, {weight}, non_null({bias}));
+  return y;
+}
+
+at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_splits,
+                          const std::vector<WeightRefPtr>& weights,
+                          const std::vector<WeightRefPtr>& biases, const WgradConfig& cfg) {
+  check_config(cfg);
+  DWGRAPH_CHECK_ARG(!weights.empty(), cfg.module_name, ": at least one weight is required");
+  const bool packed = weights.size() == 1 && weights[0]->param.dim() == 3;
+  const at::Tensor& w0 = weights[0]->param;
+  const int64_t groups = packed ? w0.size(0) : static_cast<int64_t>(weights.size());
+  check_input(cfg, x, w0, w0.size(-1));
+  DWGRAPH_CHECK_ARG(x.dim() == 2, cfg.module_name, ": input must be 2-D [tokens, in_features], got shape ",
+                    x.sizes());
+  int64_t total = 0;
+  for (int64_t m : m_splits) total += m;
+  DWGRAPH_CHECK_ARG(static_cast<int64_t>(m_splits.size()) == groups && total == x.size(0),
+                    cfg.module_name, ": m_splits must have num_gemms = ", groups,
+                    " entries summing to the batch (", x.size(0), " rows), got ", at::IntArrayRef(m_splits),
+                    " (", m_splits.size(), " entries summing to ", total, ")");
+  DWGRAPH_CHECK_ARG(biases.empty() || biases.size() == weights.size(), cfg.module_name,
+                    ": expected one bias per weight (", weights.size(), "), got ", biases.size());
+  check_fused_weights(cfg, weights);
+  at::Tensor y;
+  {
+    BelowAutograd below;
+    std::vector<at::Tensor> w;
+    for (const auto& r : weights) w.push_back(r->for_forward().contiguous());
+    if (packed) {
+      y = grouped_fwd_gemm(x.contiguous(), w[0], m_splits,
+                           biases.empty() ? std::nullopt : std::optional<at::Tensor>(biases[0]->param));
+    } else {
+      std::vector<at::Tensor> b;
+      for (const auto& r : biases) b.push_back(r->param);
+      y = grouped_fwd_gemm(x.contiguous(), at::TensorList(w), m_splits,
+                           biases.empty() ? std::nullopt : std::optional<at::TensorList>(at::TensorList(b)));
+    }
+  }
+  at::Tensor x2d;
+  {
+    BelowAutograd below;
+    x2d = x.contiguous();
+  }
+  connect<GroupedLinearBackward>(y, x, x2d, cfg, weights, biases, m_splits);
+  return y;
+}
+
+void check_activation(const std::string& module, const std::string& activation) {
+  DWGRAPH_CHECK_ARG(activation == "gelu" || activation == "gelu_tanh" || activation == "relu", module,
+                    ": activation must be one of 'gelu', 'gelu_tanh', 'relu', got '", activation, "'");
+}
+
+at::Tensor layernorm_mlp(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
+                         double eps, const WeightRefPtr& fc1_weight, const WeightRefPtr& fc1_bias,
+                         const std::string& activation, const WeightRefPtr& fc2_weight,
+                         const WeightRefPtr& fc2_bias, const WgradConfig& cfg) {
+  check_activation(cfg.module_name, activation);
+  DWGRAPH_CHECK_ARG(x.defined() && x.dim() >= 1 && x.size(-1) == ln_weight.size(0), cfg.module_name,
+                    ": input must have hidden_size = ", ln_weight.size(0),
+                    " as its last dimension, got shape ", x.defined() ? x.sizes() : at::IntArrayRef{});
+  const at::Tensor h = at::layer_norm(x, {ln_weight.size(0)}, ln_weight, ln_bias, eps);
+  const at::Tensor a = linear(h, fc1_weight, fc1_bias, cfg);
+  at::Tensor act;
+  if (activation == "relu") {
+    act = at::relu(a);
+  } else {
+    act = at::gelu(a, activation == "gelu_tanh" ? "tanh" : "none");
+  }
+  // fc2 shares fc1's unit: one backward queues one unit for the module.
+  return linear(act, fc2_weight, fc2_bias, cfg);
+}
+
+}  // namespace dwgraph::ops

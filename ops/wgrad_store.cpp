@@ -1,0 +1,47 @@
+#include "ops/wgrad_store.h"
+
+#include "common/check.h"
+
+namespace dwgraph::ops {
+
+uint64_t WgradStore::new_unit_id() {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return next_id_++;
+}
+
+void WgradStore::push(uint64_t unit_id, Work work) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  for (auto& u : units_) {
+    if (u.id == unit_id) {
+      u.work.push_back(std::move(work));
+      return;
+    }
+  }
+  units_.push_back(Unit{unit_id, {std::move(work)}});
+}
+
+void WgradStore::run_oldest(const std::string& owner) {
+  Unit unit;
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    DWGRAPH_CHECK_STATE(!units_.empty(), owner,
+                        ".backward_dw(): no deferred weight-gradient work is queued; expected "
+                        "one unit per backward (delay_wgrad_compute=True), got 0 queued units");
+    unit = std::move(units_.front());
+    units_.pop_front();
+  }
+  // Outside the lock: the work may run user code (hooks of distributed weights).
+  for (auto& w : unit.work) w();
+}
+
+size_t WgradStore::num_units() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return units_.size();
+}
+
+void WgradStore::clear() {
+  const std::lock_guard<std::mutex> lock(mu_);
+  units_.clear();
+}
+
+}  // namespace dwgraph::ops

@@ -1,0 +1,49 @@
+#pragma once
+// The deferred-wgrad store (SPEC C1): a FIFO of queued weight-gradient work.
+//
+// A module's backward does not compute its weight gradients; it queues the work (a
+// closure holding the tensors it needs) here. All work queued by the backward of one
+// forward call forms one *unit*, even when it is queued by several autograd nodes (the
+// two GEMMs of LayerNormMLP), so each backward_dw() runs exactly one backward's worth, the
+// oldest, as in TransformerEngine.
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace dwgraph::ops {
+
+class WgradStore {
+ public:
+  using Work = std::function<void()>;
+
+  // A fresh unit id; a module takes one per forward call and tags its work with it.
+  uint64_t new_unit_id();
+
+  // Queues `work` into unit `unit_id`: appended to that unit when it is still queued,
+  // otherwise as a new unit at the back.
+  void push(uint64_t unit_id, Work work);
+
+  // Runs the oldest unit's work in the order it was queued, then drops the unit.
+  // Throws GraphStateError naming `owner` when nothing is queued.
+  void run_oldest(const std::string& owner);
+
+  size_t num_units() const;
+  bool empty() const { return num_units() == 0; }
+  // Drops every queued unit without running it.
+  void clear();
+
+ private:
+  struct Unit {
+    uint64_t id;
+    std::vector<Work> work;
+  };
+  mutable std::mutex mu_;
+  std::deque<Unit> units_;
+  uint64_t next_id_ = 1;
+};
+
+}  // namespace dwgraph::ops
