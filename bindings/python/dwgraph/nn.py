@@ -12,6 +12,7 @@ See docs/deferred-wgrad.md.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import math
@@ -61,7 +62,8 @@ class _DeferredWgradModule(torch.nn.Module):
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self._wgrad_store = _C.nn.WgradStore()
-        self._wgrad_hooks: Dict[int, Callable] = {}
+        # OrderedDict: RemovableHandle keeps a weak reference to it (a dict cannot have one).
+        self._wgrad_hooks: Dict[int, Callable] = collections.OrderedDict()
 
     # -- the deferred-wgrad protocol (also what make_graphed_callables looks for) --------
     def need_backward_dw(self) -> bool:
@@ -197,8 +199,9 @@ class Linear(_DeferredWgradModule):
         self.out_features = int(out_features)
         factory = dict(device=device, dtype=dtype)
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
-        self.bias = torch.nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        if not bias:
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(out_features, **factory))
+        else:
             self.register_parameter("bias", None)
         _kaiming_(self.weight, self.bias, in_features)
         if self.fuse_wgrad_accumulation:
@@ -235,7 +238,10 @@ class GroupedLinear(_DeferredWgradModule):
         factory = dict(device=device, dtype=dtype)
         if self.packed_weights:
             self.weight = torch.nn.Parameter(torch.empty(num_gemms, out_features, in_features, **factory))
-            self.bias = torch.nn.Parameter(torch.empty(num_gemms, out_features, **factory)) if bias else None
+            if bias:
+                self.bias = torch.nn.Parameter(torch.empty(num_gemms, out_features, **factory))
+            else:
+                self.register_parameter("bias", None)
             for g in range(num_gemms):
                 _kaiming_(self.weight[g], None if self.bias is None else self.bias[g], in_features)
         else:

@@ -1,0 +1,335 @@
+"""dwgraph.nn modules: fused main_grad and grad_dtype accumulation (SPEC C2), weights across
+saved-tensor hooks (C5), hooks, errors, and torch.nn.Module behaviour.
+
+References are computed independently in float64 (or with plain torch.nn autograd) from
+the same input values."""
+
+import copy
+
+import pytest
+import torch
+
+import dwgraph
+
+
+def _wgrad_ref(dys, xs):
+    """Σ dyᵀ·x over microbatches in float64, from the tensors' exact values."""
+    return sum(dy.double().reshape(-1, dy.shape[-1]).t() @ x.double().reshape(-1, x.shape[-1])
+               for dy, x in zip(dys, xs))
+
+
+def _rel(a, ref):
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+def _run_microbatches(module, xs, gs):
+    for x, g in zip(xs, gs):
+        module(x).backward(g)
+
+
+# ---- fused accumulation into main_grad (C2) ------------------------------------------------
+
+@pytest.mark.parametrize("delay", [False, True], ids=["eager-wgrad", "deferred"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_fused_main_grad_accumulates_in_the_callers_buffer(delay, dtype, microbatches):
+    torch.manual_seed(1)
+    lin = dwgraph.nn.Linear(16, 8, bias=True, delay_wgrad_compute=delay,
+                            fuse_wgrad_accumulation=True, dtype=dtype)
+    # The caller replaces the module's buffer with its own (non-zero) one before use.
+    start = torch.randn(8, 16)
+    mine = start.clone()
+    lin.weight.main_grad = mine
+    ptr = mine.data_ptr()
+    xs = [torch.randn(5, 16, dtype=dtype) for _ in range(microbatches)]
+    gs = [torch.randn(5, 8, dtype=dtype) for _ in range(microbatches)]
+    flags = []
+    for x, g in zip(xs, gs):
+        lin.weight.grad_added_to_main_grad = False
+        lin(x).backward(g)
+        if delay:
+            assert lin.weight.grad_added_to_main_grad is False  # nothing landed yet
+            lin.backward_dw()
+        flags.append(lin.weight.grad_added_to_main_grad)
+    assert flags == [True] * microbatches  # set after every accumulation
+    assert lin.weight.main_grad is mine and mine.data_ptr() == ptr
+    assert lin.weight.grad is None
+    ref = start.double() + _wgrad_ref(gs, xs)
+    # FP32 accumulation of exactly representable products: FP32 rounding only.
+    assert _rel(mine, ref) < 2e-6
+    # The bias is not fused: its gradient lands in .grad (init, then add).
+    bias_ref = sum(g.double().sum(0) for g in gs)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    assert _rel(lin.bias.grad, bias_ref) < tol
+
+
+def test_fused_main_grad_grouped_and_layernorm_mlp():
+    torch.manual_seed(2)
+    grp = dwgraph.nn.GroupedLinear(3, 8, 4, packed_weights=True, delay_wgrad_compute=True,
+                                   fuse_wgrad_accumulation=True)
+    x = torch.randn(9, 8)
+    g = torch.randn(9, 4)
+    splits = [4, 0, 5]
+    grp(x, splits).backward(g)
+    grp.backward_dw()
+    for k, (lo, hi) in enumerate([(0, 4), (4, 4), (4, 9)]):
+        ref = g[lo:hi].double().t() @ x[lo:hi].double()
+        got = grp.weight.main_grad[k].double()
+        assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+    assert grp.weight.grad is None and grp.weight.grad_added_to_main_grad
+
+    mlp = dwgraph.nn.LayerNormMLP(8, 12, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    ref = copy.deepcopy(mlp)
+    y = mlp(x)
+    y.backward(torch.ones_like(y))
+    mlp.backward_dw()
+    # The same module without fusion, its wgrads landing in .grad, is the reference.
+    ref.fuse_wgrad_accumulation = False
+    for p in (ref.fc1_weight, ref.fc2_weight):
+        del p.main_grad
+    yr = ref(x)
+    yr.backward(torch.ones_like(yr))
+    ref.backward_dw()
+    for name in ("fc1_weight", "fc2_weight"):
+        assert getattr(mlp, name).grad is None
+        assert torch.allclose(getattr(mlp, name).main_grad, getattr(ref, name).grad, rtol=1e-6, atol=1e-6)
+    assert torch.equal(mlp.layer_norm_weight.grad, ref.layer_norm_weight.grad)
+
+
+# ---- grad_dtype: BF16 parameters with FP32 .grad (C2) ---------------------------------------
+
+@pytest.mark.parametrize("delay", [False, True], ids=["eager-wgrad", "deferred"])
+def test_grad_dtype_gives_fp32_grad_equal_to_fp32_accumulation(delay):
+    torch.manual_seed(3)
+    lin = dwgraph.nn.Linear(16, 8, bias=False, delay_wgrad_compute=delay, dtype=torch.bfloat16)
+    lin.weight.grad_dtype = torch.float32
+    xs = [torch.randn(6, 16, dtype=torch.bfloat16) for _ in range(3)]
+    gs = [torch.randn(6, 8, dtype=torch.bfloat16) for _ in range(3)]
+    for x, g in zip(xs, gs):
+        lin(x).backward(g)
+        if delay:
+            lin.backward_dw()
+    assert lin.weight.dtype == torch.bfloat16
+    assert lin.weight.grad.dtype == torch.float32
+    assert _rel(lin.weight.grad, _wgrad_ref(gs, xs)) < 2e-6
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["eager-wgrad", "deferred"])
+def test_grad_dtype_never_adds_the_buffer_to_itself(delay):
+    """After two microbatches .grad is c1 + c2; a self-add would give 2·c1 + c2 or 2·(c1 + c2)."""
+    torch.manual_seed(4)
+    lin = dwgraph.nn.Linear(8, 4, bias=False, delay_wgrad_compute=delay, dtype=torch.bfloat16)
+    lin.weight.grad_dtype = torch.float32
+    x1, x2 = (torch.randn(3, 8, dtype=torch.bfloat16) for _ in range(2))
+    g1, g2 = (torch.randn(3, 4, dtype=torch.bfloat16) for _ in range(2))
+    c1 = _wgrad_ref([g1], [x1])
+    c2 = _wgrad_ref([g2], [x2])
+    lin(x1).backward(g1)
+    if delay:
+        lin.backward_dw()
+    first = lin.weight.grad
+    assert _rel(first, c1) < 2e-6
+    lin(x2).backward(g2)
+    if delay:
+        lin.backward_dw()
+    assert _rel(lin.weight.grad, c1 + c2) < 2e-6
+    assert _rel(lin.weight.grad, 2 * c1 + c2) > 1e-2
+    if delay:
+        # The second contribution was folded into the same buffer by the GEMM (beta = 1).
+        # (Without deferral the buffer is returned to AccumulateGrad, which may copy it.)
+        assert lin.weight.grad.data_ptr() == first.data_ptr()
+
+
+# ---- weights across saved-tensor hooks (C5) --------------------------------------------------
+
+class CountingWeight(dwgraph.nn.DistributedWeight):
+    """A fake distributed weight: forward and backward see differently scaled copies."""
+
+    def setup(self):
+        self.calls = {"forward": 0, "backward": 0, "finalize": 0}
+        self.wgrads = []
+        return self
+
+    def materialize_forward(self):
+        self.calls["forward"] += 1
+        return self.detach() * 2.0
+
+    def materialize_backward(self):
+        self.calls["backward"] += 1
+        return self.detach() * 3.0
+
+    def finalize_wgrad(self, wgrad):
+        self.calls["finalize"] += 1
+        self.wgrads.append(wgrad.clone())
+
+
+def _distributed_run(kind, delay, hooked, seed=5):
+    torch.manual_seed(seed)
+    if kind == "linear":
+        mod = dwgraph.nn.Linear(8, 6, delay_wgrad_compute=delay)
+        mod.weight = CountingWeight(mod.weight.detach().clone()).setup()
+        weights = [mod.weight]
+        call = lambda x: mod(x)  # noqa: E731
+    else:
+        mod = dwgraph.nn.GroupedLinear(2, 8, 6, delay_wgrad_compute=delay)
+        for g in range(2):
+            setattr(mod, f"weight{g}", CountingWeight(getattr(mod, f"weight{g}").detach().clone()).setup())
+        weights = [mod.weight0, mod.weight1]
+        call = lambda x: mod(x, [3, 4])  # noqa: E731
+    x = torch.randn(7, 8, requires_grad=True)
+    g = torch.randn(7, 6)
+    packs = []
+
+    def pack(t):
+        packs.append(1)
+        return t
+
+    if hooked:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = call(x)
+    else:
+        y = call(x)
+    y.backward(g, retain_graph=True)
+    if delay:
+        mod.backward_dw()
+    dx1 = x.grad.clone()
+    # A second backward through the retained graph still reaches the wrapper.
+    y.backward(g)
+    if delay:
+        mod.backward_dw()
+    return y.detach(), dx1, weights, len(packs)
+
+
+@pytest.mark.parametrize("kind", ["linear", "grouped"])
+@pytest.mark.parametrize("delay", [False, True], ids=["eager-wgrad", "deferred"])
+def test_distributed_weights_survive_saved_tensor_hooks(kind, delay):
+    y0, dx0, w0, packs0 = _distributed_run(kind, delay, hooked=False)
+    y1, dx1, w1, packs1 = _distributed_run(kind, delay, hooked=True)
+    assert packs0 == 0 and packs1 >= 1  # the hooks did see the saved activation
+    assert torch.equal(y0, y1)
+    assert torch.equal(dx0, dx1)
+    for a, b in zip(w0, w1):
+        assert a.calls == b.calls == {"forward": 1, "backward": 2, "finalize": 2}
+        assert len(a.wgrads) == len(b.wgrads) == 2
+        for ga, gb in zip(a.wgrads, b.wgrads):
+            assert torch.equal(ga, gb)
+        assert a.grad is None and b.grad is None  # the wrapper received it, not .grad
+    # The GEMMs used the materialised weights: forward 2·w, backward 3·w.
+    torch.manual_seed(5)
+    if kind == "linear":
+        ref = torch.nn.Linear(8, 6)
+        x = torch.randn(7, 8)
+        g = torch.randn(7, 6)
+        assert torch.allclose(y0, torch.nn.functional.linear(x, 2 * ref.weight.detach(), ref.bias.detach()),
+                              rtol=1e-6, atol=1e-6)
+        assert torch.allclose(dx0, g @ (3 * ref.weight.detach()), rtol=1e-6, atol=1e-6)
+        assert torch.allclose(w0[0].wgrads[0], g.t() @ x, rtol=1e-6, atol=1e-6)
+
+
+# ---- hooks ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("delay", [False, True], ids=["eager-wgrad", "deferred"])
+def test_wgrad_hook_runs_once_after_the_gradients_landed(delay):
+    torch.manual_seed(6)
+    lin = dwgraph.nn.Linear(8, 4, delay_wgrad_compute=delay)
+    seen = []
+    handle = lin.register_wgrad_hook(lambda m: seen.append((m.weight.grad.clone(), m.bias.grad.clone())))
+    x, g = torch.randn(3, 8), torch.randn(3, 4)
+    lin(x).backward(g)
+    if delay:
+        assert seen == []
+        lin.backward_dw()
+    assert len(seen) == 1
+    assert torch.equal(seen[0][0], g.t() @ x) and torch.equal(seen[0][1], g.sum(0))
+    handle.remove()
+    lin(x).backward(g)
+    if delay:
+        lin.backward_dw()
+    assert len(seen) == 1
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+def test_backward_dw_with_nothing_queued_names_the_module():
+    lin = dwgraph.nn.Linear(8, 4, delay_wgrad_compute=True)
+    with pytest.raises(dwgraph.GraphStateError, match=r"Linear\(in_features=8, out_features=4.*backward_dw\(\): no deferred"):
+        lin.backward_dw()
+    plain = dwgraph.nn.Linear(8, 4)
+    with pytest.raises(dwgraph.GraphStateError, match="delay_wgrad_compute is False"):
+        plain.backward_dw()
+
+
+@pytest.mark.parametrize("problem", ["missing", "wrong-shape", "none"])
+def test_fused_mode_rejects_a_bad_main_grad_by_parameter(problem):
+    mlp = dwgraph.nn.LayerNormMLP(8, 12, fuse_wgrad_accumulation=True)
+    if problem == "missing":
+        del mlp.fc2_weight.main_grad
+        expected = r"LayerNormMLP.*parameter 'fc2_weight'.*no main_grad"
+    elif problem == "none":
+        mlp.fc2_weight.main_grad = None
+        expected = r"LayerNormMLP.*parameter 'fc2_weight'.*no main_grad"
+    else:
+        mlp.fc2_weight.main_grad = torch.zeros(12, 8)
+        expected = r"LayerNormMLP.*main_grad of parameter 'fc2_weight'.*\[8, 12\], got \[12, 8\]"
+    with pytest.raises(dwgraph.ArgumentError, match=expected):
+        mlp(torch.randn(3, 8))
+
+
+def test_m_splits_not_summing_to_the_batch():
+    grp = dwgraph.nn.GroupedLinear(3, 8, 4)
+    with pytest.raises(dwgraph.ArgumentError, match=r"GroupedLinear.*m_splits.*10 rows.*\[3, 3, 3\].*summing to 9"):
+        grp(torch.randn(10, 8), [3, 3, 3])
+    assert grp.num_queued_wgrad_units() == 0
+
+
+def test_input_of_the_wrong_width():
+    lin = dwgraph.nn.Linear(8, 4)
+    with pytest.raises(dwgraph.ArgumentError, match=r"in_features = 8.*got shape \[3, 7\]"):
+        lin(torch.randn(3, 7))
+
+
+# ---- torch.nn.Module behaviour ------------------------------------------------------------
+
+def test_state_dict_round_trips_with_torch_nn_linear_keys():
+    torch.manual_seed(7)
+    ref = torch.nn.Linear(8, 4)
+    lin = dwgraph.nn.Linear(8, 4, delay_wgrad_compute=True)
+    assert set(lin.state_dict()) == {"weight", "bias"}
+    lin.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 8)
+    assert torch.equal(lin(x), ref(x))
+    ref2 = torch.nn.Linear(8, 4)
+    ref2.load_state_dict(lin.state_dict())
+    assert torch.equal(ref2.weight, ref.weight)
+
+
+def test_seeded_initialisation_matches_torch_nn_linear():
+    torch.manual_seed(8)
+    a = torch.nn.Linear(8, 4)
+    torch.manual_seed(8)
+    b = dwgraph.nn.Linear(8, 4)
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+
+
+def test_deepcopy_to_and_repr():
+    mlp = dwgraph.nn.LayerNormMLP(8, 12, activation="relu", delay_wgrad_compute=True,
+                                  fuse_wgrad_accumulation=True)
+    mlp(torch.randn(2, 8)).sum().backward()  # one unit queued in the original
+    twin = copy.deepcopy(mlp)
+    assert twin.num_queued_wgrad_units() == 0 and mlp.num_queued_wgrad_units() == 1
+    assert twin.fc1_weight.main_grad is not mlp.fc1_weight.main_grad
+    assert torch.equal(twin.fc1_weight, mlp.fc1_weight)
+    twin = twin.to(dtype=torch.bfloat16)
+    assert twin.fc1_weight.dtype == torch.bfloat16
+    assert twin.fc1_weight.main_grad.dtype == torch.float32  # the accumulator stays FP32
+    text = repr(twin)
+    for part in ("LayerNormMLP", "hidden_size=8", "ffn_hidden_size=12", "activation='relu'",
+                 "delay_wgrad_compute=True", "fuse_wgrad_accumulation=True"):
+        assert part in text
+    mlp.backward_dw()
+    assert mlp.num_queued_wgrad_units() == 0
+
+
+def test_modules_need_backward_dw_reports_the_setting():
+    assert dwgraph.nn.Linear(4, 4, delay_wgrad_compute=True).need_backward_dw()
+    assert not dwgraph.nn.GroupedLinear(2, 4, 4).need_backward_dw()
