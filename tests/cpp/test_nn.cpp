@@ -1,0 +1,158 @@
+// The C++ deferred-wgrad modules (ops/nn/modules.h) against plain ATen autograd on the
+// same weights and inputs: the C1 accumulation contract for Linear and a grouped case,
+// fused main_grad, and the errors.
+#include "testing.h"
+
+#include "common/check.h"
+#include "ops/nn/modules.h"
+
+#include <ATen/ops/linear.h>
+
+using dwgraph::nn::DeferredOptions;
+
+namespace {
+
+at::Tensor leaf_copy(const at::Tensor& t) { return t.detach().clone().requires_grad_(true); }
+
+}  // namespace
+
+TEST_CASE("C++ Linear: deferred gradients equal plain autograd (tied, microbatches, both zero_grad modes)",
+          "[nn][cpu]") {
+  const bool tied = GENERATE(false, true);
+  const int microbatches = GENERATE(1, 3);
+  const bool set_to_none = GENERATE(true, false);
+  const bool bias = GENERATE(false, true);
+  const bool drain_b_first = GENERATE(false, true);
+  CAPTURE(tied, microbatches, set_to_none, bias, drain_b_first);
+  at::manual_seed(11);
+  DeferredOptions opts;
+  opts.bias = bias;
+  opts.delay_wgrad_compute = true;
+  dwgraph::nn::Linear a(8, 8, opts), b(8, 8, opts);
+  if (tied) {
+    b.weight = a.weight;
+    if (bias) b.bias = a.bias;
+  }
+  // Reference: the same weights as plain leaves, through at::linear and ATen's autograd.
+  const auto wa = leaf_copy(a.weight), wb = tied ? wa : leaf_copy(b.weight);
+  const auto ba = bias ? leaf_copy(a.bias) : at::Tensor();
+  const auto bb = bias ? (tied ? ba : leaf_copy(b.bias)) : at::Tensor();
+  if (!set_to_none) {  // zero_grad(set_to_none=False): zero tensors instead of None
+    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&a.weight, &b.weight, &a.bias, &b.bias, &wa, &wb, &ba, &bb}) {
+      if (t->defined()) t->mutable_grad() = at::zeros_like(*t);
+    }
+  }
+  for (int mb = 0; mb < microbatches; ++mb) {
+    const auto x = at::randn({4, 8});
+    const auto g = at::randn({4, 8});
+    b.forward(a.forward(x)).backward(g);
+    at::linear(at::linear(x, wa, ba), wb, bb).backward(g);
+  }
+  if (set_to_none) CHECK_FALSE(a.weight.grad().defined());  // nothing landed before backward_dw
+  CHECK(a.num_queued_wgrad_units() == static_cast<size_t>(microbatches));
+  for (int mb = 0; mb < microbatches; ++mb) {
+    if (drain_b_first) {
+      b.backward_dw();
+      a.backward_dw();
+    } else {
+      a.backward_dw();
+      b.backward_dw();
+    }
+  }
+  // FP32: one microbatch is bitwise; several add the same terms in another order.
+  const double tol = microbatches == 1 ? 0.0 : 1e-5;
+  auto close = [tol](const at::Tensor& got, const at::Tensor& ref) {
+    return tol == 0.0 ? at::equal(got, ref) : at::allclose(got, ref, tol, tol);
+  };
+  CHECK(close(a.weight.grad(), wa.grad()));
+  CHECK(close(b.weight.grad(), wb.grad()));
+  if (bias) {
+    CHECK(close(a.bias.grad(), ba.grad()));
+    CHECK(close(b.bias.grad(), bb.grad()));
+  }
+  CHECK_THROWS_AS(a.backward_dw(), dwgraph::GraphStateError);
+}
+
+TEST_CASE("C++ GroupedLinear: deferred grouped gradients equal per-group autograd", "[nn][grouped][cpu]") {
+  const bool packed = GENERATE(false, true);
+  CAPTURE(packed);
+  at::manual_seed(12);
+  DeferredOptions opts;
+  opts.delay_wgrad_compute = true;
+  dwgraph::nn::GroupedLinear grp(3, 8, 4, opts, packed);
+  const std::vector<int64_t> splits = {3, 0, 4};
+  const auto x = at::randn({7, 8});
+  const auto g = at::randn({7, 4});
+  grp.forward(x, splits).backward(g);
+  CHECK_FALSE(grp.weights[0].grad().defined());
+  grp.backward_dw();
+  int64_t row = 0;
+  for (int64_t k = 0; k < 3; ++k) {
+    const at::Tensor w = packed ? grp.weights[0][k] : grp.weights[k];
+    const at::Tensor b = packed ? grp.biases[0][k] : grp.biases[k];
+    const auto wl = leaf_copy(w), bl = leaf_copy(b);
+    at::linear(x.narrow(0, row, splits[k]), wl, bl).backward(g.narrow(0, row, splits[k]));
+    const at::Tensor wg = packed ? grp.weights[0].grad()[k] : grp.weights[k].grad();
+    const at::Tensor bg = packed ? grp.biases[0].grad()[k] : grp.biases[k].grad();
+    CAPTURE(k);
+    if (splits[k] == 0) {
+      CHECK(wg.abs().max().item<float>() == 0.0f);  // an empty group contributes zero
+    } else {
+      CHECK(at::equal(wg, wl.grad()));
+      CHECK(at::equal(bg, bl.grad()));
+    }
+    row += splits[k];
+  }
+}
+
+TEST_CASE("C++ Linear: fused main_grad accumulates over microbatches, .grad stays undefined", "[nn][cpu]") {
+  at::manual_seed(13);
+  DeferredOptions opts;
+  opts.delay_wgrad_compute = true;
+  opts.fuse_wgrad_accumulation = true;
+  dwgraph::nn::Linear lin(8, 4, opts);
+  at::Tensor& mg = lin.main_grad("weight");
+  const auto ptr = mg.data_ptr();
+  auto ref = at::zeros({4, 8}, at::kDouble);
+  for (int mb = 0; mb < 3; ++mb) {
+    const auto x = at::randn({5, 8});
+    const auto g = at::randn({5, 4});
+    lin.forward(x).backward(g);
+    lin.backward_dw();
+    ref += at::mm(g.to(at::kDouble).t(), x.to(at::kDouble));
+  }
+  CHECK(mg.data_ptr() == ptr);
+  CHECK_FALSE(lin.weight.grad().defined());
+  CHECK(dwgraph::testing::rel_err(mg, ref) < 2e-6);
+}
+
+TEST_CASE("C++ modules: errors name the module and the parameter", "[nn][errors][cpu]") {
+  DeferredOptions opts;
+  opts.delay_wgrad_compute = true;
+  dwgraph::nn::Linear lin(8, 4, opts);
+  try {
+    lin.backward_dw();
+    FAIL("backward_dw() with nothing queued did not throw");
+  } catch (const dwgraph::GraphStateError& e) {
+    CHECK_THAT(e.what_without_backtrace(), Catch::Contains("dwgraph::nn::Linear(in_features=8") &&
+                                               Catch::Contains("no deferred weight-gradient work"));
+  }
+  dwgraph::nn::GroupedLinear grp(2, 8, 4, opts);
+  try {
+    grp.forward(at::randn({5, 8}), {2, 2});
+    FAIL("bad m_splits did not throw");
+  } catch (const dwgraph::ArgumentError& e) {
+    CHECK_THAT(e.what_without_backtrace(), Catch::Contains("GroupedLinear") && Catch::Contains("m_splits") &&
+                                               Catch::Contains("summing to 4"));
+  }
+  opts.fuse_wgrad_accumulation = true;
+  dwgraph::nn::LayerNormMLP mlp(8, 12, opts);
+  mlp.main_grad("fc2_weight") = at::zeros({12, 8});
+  try {
+    mlp.forward(at::randn({3, 8}));
+    FAIL("a mis-shaped main_grad did not throw");
+  } catch (const dwgraph::ArgumentError& e) {
+    CHECK_THAT(e.what_without_backtrace(), Catch::Contains("LayerNormMLP") && Catch::Contains("'fc2_weight'") &&
+                                               Catch::Contains("[12, 8]"));
+  }
+}
