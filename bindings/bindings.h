@@ -6,5 +6,6 @@ namespace dwgraph::bindings {
 
 void init_errors(pybind11::module_& m);
 void init_nn(pybind11::module_& m);
+void init_graphs(pybind11::module_& m);
 
 }  // namespace dwgraph::bindings

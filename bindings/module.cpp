@@ -13,4 +13,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_available", &dwgraph::cuda_available);
   dwgraph::bindings::init_errors(m);
   dwgraph::bindings::init_nn(m);
+  dwgraph::bindings::init_graphs(m);
 }

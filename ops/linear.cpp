@@ -126,7 +126,7 @@ class DeferredGemmNode : public torch::autograd::Node {
       }
     };
     if (deferred) {
-      cfg_.store->push(cfg_.unit_id, [work = std::move(work)] {
+      cfg_.store->push(cfg_.unit_id, this, [work = std::move(work)] {
         // backward_dw() runs outside the autograd engine, maybe with grad mode on.
         const at::NoGradGuard no_grad;
         work(true, nullptr);

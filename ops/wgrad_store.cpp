@@ -2,6 +2,8 @@
 
 #include "common/check.h"
 
+#include <algorithm>
+
 namespace dwgraph::ops {
 
 uint64_t WgradStore::new_unit_id() {
@@ -9,15 +11,16 @@ uint64_t WgradStore::new_unit_id() {
   return next_id_++;
 }
 
-void WgradStore::push(uint64_t unit_id, Work work) {
+void WgradStore::push(uint64_t unit_id, const void* source, Work work) {
   const std::lock_guard<std::mutex> lock(mu_);
-  for (auto& u : units_) {
-    if (u.id == unit_id) {
-      u.work.push_back(std::move(work));
-      return;
-    }
+  for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
+    if (it->id != unit_id) continue;
+    if (std::find(it->sources.begin(), it->sources.end(), source) != it->sources.end()) break;
+    it->sources.push_back(source);
+    it->work.push_back(std::move(work));
+    return;
   }
-  units_.push_back(Unit{unit_id, {std::move(work)}});
+  units_.push_back(Unit{unit_id, {source}, {std::move(work)}});
 }
 
 void WgradStore::run_oldest(const std::string& owner) {

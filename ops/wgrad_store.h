@@ -23,9 +23,11 @@ class WgradStore {
   // A fresh unit id; a module takes one per forward call and tags its work with it.
   uint64_t new_unit_id();
 
-  // Queues `work` into unit `unit_id`: appended to that unit when it is still queued,
-  // otherwise as a new unit at the back.
-  void push(uint64_t unit_id, Work work);
+  // Queues `work` from `source` (the autograd node that computed it) into unit
+  // `unit_id`: appended to the newest queued unit of that id that `source` has not yet
+  // contributed to (another node of the same backward), otherwise as a new unit at the
+  // back (a first node, or a second backward of the same forward with retain_graph).
+  void push(uint64_t unit_id, const void* source, Work work);
 
   // Runs the oldest unit's work in the order it was queued, then drops the unit.
   // Throws GraphStateError naming `owner` when nothing is queued.
@@ -39,6 +41,7 @@ class WgradStore {
  private:
   struct Unit {
     uint64_t id;
+    std::vector<const void*> sources;
     std::vector<Work> work;
   };
   mutable std::mutex mu_;

@@ -333,3 +333,23 @@ def test_deepcopy_to_and_repr():
 def test_modules_need_backward_dw_reports_the_setting():
     assert dwgraph.nn.Linear(4, 4, delay_wgrad_compute=True).need_backward_dw()
     assert not dwgraph.nn.GroupedLinear(2, 4, 4).need_backward_dw()
+
+
+@pytest.mark.parametrize("kind", ["linear", "layernorm_mlp"])
+def test_each_backward_of_a_retained_graph_queues_its_own_unit(kind):
+    """Two backwards through one forward (retain_graph=True) are two units: each
+    backward_dw() lands one backward's worth."""
+    torch.manual_seed(9)
+    mod = (dwgraph.nn.Linear(4, 4, delay_wgrad_compute=True) if kind == "linear"
+           else dwgraph.nn.LayerNormMLP(4, 8, delay_wgrad_compute=True))
+    weight = mod.weight if kind == "linear" else mod.fc1_weight
+    y = mod(torch.randn(3, 4))
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    assert mod.num_queued_wgrad_units() == 2
+    mod.backward_dw()
+    once = weight.grad.clone()
+    mod.backward_dw()
+    assert torch.equal(weight.grad, 2 * once)
+    with pytest.raises(dwgraph.GraphStateError):
+        mod.backward_dw()

@@ -10,6 +10,7 @@ from .errors import ArgumentError, DanglingCaptureError, DwgraphError, GraphStat
 from . import _C
 from . import ops
 from . import nn
+from . import graphs
 
 __version__ = _C.version()
 
@@ -30,6 +31,7 @@ __all__ = [
     "cuda_available",
     "ops",
     "nn",
+    "graphs",
     "DwgraphError",
     "ArgumentError",
     "GraphStateError",

@@ -1,0 +1,128 @@
+#include "allocator/host_pool.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace dwgraph::allocator {
+namespace {
+
+constexpr size_t kAlign = 64;
+constexpr size_t kChunkBytes = size_t{2} << 20;
+
+size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
+std::atomic<uint64_t> next_pool_id{1};
+
+// What a pool block's DataPtr carries: the pool (kept alive by the block) and the block.
+struct BlockContext {
+  std::shared_ptr<HostPool> pool;
+  char* ptr;
+};
+
+}  // namespace
+
+HostPool::HostPool() : id_(next_pool_id++) {}
+
+std::shared_ptr<HostPool> HostPool::create() { return std::shared_ptr<HostPool>(new HostPool()); }
+
+HostPool::~HostPool() {
+  for (auto& [base, size] : chunks_) std::free(base);
+}
+
+c10::DataPtr HostPool::allocate(size_t nbytes) {
+  const size_t n = round_up(std::max<size_t>(nbytes, 1), kAlign);
+  char* p = nullptr;
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    auto it = free_.lower_bound({n, nullptr});
+    if (it == free_.end()) {
+      const size_t chunk_size = std::max(kChunkBytes, n);
+      auto* base = static_cast<char*>(std::aligned_alloc(kAlign, chunk_size));
+      TORCH_CHECK(base != nullptr, "dwgraph host pool: out of memory allocating a ", chunk_size,
+                  "-byte chunk");
+      chunks_.emplace_back(base, chunk_size);
+      blocks_[base] = Block{chunk_size, chunks_.size() - 1, true};
+      it = free_.insert({chunk_size, base}).first;
+      stats_.reserved_bytes += static_cast<int64_t>(chunk_size);
+    }
+    p = it->second;
+    Block& b = blocks_.at(p);
+    free_.erase(it);
+    if (b.size - n >= kAlign) {  // split: the tail stays free
+      blocks_[p + n] = Block{b.size - n, b.chunk, true};
+      free_.insert({b.size - n, p + n});
+      b.size = n;
+    }
+    b.free = false;
+    stats_.allocated_bytes += static_cast<int64_t>(b.size);
+    stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
+    stats_.live_blocks += 1;
+    stats_.num_allocations += 1;
+  }
+  auto* ctx = new BlockContext{shared_from_this(), p};
+  return c10::DataPtr(p, ctx, &HostPool::delete_block, c10::Device(c10::kCPU));
+}
+
+void HostPool::delete_block(void* ctx) {
+  auto* c = static_cast<BlockContext*>(ctx);
+  c->pool->free_block(c->ptr);
+  delete c;  // may drop the last reference to the pool
+}
+
+void HostPool::free_block(char* p) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  auto it = blocks_.find(p);
+  TORCH_INTERNAL_ASSERT(it != blocks_.end() && !it->second.free, "dwgraph host pool: bad free");
+  Block& b = it->second;
+  stats_.allocated_bytes -= static_cast<int64_t>(b.size);
+  stats_.live_blocks -= 1;
+  if (poison_) std::memset(p, 0xFF, b.size);
+  b.free = true;
+  // Coalesce with free neighbours of the same chunk.
+  auto next = std::next(it);
+  if (next != blocks_.end() && next->second.free && next->second.chunk == b.chunk &&
+      it->first + b.size == next->first) {
+    free_.erase({next->second.size, next->first});
+    b.size += next->second.size;
+    blocks_.erase(next);
+  }
+  if (it != blocks_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->second.free && prev->second.chunk == b.chunk && prev->first + prev->second.size == it->first) {
+      free_.erase({prev->second.size, prev->first});
+      prev->second.size += b.size;
+      blocks_.erase(it);
+      it = prev;
+    }
+  }
+  free_.insert({it->second.size, it->first});
+}
+
+bool HostPool::owns(const void* p) const {
+  const auto* c = static_cast<const char*>(p);
+  const std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [base, size] : chunks_) {
+    if (c >= base && c < base + size) return true;
+  }
+  return false;
+}
+
+PoolStats HostPool::stats() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void HostPool::set_debug_poison(bool on) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  poison_ = on;
+}
+
+bool HostPool::debug_poison() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return poison_;
+}
+
+}  // namespace dwgraph::allocator

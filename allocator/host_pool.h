@@ -1,0 +1,66 @@
+#pragma once
+// The private host memory pool of the host graph backend (namespace dwgraph::allocator).
+//
+// An arena of chunks with stable addresses: a block freed back to the pool is reused only
+// by later allocations from the same pool (the graphs that share it), never by the rest
+// of the process, as CUDA routes capture allocations to a graph's private pool. The
+// chunks live as long as the pool: each graph captured on it and each live block hold a
+// reference, so the memory a graph baked in stays valid until the graph is reset.
+
+#include <c10/core/Allocator.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <vector>
+
+namespace dwgraph::allocator {
+
+struct PoolStats {
+  int64_t reserved_bytes = 0;        // chunk memory held by the pool
+  int64_t allocated_bytes = 0;       // bytes in live blocks (rounded block sizes)
+  int64_t peak_allocated_bytes = 0;  // high-water mark of allocated_bytes
+  int64_t live_blocks = 0;
+  int64_t num_allocations = 0;       // allocations served since creation
+};
+
+class HostPool : public std::enable_shared_from_this<HostPool> {
+ public:
+  static std::shared_ptr<HostPool> create();
+  ~HostPool();
+  HostPool(const HostPool&) = delete;
+  HostPool& operator=(const HostPool&) = delete;
+
+  // A block of at least `nbytes` (64-byte aligned); its DataPtr returns it to this pool.
+  c10::DataPtr allocate(size_t nbytes);
+  // True when `p` points into one of this pool's chunks.
+  bool owns(const void* p) const;
+  PoolStats stats() const;
+  // Debug mode: freed blocks are filled with 0xFF bytes (NaN for floating point), so a
+  // replay that reads memory it does not own shows up as NaN instead of stale values.
+  void set_debug_poison(bool on);
+  bool debug_poison() const;
+  uint64_t id() const { return id_; }
+
+ private:
+  HostPool();
+  void free_block(char* p);
+  static void delete_block(void* ctx);
+
+  struct Block {
+    size_t size;
+    size_t chunk;
+    bool free;
+  };
+  const uint64_t id_;
+  mutable std::mutex mu_;
+  std::vector<std::pair<char*, size_t>> chunks_;  // base, size
+  std::map<char*, Block> blocks_;                 // every block, by address
+  std::set<std::pair<size_t, char*>> free_;       // free blocks, best fit by size
+  PoolStats stats_;
+  bool poison_ = false;
+};
+
+}  // namespace dwgraph::allocator

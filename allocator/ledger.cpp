@@ -1,0 +1,81 @@
+#include "allocator/ledger.h"
+
+namespace dwgraph::allocator {
+
+const char* to_string(Ownership o) {
+  switch (o) {
+    case Ownership::kGraph:
+      return "graph pool";
+    case Ownership::kCaller:
+      return "caller";
+    case Ownership::kPersistent:
+      return "persistent";
+  }
+  return "?";
+}
+
+size_t Ledger::record(const c10::Storage& storage, bool owned) {
+  const void* data = storage.data();
+  auto it = by_data_.find(data);
+  if (it != by_data_.end()) {
+    // The same address can come back as a new storage (a pool block reused inside the
+    // capture): the newest owner is what later kernels touch.
+    LedgerEntry& e = entries_[it->second];
+    if (!owned && e.ownership != Ownership::kGraph) {
+      e.weak = storage.getWeakStorageImpl();
+      e.nbytes = storage.nbytes();
+    }
+    return it->second;
+  }
+  LedgerEntry e;
+  e.data = data;
+  e.nbytes = storage.nbytes();
+  if (owned) {
+    e.ownership = Ownership::kGraph;
+  } else {
+    e.ownership = Ownership::kCaller;
+    e.weak = storage.getWeakStorageImpl();
+    auto r = roles_.find(data);
+    if (r != roles_.end()) {
+      e.role = r->second.first;
+      if (r->second.second) e.ownership = Ownership::kPersistent;
+    }
+  }
+  entries_.push_back(std::move(e));
+  by_data_[data] = entries_.size() - 1;
+  return entries_.size() - 1;
+}
+
+void Ledger::set_role(const c10::Storage& storage, std::string role, bool persistent) {
+  const void* data = storage.data();
+  auto it = by_data_.find(data);
+  if (it != by_data_.end()) {
+    LedgerEntry& e = entries_[it->second];
+    e.role = role;
+    if (persistent && e.ownership == Ownership::kCaller) e.ownership = Ownership::kPersistent;
+  }
+  roles_[data] = {std::move(role), persistent};
+}
+
+std::optional<c10::Storage> Ledger::lock(size_t i) const {
+  const LedgerEntry& e = entries_.at(i);
+  auto strong = e.weak.lock();
+  if (!strong) return std::nullopt;
+  c10::Storage s(std::move(strong));
+  if (s.data() != e.data || s.nbytes() < e.nbytes) return std::nullopt;
+  return s;
+}
+
+size_t Ledger::count(Ownership o) const {
+  size_t n = 0;
+  for (const auto& e : entries_) n += e.ownership == o ? 1 : 0;
+  return n;
+}
+
+void Ledger::clear() {
+  entries_.clear();
+  by_data_.clear();
+  roles_.clear();
+}
+
+}  // namespace dwgraph::allocator

@@ -1,0 +1,71 @@
+// Bindings of the graph backends and pools (dwgraph._C.graphs); the Python wrapper with
+// the capture context manager is bindings/python/dwgraph/graphs.py.
+#include "bindings/bindings.h"
+
+#include "graphs/graph.h"
+
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+
+namespace dwgraph::bindings {
+namespace {
+
+py::dict stats_dict(const allocator::PoolStats& s) {
+  py::dict d;
+  d["reserved_bytes"] = s.reserved_bytes;
+  d["allocated_bytes"] = s.allocated_bytes;
+  d["peak_allocated_bytes"] = s.peak_allocated_bytes;
+  d["live_blocks"] = s.live_blocks;
+  d["num_allocations"] = s.num_allocations;
+  return d;
+}
+
+}  // namespace
+
+void init_graphs(py::module_& parent) {
+  auto m = parent.def_submodule("graphs", "Graph backends and private pools");
+  using graphs::Graph;
+  using graphs::GraphPool;
+
+  py::class_<GraphPool, std::shared_ptr<GraphPool>>(m, "GraphPool")
+      .def_property_readonly("device", &GraphPool::device)
+      .def("stats", [](const GraphPool& p) { return stats_dict(p.stats()); });
+
+  m.def("graph_pool_handle", &graphs::make_pool, py::arg("device"));
+
+  py::class_<Graph>(m, "Graph")
+      .def(py::init([](c10::Device device) { return graphs::make_graph(device); }), py::arg("device"))
+      .def_property_readonly("device", &Graph::device)
+      .def("capture_begin", &Graph::capture_begin, py::arg("pool") = nullptr)
+      .def("capture_end", &Graph::capture_end)
+      .def("capture_abort", &Graph::capture_abort)
+      .def("replay", &Graph::replay, py::call_guard<py::gil_scoped_release>())
+      .def("reset", &Graph::reset)
+      .def_property_readonly("is_captured", &Graph::is_captured)
+      .def_property_readonly("is_capturing", &Graph::is_capturing)
+      .def_property_readonly("pool", &Graph::pool)
+      .def_property_readonly("num_kernels", &Graph::num_kernels)
+      .def("storages",
+           [](const Graph& g) {
+             py::list out;
+             for (const auto& s : g.storages()) {
+               py::dict d;
+               d["ownership"] = allocator::to_string(s.ownership);
+               d["nbytes"] = s.nbytes;
+               d["role"] = s.role;
+               d["alive"] = s.alive;
+               out.append(d);
+             }
+             return out;
+           })
+      .def(
+          "set_role",
+          [](Graph& g, const at::Tensor& t, const std::string& role, bool persistent) {
+            g.set_role(t.storage(), role, persistent);
+          },
+          py::arg("tensor"), py::arg("role"), py::arg("persistent") = false);
+}
+
+}  // namespace dwgraph::bindings

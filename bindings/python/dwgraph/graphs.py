@@ -1,0 +1,98 @@
+"""Graph backends (SPEC C6, C7): one ``Graph`` for CUDA and for the host.
+
+``Graph("cuda")`` wraps ``torch.cuda.CUDAGraph`` (captured on a side stream, thread-local
+capture mode, on a private pool); ``Graph("cpu")`` is the host graph, which follows CUDA
+graph semantics on CPU: capture records the kernels the region dispatches, replay
+re-runs exactly those kernels on the same memory, and Python side effects are not
+replayed. See docs/graphs.md.
+
+    g = dwgraph.graphs.Graph("cpu")
+    with g.capture():
+        y = model(static_x)          # runs once, recorded; caller-visible state is put back
+    static_x.copy_(new_x)
+    g.replay()                       # y now holds model(new_x)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from . import _C
+
+GraphPool = _C.graphs.GraphPool
+
+
+def graph_pool_handle(device="cpu") -> GraphPool:
+    """A fresh private pool; pass it to several graphs' ``capture(pool=...)`` to share it.
+    Graphs sharing a pool must replay in capture order (a later capture may reuse memory
+    an earlier one freed), exactly as with ``torch.cuda.graph_pool_handle()``."""
+    return _C.graphs.graph_pool_handle(torch.device(device))
+
+
+class Graph:
+    """A captured region on ``device`` (``"cpu"``: the host graph; ``"cuda"``)."""
+
+    def __init__(self, device="cpu"):
+        self._graph = _C.graphs.Graph(torch.device(device))
+
+    @contextlib.contextmanager
+    def capture(self, pool: Optional[GraphPool] = None):
+        """Captures the block. If the block raises, the capture is abandoned: no graph, no
+        pool reference and no capture mode remain, and the block can be captured again."""
+        self._graph.capture_begin(pool)
+        try:
+            yield self
+        except BaseException:
+            self._graph.capture_abort()
+            raise
+        self._graph.capture_end()
+
+    def capture_begin(self, pool: Optional[GraphPool] = None) -> None:
+        self._graph.capture_begin(pool)
+
+    def capture_end(self) -> None:
+        self._graph.capture_end()
+
+    def capture_abort(self) -> None:
+        self._graph.capture_abort()
+
+    def replay(self) -> None:
+        """Re-runs the captured kernels. Raises :class:`dwgraph.DanglingCaptureError`,
+        having run nothing, when a storage the graph does not own was released."""
+        self._graph.replay()
+
+    def reset(self) -> None:
+        """Releases the kernels, the pool reference and the ledger."""
+        self._graph.reset()
+
+    @property
+    def device(self) -> torch.device:
+        return self._graph.device
+
+    @property
+    def pool(self) -> Optional[GraphPool]:
+        return self._graph.pool
+
+    @property
+    def is_captured(self) -> bool:
+        return self._graph.is_captured
+
+    @property
+    def num_kernels(self) -> int:
+        """Kernels replay runs (host: dispatcher calls recorded, less views and allocations)."""
+        return self._graph.num_kernels
+
+    def storages(self):
+        """Every storage the capture touched: ownership ("graph pool", "caller",
+        "persistent"), size, role, and whether its owner still holds it."""
+        return self._graph.storages()
+
+    def set_role(self, tensor: torch.Tensor, role: str, *, persistent: bool = False) -> None:
+        """Names ``tensor``'s storage in error messages (e.g. ``"static input 0"``)."""
+        self._graph.set_role(tensor, role, persistent)
+
+
+__all__ = ["Graph", "GraphPool", "graph_pool_handle"]

@@ -1,0 +1,187 @@
+#include "graphs/host_graph.h"
+
+#include "common/check.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+
+namespace dwgraph::graphs {
+namespace {
+
+void no_delete(void*) {}
+
+}  // namespace
+
+HostGraph::~HostGraph() {
+  if (is_capturing()) {
+    capture_abort();
+  }
+  reset();
+}
+
+void HostGraph::capture_begin(std::shared_ptr<GraphPool> pool) {
+  DWGRAPH_CHECK_STATE(!is_capturing(), "dwgraph host graph: capture_begin() while already capturing");
+  DWGRAPH_CHECK_STATE(!captured_, "dwgraph host graph: capture_begin() on a graph that holds a capture; "
+                                  "reset() it first");
+  DWGRAPH_CHECK_STATE(detail::current_recorder() == nullptr,
+                      "dwgraph host graph: capture_begin() while this thread captures another graph");
+  if (pool) {
+    auto host = std::dynamic_pointer_cast<HostGraphPool>(pool);
+    DWGRAPH_CHECK_ARG(host != nullptr, "dwgraph host graph: argument 'pool' must be a host (cpu) pool, got a ",
+                      pool->device(), " pool");
+    pool_ = std::move(host);
+  } else {
+    pool_ = std::make_shared<HostGraphPool>();
+  }
+  auto hp = pool_->host_pool();
+  recorder_ = std::make_unique<detail::Recorder>(
+      ledger_, [hp](const void* p) { return hp->owns(p); }, /*execute=*/true);
+  alloc_guard_ = std::make_unique<allocator::CaptureAllocationGuard>(hp);
+  record_guard_ = std::make_unique<detail::RecordingGuard>(recorder_.get());
+}
+
+void HostGraph::end_capture_mode() {
+  record_guard_.reset();
+  alloc_guard_.reset();
+  if (recorder_) recorder_->restore_caller_writes();
+}
+
+void HostGraph::capture_abort() {
+  end_capture_mode();
+  recorder_.reset();
+  reset();
+}
+
+void HostGraph::capture_end() {
+  DWGRAPH_CHECK_STATE(is_capturing(), "dwgraph host graph: capture_end() without capture_begin()");
+  end_capture_mode();
+  records_ = recorder_->take_records();
+  recorder_.reset();
+
+  // Non-owning views of the captured memory (see raw_storages_).
+  raw_storages_.clear();
+  for (size_t i = 0; i < ledger_.size(); ++i) {
+    const auto& e = ledger_.entry(i);
+    void* data = const_cast<void*>(e.data);
+    raw_storages_.emplace_back(c10::Storage::use_byte_size_t(), e.nbytes,
+                               c10::DataPtr(data, nullptr, &no_delete, c10::Device(c10::kCPU)),
+                               /*allocator=*/nullptr, /*resizable=*/false);
+  }
+  replay_args_.clear();
+  replay_outputs_.clear();
+  for (size_t r = 0; r < records_.size(); ++r) {
+    const auto& rec = records_[r];
+    std::vector<c10::IValue> args;
+    for (size_t a = 0; a < rec.args.size(); ++a) {
+      args.push_back(rebuild(rec.args[a]));
+    }
+    std::vector<std::pair<size_t, at::Tensor>> outs;
+    size_t flat = 0;
+    for (const auto& ret : rec.returns) {
+      for (size_t k = 0; k < ret.tensors.size(); ++k, ++flat) {
+        if (k < ret.fresh.size() && ret.fresh[k]) outs.emplace_back(flat, rebuild(ret.tensors[k]));
+      }
+    }
+    replay_args_.push_back(std::move(args));
+    replay_outputs_.push_back(std::move(outs));
+  }
+  captured_ = true;
+}
+
+at::Tensor HostGraph::rebuild(const detail::TensorSlot& s) const {
+  if (!s.defined) return at::Tensor();
+  auto opts = at::TensorOptions().dtype(s.dtype).device(s.device);
+  if (s.no_memory) return at::empty(s.sizes, opts);
+  at::Tensor t = at::empty({0}, opts);
+  t.set_(raw_storages_.at(s.entry), s.storage_offset, s.sizes, s.strides);
+  return t;
+}
+
+c10::IValue HostGraph::rebuild(const detail::ValueSlot& s) const {
+  using Kind = detail::ValueSlot::Kind;
+  switch (s.kind) {
+    case Kind::kOther:
+      return s.other;
+    case Kind::kTensor:
+    case Kind::kOptionalTensor:
+      return s.tensors[0].defined ? c10::IValue(rebuild(s.tensors[0])) : c10::IValue();
+    case Kind::kTensorList: {
+      c10::List<at::Tensor> list;
+      for (const auto& t : s.tensors) list.push_back(rebuild(t));
+      return list;
+    }
+    case Kind::kOptionalTensorList: {
+      c10::List<std::optional<at::Tensor>> list;
+      for (const auto& t : s.tensors) list.push_back(t.defined ? std::optional<at::Tensor>(rebuild(t)) : std::nullopt);
+      return list;
+    }
+  }
+  return c10::IValue();
+}
+
+void HostGraph::replay() {
+  DWGRAPH_CHECK_STATE(captured_, "dwgraph host graph: replay() on a graph with no capture (",
+                      is_capturing() ? "still capturing" : "never captured or reset", ")");
+  detail::check_ledger(ledger_, records_, "host graph");
+  // Below autograd: the recorded calls are kernels, their autograd was recorded too.
+  const at::AutoDispatchBelowADInplaceOrView below;
+  const at::NoGradGuard no_grad;
+  torch::jit::Stack stack;
+  for (size_t r = 0; r < records_.size(); ++r) {
+    const auto& rec = records_[r];
+    if (rec.skip_at_replay) continue;
+    stack.assign(replay_args_[r].begin(), replay_args_[r].end());
+    rec.op.callBoxed(&stack);
+    if (replay_outputs_[r].empty()) continue;
+    // Flatten the returns (tensor lists count one per element) and write fresh outputs
+    // into the memory the capture gave them.
+    std::vector<at::Tensor> flat;
+    for (const auto& v : stack) {
+      if (v.isTensor()) {
+        flat.push_back(v.toTensor());
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList()) flat.push_back(t);
+      } else {
+        flat.emplace_back();
+      }
+    }
+    for (auto& [index, target] : replay_outputs_[r]) {
+      const at::Tensor& result = flat.at(index);
+      if (result.data_ptr() != target.data_ptr()) target.copy_(result);
+    }
+  }
+}
+
+void HostGraph::reset() noexcept {
+  records_.clear();
+  replay_args_.clear();
+  replay_outputs_.clear();
+  raw_storages_.clear();
+  ledger_.clear();
+  pool_.reset();
+  captured_ = false;
+}
+
+size_t HostGraph::num_kernels() const {
+  size_t n = 0;
+  for (const auto& r : records_) n += r.skip_at_replay ? 0 : 1;
+  return n;
+}
+
+std::vector<StorageInfo> HostGraph::storages() const {
+  std::vector<StorageInfo> out;
+  for (size_t i = 0; i < ledger_.size(); ++i) {
+    const auto& e = ledger_.entry(i);
+    const bool alive = e.ownership == allocator::Ownership::kGraph || ledger_.lock(i).has_value();
+    out.push_back(StorageInfo{e.ownership, e.nbytes, e.role, alive});
+  }
+  return out;
+}
+
+void HostGraph::set_role(const c10::Storage& storage, const std::string& role, bool persistent) {
+  ledger_.set_role(storage, role, persistent);
+}
+
+}  // namespace dwgraph::graphs

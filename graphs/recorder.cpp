@@ -1,0 +1,237 @@
+#include "graphs/recorder.h"
+
+#include "allocator/capture_allocator.h"
+#include "common/check.h"
+
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <unordered_set>
+
+namespace dwgraph::graphs::detail {
+namespace {
+
+constexpr auto kModeKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
+
+thread_local Recorder* tls_recorder = nullptr;
+
+bool is_write(const c10::Argument& a) {
+  const auto* info = a.alias_info();
+  if (info == nullptr) return false;
+  if (info->isWrite()) return true;
+  for (const auto& inner : info->containedTypes()) {
+    if (inner.isWrite()) return true;
+  }
+  return false;
+}
+
+// Calls that read a tensor's value on the host: a CUDA graph cannot capture them (the
+// capture would have to synchronise), so the host graph refuses them too.
+bool reads_value_on_host(const c10::OperatorName& name) {
+  static const std::unordered_set<std::string> kSync = {
+      "aten::_local_scalar_dense", "aten::item", "aten::equal", "aten::is_nonzero",
+      "aten::allclose", "aten::nonzero", "aten::masked_select", "aten::unique_consecutive",
+      "aten::_unique2"};
+  return kSync.count(name.name) > 0;
+}
+
+// Calls that launch no kernel: their outputs' contents are undefined until written.
+bool is_allocation(const c10::OperatorName& name) {
+  static const std::unordered_set<std::string> kAlloc = {"aten::empty", "aten::empty_like",
+                                                         "aten::empty_strided", "aten::new_empty",
+                                                         "aten::new_empty_strided"};
+  return kAlloc.count(name.name) > 0;
+}
+
+void capture_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  Recorder* rec = tls_recorder;
+  if (rec == nullptr) {
+    // Not ours (another thread inherited the key): just run the call.
+    const c10::impl::ExcludeDispatchKeyGuard guard(kModeKey);
+    op.redispatchBoxed(ks.remove(kModeKey), stack);
+    return;
+  }
+  rec->on_call(op, ks, stack);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&capture_fallback>());
+}
+
+Recorder* current_recorder() { return tls_recorder; }
+
+RecordingGuard::RecordingGuard(Recorder* rec) : previous_(tls_recorder), include_(kModeKey) {
+  tls_recorder = rec;
+}
+
+RecordingGuard::~RecordingGuard() { tls_recorder = previous_; }
+
+Recorder::Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> owned, bool execute)
+    : ledger_(ledger), owned_(std::move(owned)), execute_(execute) {}
+
+TensorSlot Recorder::tensor_slot(const at::Tensor& t) {
+  TensorSlot s;
+  if (!t.defined()) return s;
+  s.defined = true;
+  s.sizes = t.sizes().vec();
+  s.strides = t.strides().vec();
+  s.storage_offset = t.storage_offset();
+  s.dtype = t.scalar_type();
+  s.device = t.device();
+  const c10::Storage& st = t.storage();
+  s.no_memory = st.nbytes() == 0 || st.data() == nullptr;
+  if (!s.no_memory) s.entry = ledger_.record(st, owned_(st.data()));
+  return s;
+}
+
+ValueSlot Recorder::slot_for(const c10::IValue& v) {
+  ValueSlot s;
+  if (v.isTensor()) {
+    s.kind = ValueSlot::Kind::kTensor;
+    s.tensors.push_back(tensor_slot(v.toTensor()));
+  } else if (v.isTensorList()) {
+    s.kind = ValueSlot::Kind::kTensorList;
+    for (const at::Tensor& t : v.toTensorList()) s.tensors.push_back(tensor_slot(t));
+  } else if (v.isList() && v.toListRef().size() > 0 &&
+             std::any_of(v.toListRef().begin(), v.toListRef().end(),
+                         [](const c10::IValue& e) { return e.isTensor(); })) {
+    s.kind = ValueSlot::Kind::kOptionalTensorList;  // Tensor?[] (e.g. index)
+    for (const auto& e : v.toListRef()) {
+      s.tensors.push_back(e.isTensor() ? tensor_slot(e.toTensor()) : TensorSlot{});
+    }
+  } else {
+    s.kind = ValueSlot::Kind::kOther;
+    s.other = v;
+  }
+  return s;
+}
+
+void Recorder::snapshot_if_caller(const TensorSlot& s, const at::Tensor& t) {
+  if (!execute_ || !s.defined || s.no_memory) return;
+  if (ledger_.entry(s.entry).ownership == allocator::Ownership::kGraph) return;
+  if (snapshots_.count(s.entry) > 0) return;
+  const c10::Storage& st = t.storage();
+  std::vector<uint8_t> bytes(st.nbytes());
+  std::memcpy(bytes.data(), st.data(), st.nbytes());
+  snapshots_.emplace(s.entry, std::make_pair(st, std::move(bytes)));
+}
+
+void Recorder::on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  // Nothing below (our own tensor work, the kernel's nested calls) is recorded again.
+  const c10::impl::ExcludeDispatchKeyGuard exclude(kModeKey);
+  const auto& schema = op.schema();
+  DWGRAPH_CHECK_STATE(!reads_value_on_host(schema.operator_name()), "dwgraph graph capture: ",
+                      schema.operator_name().name,
+                      " reads a tensor's value on the host (e.g. .item(), torch.equal, nonzero), "
+                      "which a CUDA graph cannot capture; move it out of the captured region");
+  const size_t nargs = schema.arguments().size();
+  TORCH_INTERNAL_ASSERT(stack->size() >= nargs);
+  const size_t base = stack->size() - nargs;
+
+  OpRecord rec{op, {}, {}, false};
+  rec.args.reserve(nargs);
+  std::unordered_set<const void*> input_data;
+  for (size_t i = 0; i < nargs; ++i) {
+    const c10::IValue& v = (*stack)[base + i];
+    ValueSlot s = slot_for(v);
+    s.written = is_write(schema.arguments()[i]);
+    if (s.kind != ValueSlot::Kind::kOther) {
+      size_t k = 0;
+      auto visit = [&](const at::Tensor& t) {
+        const TensorSlot& ts = s.tensors[k++];
+        if (!ts.defined) return;
+        if (!ts.no_memory) input_data.insert(t.storage().data());
+        if (s.written) snapshot_if_caller(ts, t);
+      };
+      if (v.isTensor()) {
+        visit(v.toTensor());
+      } else {
+        for (const auto& e : v.toListRef()) {
+          if (e.isTensor()) {
+            visit(e.toTensor());
+          } else {
+            ++k;
+          }
+        }
+      }
+    }
+    rec.args.push_back(std::move(s));
+  }
+
+  // The kernel's own allocations follow the capture's routing (pool on the host graph).
+  op.redispatchBoxed(ks.remove(kModeKey), stack);
+
+  bool any_fresh = false;
+  bool any_write = std::any_of(rec.args.begin(), rec.args.end(), [](const ValueSlot& s) { return s.written; });
+  const size_t nret = schema.returns().size();
+  TORCH_INTERNAL_ASSERT(stack->size() >= base + nret);
+  for (size_t i = 0; i < nret; ++i) {
+    const c10::IValue& v = (*stack)[base + i];
+    // A fresh output lives in memory the capture allocated: the graph's pool.
+    auto mark_owned = [&](const at::Tensor& t) {
+      if (t.defined() && t.storage().nbytes() > 0 && input_data.count(t.storage().data()) == 0) {
+        ledger_.record(t.storage(), /*owned=*/true);
+      }
+    };
+    if (v.isTensor()) {
+      mark_owned(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) mark_owned(t);
+    }
+    ValueSlot s = slot_for(v);
+    auto fresh_of = [&](const at::Tensor& t) {
+      return t.defined() && t.storage().nbytes() > 0 && input_data.count(t.storage().data()) == 0;
+    };
+    if (v.isTensor()) {
+      s.fresh.push_back(fresh_of(v.toTensor()));
+    } else if (s.kind != ValueSlot::Kind::kOther) {
+      for (const auto& e : v.toListRef()) s.fresh.push_back(e.isTensor() && fresh_of(e.toTensor()));
+    }
+    for (bool f : s.fresh) any_fresh = any_fresh || f;
+    rec.returns.push_back(std::move(s));
+  }
+  rec.skip_at_replay = (!any_write && !any_fresh) || is_allocation(schema.operator_name());
+  records_.push_back(std::move(rec));
+}
+
+void check_ledger(const allocator::Ledger& ledger, const std::vector<OpRecord>& records,
+                  const char* backend) {
+  for (size_t i = 0; i < ledger.size(); ++i) {
+    const auto& e = ledger.entry(i);
+    if (e.ownership == allocator::Ownership::kGraph || ledger.lock(i).has_value()) continue;
+    std::string what = c10::str("a ", e.nbytes, "-byte storage");
+    for (size_t r = 0; r < records.size() && what.front() == 'a'; ++r) {
+      const auto& rec = records[r];
+      for (size_t a = 0; a < rec.args.size(); ++a) {
+        for (const auto& t : rec.args[a].tensors) {
+          if (!t.defined || t.no_memory || t.entry != i) continue;
+          what = c10::str("kernel ", rec.op.schema().operator_name(), " (call ", r + 1, " of ", records.size(),
+                          ") argument '", rec.op.schema().arguments()[a].name(), "', a ", t.dtype,
+                          " tensor of shape ", c10::IntArrayRef(t.sizes));
+          break;
+        }
+        if (what.front() != 'a') break;
+      }
+    }
+    throw DanglingCaptureError(
+        c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+        c10::str("dwgraph ", backend, " replay: ", what, " (", allocator::to_string(e.ownership),
+                 e.role.empty() ? std::string() : ", " + e.role,
+                 ") lives in a storage its owner released (or reallocated) after capture; the graph "
+                 "would write into memory that may belong to someone else, so nothing was run. Keep the "
+                 "tensor alive while the graph can replay, or reset() the graph."));
+  }
+}
+
+void Recorder::restore_caller_writes() {
+  for (auto& [entry, snap] : snapshots_) {
+    c10::Storage& st = snap.first;
+    std::memcpy(st.mutable_data(), snap.second.data(), snap.second.size());
+  }
+  snapshots_.clear();
+}
+
+}  // namespace dwgraph::graphs::detail
