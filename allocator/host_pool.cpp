@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <unordered_map>
 
 namespace dwgraph::allocator {
 namespace {
@@ -16,11 +17,12 @@ size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
 std::atomic<uint64_t> next_pool_id{1};
 
-// What a pool block's DataPtr carries: the pool (kept alive by the block) and the block.
-struct BlockContext {
-  std::shared_ptr<HostPool> pool;
-  char* ptr;
-};
+// Live pool blocks and their pools, process-wide (see HostPool::allocate).
+std::mutex live_mu;
+std::unordered_map<void*, std::shared_ptr<HostPool>>& live_blocks() {
+  static auto* m = new std::unordered_map<void*, std::shared_ptr<HostPool>>();
+  return *m;
+}
 
 }  // namespace
 
@@ -62,14 +64,29 @@ c10::DataPtr HostPool::allocate(size_t nbytes) {
     stats_.live_blocks += 1;
     stats_.num_allocations += 1;
   }
-  auto* ctx = new BlockContext{shared_from_this(), p};
-  return c10::DataPtr(p, ctx, &HostPool::delete_block, c10::Device(c10::kCPU));
+  {
+    const std::lock_guard<std::mutex> lock(live_mu);
+    live_blocks()[p] = shared_from_this();
+  }
+  return c10::DataPtr(p, p, &HostPool::delete_block, c10::Device(c10::kCPU));
 }
 
-void HostPool::delete_block(void* ctx) {
-  auto* c = static_cast<BlockContext*>(ctx);
-  c->pool->free_block(c->ptr);
-  delete c;  // may drop the last reference to the pool
+bool HostPool::release_block(void* p) {
+  std::shared_ptr<HostPool> pool;
+  {
+    const std::lock_guard<std::mutex> lock(live_mu);
+    auto it = live_blocks().find(p);
+    if (it == live_blocks().end()) return false;
+    pool = std::move(it->second);
+    live_blocks().erase(it);
+  }
+  pool->free_block(static_cast<char*>(p));
+  return true;  // `pool` may be the last reference: the pool goes with it
+}
+
+void HostPool::delete_block(void* p) {
+  const bool ok = release_block(p);
+  TORCH_INTERNAL_ASSERT(ok, "dwgraph host pool: freeing a block no pool owns");
 }
 
 void HostPool::free_block(char* p) {

@@ -34,7 +34,11 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   HostPool& operator=(const HostPool&) = delete;
 
   // A block of at least `nbytes` (64-byte aligned); its DataPtr returns it to this pool.
+  // The DataPtr's context is its data pointer (as c10's raw_allocate requires); a
+  // process-wide table maps live blocks to their pool, which each live block keeps alive.
   c10::DataPtr allocate(size_t nbytes);
+  // Returns a live pool block at `p` to its pool; false when `p` is no pool block.
+  static bool release_block(void* p);
   // True when `p` points into one of this pool's chunks.
   bool owns(const void* p) const;
   PoolStats stats() const;
@@ -47,7 +51,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
  private:
   HostPool();
   void free_block(char* p);
-  static void delete_block(void* ctx);
+  static void delete_block(void* p);
 
   struct Block {
     size_t size;

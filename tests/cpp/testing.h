@@ -1,8 +1,9 @@
 #pragma once
 // Shared helpers for dwgraph's Catch2 tests (namespace dwgraph::testing).
-#include <catch2/catch.hpp>
-
+// ATen first: c10's logging defines a fatal CHECK macro; Catch's CHECK must win.
 #include <ATen/ATen.h>
+#undef CHECK
+#include <catch2/catch.hpp>
 
 #include <iostream>
 

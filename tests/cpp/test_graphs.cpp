@@ -1,0 +1,192 @@
+// The graph backends (graphs/graph.h): replay equals eager bitwise, capture changes
+// nothing the caller sees, the shared-pool ordering hazard, pool counters after reset,
+// a capture that raises can be retried, and DanglingCaptureError.
+#include "testing.h"
+
+#include "common/check.h"
+#include "graphs/graph.h"
+#include "ops/gemm.h"
+
+#include <ATen/ops/layer_norm.h>
+
+using dwgraph::testing::randn;
+
+namespace {
+
+struct Mlp {
+  at::Tensor w1, b1, w2;
+  explicit Mlp(c10::Device d)
+      : w1(randn({16, 8}, at::kFloat, d).requires_grad_()),
+        b1(randn({16}, at::kFloat, d).requires_grad_()),
+        w2(randn({4, 16}, at::kFloat, d).requires_grad_()) {}
+  // A small training step: layer norm, GEMMs (ATen and dwgraph), GELU, reduction, backward.
+  at::Tensor step(const at::Tensor& x) const {
+    const auto h = at::gelu(at::linear(at::layer_norm(x, {8}), w1, b1));
+    const auto y = dwgraph::ops::fwd_gemm(h.detach(), w2.detach()) + at::linear(h, w2);
+    const auto loss = (y * y).mean();
+    loss.backward();
+    return loss.detach();
+  }
+};
+
+}  // namespace
+
+DWGRAPH_DEVICE_TEST("graph replay equals eager, bitwise, on fresh inputs", "[graphs]") {
+  at::manual_seed(21);
+  Mlp m(device);
+  auto static_x = randn({5, 8}, at::kFloat, device);
+  auto graph = dwgraph::graphs::make_graph(device);
+  graph->capture_begin();
+  const at::Tensor loss = m.step(static_x);
+  graph->capture_end();
+  // The gradients captured were written into tensors the graph owns.
+  const at::Tensor g1 = m.w1.grad(), g2 = m.w2.grad();
+  REQUIRE(g1.defined());
+  CHECK(graph->num_kernels() > 10);
+  for (int round = 0; round < 3; ++round) {
+    const auto fresh = randn({5, 8}, at::kFloat, device);
+    static_x.copy_(fresh);
+    graph->replay();
+    Mlp ref(device);
+    for (auto [dst, src] : {std::pair{&ref.w1, &m.w1}, {&ref.b1, &m.b1}, {&ref.w2, &m.w2}}) {
+      *dst = src->detach().clone().requires_grad_();
+    }
+    const auto ref_loss = ref.step(fresh);
+    CHECK(at::equal(loss, ref_loss));
+    CHECK(at::equal(g1, ref.w1.grad()));
+    CHECK(at::equal(g2, ref.w2.grad()));
+  }
+}
+
+TEST_CASE("host capture changes nothing the caller sees; replay applies the writes", "[graphs][cpu]") {
+  const auto cpu = c10::Device(c10::kCPU);
+  auto param = randn({4, 4}, at::kFloat, cpu);
+  auto main_grad = at::zeros({4, 4});
+  const auto x = randn({3, 4}, at::kFloat, cpu);
+  const auto param0 = param.clone();
+  const auto dy = randn({3, 4}, at::kFloat, cpu);  // before capture: randn would replay too
+  auto graph = dwgraph::graphs::make_graph(cpu);
+  graph->capture_begin();
+  dwgraph::ops::wgrad_gemm(dy, x, main_grad, /*accumulate=*/true);
+  param.sub_(main_grad, 0.5);
+  graph->capture_end();
+  CHECK(at::equal(param, param0));                   // restored
+  CHECK(main_grad.abs().sum().item<float>() == 0);   // restored
+  graph->replay();
+  const auto expected_grad = at::mm(dy.t(), x);
+  CHECK(at::allclose(main_grad, expected_grad));
+  CHECK(at::allclose(param, param0 - 0.5 * expected_grad));
+  graph->replay();  // accumulates again, as a replayed kernel would
+  CHECK(at::allclose(main_grad, 2 * expected_grad));
+}
+
+TEST_CASE("graphs on one pool: right in capture order, corrupted out of order", "[graphs][cpu][hazard]") {
+  // The documented CUDA-graph hazard: a later capture on the same pool may reuse memory
+  // an earlier capture freed. Here g1's temporary is freed when its capture ends and g2's
+  // output takes the same block. Replayed in capture order (g1, then g2) g2's output is
+  // right; replaying g1 after g2 rewrites g1's temporary, which is g2's output.
+  const auto cpu = c10::Device(c10::kCPU);
+  auto pool = dwgraph::graphs::make_pool(cpu);
+  auto a = at::full({64}, 1.0f), b = at::full({64}, 2.0f);
+  auto out_a = at::empty({64});
+  auto g1 = dwgraph::graphs::make_graph(cpu);
+  auto g2 = dwgraph::graphs::make_graph(cpu);
+  g1->capture_begin(pool);
+  {
+    const auto tmp = a * 3;  // pool memory, freed at the end of this block
+    out_a.copy_(tmp);
+    out_a.add_(1);
+  }
+  g1->capture_end();
+  g2->capture_begin(pool);
+  const auto out_b = b * 5;  // reuses tmp's block
+  g2->capture_end();
+  const void* tmp_block = nullptr;
+  for (const auto& s : g1->storages()) {
+    if (s.ownership == dwgraph::allocator::Ownership::kGraph) tmp_block = &s;
+  }
+  REQUIRE(tmp_block != nullptr);
+  g1->replay();
+  g2->replay();
+  CHECK(at::equal(out_a, at::full({64}, 4.0f)));
+  CHECK(at::equal(out_b, at::full({64}, 10.0f)));
+  g1->replay();  // out of order: g1's temporary is written over g2's output
+  CHECK(at::equal(out_a, at::full({64}, 4.0f)));
+  CHECK(at::equal(out_b, at::full({64}, 3.0f)));
+}
+
+TEST_CASE("pool counters return to their start after reset", "[graphs][cpu]") {
+  const auto cpu = c10::Device(c10::kCPU);
+  auto pool = dwgraph::graphs::make_pool(cpu);
+  const auto start = pool->stats();
+  CHECK(start.allocated_bytes == 0);
+  {
+    auto graph = dwgraph::graphs::make_graph(cpu);
+    const auto x = randn({32, 32}, at::kFloat, cpu);
+    graph->capture_begin(pool);
+    auto y = at::mm(x, x).relu();
+    graph->capture_end();
+    CHECK(pool->stats().allocated_bytes > 0);  // y lives in the pool
+    graph->replay();
+    y = at::Tensor();
+    graph->reset();
+    CHECK_FALSE(graph->is_captured());
+    CHECK(graph->pool() == nullptr);
+  }
+  CHECK(pool->stats().allocated_bytes == start.allocated_bytes);
+  CHECK(pool->stats().live_blocks == 0);
+}
+
+TEST_CASE("a capture that raises leaves nothing behind and can be retried", "[graphs][cpu]") {
+  const auto cpu = c10::Device(c10::kCPU);
+  auto graph = dwgraph::graphs::make_graph(cpu);
+  auto x = randn({4, 4}, at::kFloat, cpu);
+  auto acc = at::zeros({4, 4});
+  graph->capture_begin();
+  acc.add_(x);
+  try {
+    DWGRAPH_CHECK_ARG(false, "the region failed");
+  } catch (const dwgraph::ArgumentError&) {
+    graph->capture_abort();
+  }
+  CHECK_FALSE(graph->is_capturing());
+  CHECK_FALSE(graph->is_captured());
+  CHECK(graph->pool() == nullptr);
+  CHECK(acc.abs().sum().item<float>() == 0);  // the aborted capture's write was undone
+  const auto probe = at::ones({2}) + 1;       // no capture mode left: not recorded
+  CHECK(graph->num_kernels() == 0);
+  graph->capture_begin();
+  acc.add_(x);
+  graph->capture_end();
+  graph->replay();
+  graph->replay();
+  CHECK(at::equal(acc, 2 * x));
+  CHECK(probe.sum().item<float>() == 4.0f);
+}
+
+TEST_CASE("replay after the caller released a captured tensor raises DanglingCaptureError",
+          "[graphs][cpu][safety]") {
+  const auto cpu = c10::Device(c10::kCPU);
+  auto graph = dwgraph::graphs::make_graph(cpu);
+  auto w = randn({64, 64}, at::kFloat, cpu);
+  auto out = at::zeros({64, 64});
+  graph->capture_begin();
+  at::mm_out(out, w, w);
+  graph->capture_end();
+  graph->set_role(out.storage(), "static output", false);
+  w = at::Tensor();  // the caller releases it
+  // Fresh allocations of the same size, one of which likely takes the released block.
+  std::vector<at::Tensor> burst;
+  for (int i = 0; i < 8; ++i) burst.push_back(at::full({64, 64}, 7.0f));
+  const auto out_before = out.clone();
+  try {
+    graph->replay();
+    FAIL("replay did not raise");
+  } catch (const dwgraph::DanglingCaptureError& e) {
+    const std::string msg = e.what_without_backtrace();
+    CHECK_THAT(msg, Catch::Contains("aten::mm") && Catch::Contains("Float") &&
+                        Catch::Contains("[64, 64]") && Catch::Contains("released"));
+  }
+  for (const auto& t : burst) CHECK(at::equal(t, at::full({64, 64}, 7.0f)));
+  CHECK(at::equal(out, out_before));  // nothing ran
+}
