@@ -14,4 +14,5 @@ PYBIND11_MODULE(_C, m) {
   dwgraph::bindings::init_errors(m);
   dwgraph::bindings::init_nn(m);
   dwgraph::bindings::init_graphs(m);
+  dwgraph::bindings::init_manager(m);
 }

@@ -49,6 +49,8 @@ void init_nn(py::module_& parent) {
            py::call_guard<py::gil_scoped_release>())
       .def("num_units", &WgradStore::num_units)
       .def("clear", &WgradStore::clear)
+      .def("set_retain_consumed", &WgradStore::set_retain_consumed, py::arg("on"))
+      .def("release_consumed", &WgradStore::release_consumed)
       // A copied module starts with nothing queued: queued work belongs to the original's
       // autograd graphs.
       .def("__deepcopy__", [](const WgradStore&, py::dict) { return std::make_shared<WgradStore>(); });

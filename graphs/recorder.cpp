@@ -52,6 +52,12 @@ void capture_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, tor
     op.redispatchBoxed(ks.remove(kModeKey), stack);
     return;
   }
+  if (op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+    // A composite decomposes into other calls, and autograd saves the intermediates of
+    // that decomposition (layer_norm's mean and rstd): record the calls it makes, not it.
+    op.redispatchBoxed(ks.remove(kModeKey), stack);
+    return;
+  }
   rec->on_call(op, ks, stack);
 }
 

@@ -9,7 +9,10 @@
 // ATen or torch.ops.dwgraph, reaches the fallback first. The fallback records the
 // operator and its arguments (tensors as storage + geometry), redispatches with the key
 // excluded (so calls nested inside the kernel are not recorded twice) and records which
-// outputs are fresh and which alias an input. RecordFunction observers were rejected:
+// outputs are fresh and which alias an input. CompositeImplicitAutograd operators are not
+// recorded themselves: they pass through with the key still active, so the calls they
+// decompose into are recorded instead, because autograd saves the intermediates of that
+// decomposition (layer_norm's mean and rstd) and replay must rewrite them too. RecordFunction observers were rejected:
 // they miss inputs of several ops and never see autograd's backward kernels.
 //
 // The same recorder fills the ledger of a CUDA capture (which CUDA replays natively).

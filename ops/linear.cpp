@@ -1,5 +1,6 @@
 #include "ops/linear.h"
 
+#include "common/autograd_node.h"
 #include "common/check.h"
 #include "ops/gemm.h"
 #include "ops/impl/wgrad_landing.h"
@@ -208,21 +209,6 @@ class GroupedLinearBackward final : public DeferredGemmNode {
   std::vector<int64_t> offsets_;
 };
 
-// Autograd nodes are held by std::shared_ptr in older torch releases and by
-// c10::intrusive_ptr in newer ones; Edge::function tells which this torch uses.
-using NodePtr = decltype(torch::autograd::Edge::function);
-template <class T>
-inline constexpr bool kSharedNodes = std::is_same_v<std::decay_t<T>, std::shared_ptr<torch::autograd::Node>>;
-
-template <class NodeT, class... Args>
-auto make_node(Args&&... args) {
-  if constexpr (kSharedNodes<NodePtr>) {
-    return std::make_shared<NodeT>(std::forward<Args>(args)...);
-  } else {
-    return c10::make_intrusive<NodeT>(std::forward<Args>(args)...);
-  }
-}
-
 template <class NodeT, class... Extra>
 void connect(const at::Tensor& y, const at::Tensor& x, const at::Tensor& x2d, const WgradConfig& cfg,
              const std::vector<WeightRefPtr>& weights, const std::vector<WeightRefPtr>& biases,
@@ -238,8 +224,8 @@ void connect(const at::Tensor& y, const at::Tensor& x, const at::Tensor& x2d, co
     // Nothing will call backward, so no unit is queued either.
     return;
   }
-  auto node = make_node<NodeT>(cfg, weights, biases, std::forward<Extra>(extra)...);
-  NodePtr base = node;
+  auto node = dwgraph::detail::make_node<NodeT>(cfg, weights, biases, std::forward<Extra>(extra)...);
+  dwgraph::detail::NodePtr base = node;
   torch::autograd::edge_list edges;
   for (const auto* t : inputs) edges.push_back(torch::autograd::impl::gradient_edge(*t));
   // An input that does not require grad gets an invalid edge (no gradient flows there).

@@ -35,6 +35,21 @@ void WgradStore::run_oldest(const std::string& owner) {
   }
   // Outside the lock: the work may run user code (hooks of distributed weights).
   for (auto& w : unit.work) w();
+  const std::lock_guard<std::mutex> lock(mu_);
+  if (retain_consumed_) consumed_.push_back(std::move(unit));
+}
+
+void WgradStore::set_retain_consumed(bool on) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  retain_consumed_ = on;
+}
+
+void WgradStore::release_consumed() {
+  std::vector<Unit> drop;
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    drop.swap(consumed_);
+  }
 }
 
 size_t WgradStore::num_units() const {
@@ -45,6 +60,7 @@ size_t WgradStore::num_units() const {
 void WgradStore::clear() {
   const std::lock_guard<std::mutex> lock(mu_);
   units_.clear();
+  consumed_.clear();
 }
 
 }  // namespace dwgraph::ops

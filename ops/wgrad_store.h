@@ -34,6 +34,12 @@ class WgradStore {
   void run_oldest(const std::string& owner);
 
   size_t num_units() const;
+  // While on, run_oldest keeps each consumed unit (and the tensors its closures hold)
+  // instead of dropping it, until release_consumed(). The graph manager uses it so the
+  // memory a captured backward-dw graph reads stays allocated until every backward-dw
+  // graph is captured (SPEC C3).
+  void set_retain_consumed(bool on);
+  void release_consumed();
   bool empty() const { return num_units() == 0; }
   // Drops every queued unit without running it.
   void clear();
@@ -46,6 +52,8 @@ class WgradStore {
   };
   mutable std::mutex mu_;
   std::deque<Unit> units_;
+  std::vector<Unit> consumed_;
+  bool retain_consumed_ = false;
   uint64_t next_id_ = 1;
 };
 

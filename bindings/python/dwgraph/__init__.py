@@ -11,6 +11,7 @@ from . import _C
 from . import ops
 from . import nn
 from . import graphs
+from .graphed import GraphedCallable, make_graphed_callables
 
 __version__ = _C.version()
 
@@ -32,6 +33,8 @@ __all__ = [
     "ops",
     "nn",
     "graphs",
+    "make_graphed_callables",
+    "GraphedCallable",
     "DwgraphError",
     "ArgumentError",
     "GraphStateError",

@@ -72,6 +72,11 @@ class _DeferredWgradModule(torch.nn.Module):
 
     def backward_dw(self) -> None:
         """Runs the oldest queued unit of weight-gradient work, then the wgrad hooks."""
+        self._backward_dw_without_hooks()
+        self._run_wgrad_hooks()
+
+    def _backward_dw_without_hooks(self) -> None:
+        # The graph manager captures this, and runs the hooks itself after the hand-off.
         if not self.delay_wgrad_compute:
             raise GraphStateError(
                 f"{self._display_name()}.backward_dw(): delay_wgrad_compute is False, so no "
@@ -79,7 +84,19 @@ class _DeferredWgradModule(torch.nn.Module):
                 "delay_wgrad_compute=True"
             )
         self._wgrad_store.run_oldest(self._display_name())
-        self._run_wgrad_hooks()
+
+    def _deferred_parameters(self):
+        """(name, parameter) of every parameter whose gradient lands in backward_dw()."""
+        if not self.delay_wgrad_compute:
+            return []
+        return [(n, p) for n, p in self.named_parameters(recurse=False)
+                if not n.startswith("layer_norm") and not (self.fuse_wgrad_accumulation and self._is_deferred_weight(n))]
+
+    def _fused_parameters(self):
+        """(name, parameter) of every weight whose gradient accumulates into main_grad."""
+        if not self.fuse_wgrad_accumulation:
+            return []
+        return [(n, p) for n, p in self.named_parameters(recurse=False) if self._is_deferred_weight(n)]
 
     def num_queued_wgrad_units(self) -> int:
         """How many backwards' worth of weight-gradient work wait for ``backward_dw()``."""
