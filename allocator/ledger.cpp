@@ -1,5 +1,7 @@
 #include "allocator/ledger.h"
 
+#include <algorithm>
+
 namespace dwgraph::allocator {
 
 const char* to_string(Ownership o) {
@@ -21,9 +23,11 @@ size_t Ledger::record(const c10::Storage& storage, bool owned) {
     // The same address can come back as a new storage (a pool block reused inside the
     // capture): the newest owner is what later kernels touch.
     LedgerEntry& e = entries_[it->second];
+    // A reused block may come back larger (coalesced): the entry spans the largest use.
+    e.nbytes = std::max(e.nbytes, storage.nbytes());
     if (!owned && e.ownership != Ownership::kGraph) {
       e.weak = storage.getWeakStorageImpl();
-      e.nbytes = storage.nbytes();
+      e.owner_nbytes = storage.nbytes();
     }
     return it->second;
   }
@@ -35,6 +39,7 @@ size_t Ledger::record(const c10::Storage& storage, bool owned) {
   } else {
     e.ownership = Ownership::kCaller;
     e.weak = storage.getWeakStorageImpl();
+    e.owner_nbytes = storage.nbytes();
     auto r = roles_.find(data);
     if (r != roles_.end()) {
       e.role = r->second.first;
@@ -62,7 +67,7 @@ std::optional<c10::Storage> Ledger::lock(size_t i) const {
   auto strong = e.weak.lock();
   if (!strong) return std::nullopt;
   c10::Storage s(std::move(strong));
-  if (s.data() != e.data || s.nbytes() < e.nbytes) return std::nullopt;
+  if (s.data() != e.data || s.nbytes() < e.owner_nbytes) return std::nullopt;
   return s;
 }
 

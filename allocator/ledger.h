@@ -22,7 +22,8 @@ const char* to_string(Ownership o);
 struct LedgerEntry {
   Ownership ownership = Ownership::kCaller;
   const void* data = nullptr;  // the storage's data pointer at capture
-  size_t nbytes = 0;
+  size_t nbytes = 0;           // the largest extent any captured use of this address had
+  size_t owner_nbytes = 0;     // non-owned: the size of the storage the weak reference names
   c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};  // non-owned
   std::string role;            // e.g. "parameter 'fc1.weight'"; empty when unknown
 };
