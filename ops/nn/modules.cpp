@@ -80,6 +80,56 @@ void DeferredWgradModule::allocate_main_grads(const std::vector<std::string>& we
   }
 }
 
+DeferredWgradModuleSpec DeferredWgradModule::wgrad_spec(const std::string& name) {
+  DeferredWgradModuleSpec spec;
+  spec.name = name.empty() ? display_name_ : name;
+  spec.need_backward_dw = [this] { return need_backward_dw(); };
+  spec.backward_dw = [this] {
+    DWGRAPH_CHECK_STATE(opts_.delay_wgrad_compute, display_name_, ".backward_dw(): delay_wgrad_compute is false");
+    store_->run_oldest(display_name_);
+  };
+  spec.run_hooks = [this] {
+    for (auto& h : hooks_) h(*this);
+  };
+  const std::string prefix = name.empty() ? "" : name + ".";
+  for (const auto& item : named_parameters(/*recurse=*/false)) {
+    const bool is_weight = main_grads_.count(item.key()) > 0 ||
+                           item.key().find("weight") != std::string::npos && item.key().rfind("layer_norm", 0) != 0;
+    if (item.key().rfind("layer_norm", 0) == 0) continue;  // LayerNorm gets its gradient in the main backward
+    if (opts_.fuse_wgrad_accumulation && is_weight) {
+      spec.fused_parameters.push_back(item.value());
+      spec.fused_parameter_names.push_back(prefix + item.key());
+    } else if (opts_.delay_wgrad_compute) {
+      spec.deferred_parameters.push_back(item.value());
+      spec.deferred_parameter_names.push_back(prefix + item.key());
+    }
+  }
+  std::vector<std::string> fused = spec.fused_parameter_names;
+  spec.main_grad = [this, fused, prefix](size_t i) { return main_grad(fused.at(i).substr(prefix.size())); };
+  spec.retain_consumed = [store = store_](bool on) { store->set_retain_consumed(on); };
+  spec.release_consumed = [store = store_] { store->release_consumed(); };
+  return spec;
+}
+
+GraphableCallable graphable(const std::string& name, std::shared_ptr<torch::nn::Module> root,
+                            std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward) {
+  GraphableCallable c;
+  c.name = name;
+  c.forward = std::move(forward);
+  for (const auto& item : root->named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    c.parameters.push_back(item.value());
+    c.parameter_names.push_back(item.key());
+  }
+  for (const auto& b : root->buffers(/*recurse=*/true)) c.buffers.push_back(b);
+  c.is_training = [root] { return root->is_training(); };
+  for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    auto* m = dynamic_cast<DeferredWgradModule*>(item.value().get());
+    if (m != nullptr && m->need_backward_dw()) c.deferred_modules.push_back(m->wgrad_spec(item.key()));
+  }
+  return c;
+}
+
 Linear::Linear(int64_t in_features, int64_t out_features, DeferredOptions opts)
     : DeferredWgradModule("dwgraph::nn::Linear(in_features=" + std::to_string(in_features) +
                               ", out_features=" + std::to_string(out_features) + ", " + flags(opts) + ")",

@@ -1,6 +1,7 @@
 #pragma once
 // C++ deferred-wgrad modules (namespace dwgraph::nn): the same contract as dwgraph.nn in
 // Python (docs/deferred-wgrad.md), as torch::nn::Modules over ops/linear.h.
+#include "graphs/manager.h"
 #include "ops/linear.h"
 #include "ops/wgrad_store.h"
 
@@ -33,6 +34,10 @@ class DeferredWgradModule : public torch::nn::Module {
   // The fused-accumulation buffer of parameter `name` (FP32, owned by the caller).
   at::Tensor& main_grad(const std::string& name);
   const DeferredOptions& options() const { return opts_; }
+  // What make_graphed_callables needs to capture and hand off this module's deferred
+  // weight gradients (hooks run by the manager after the hand-off). The module must
+  // outlive the graphed callables built from the spec.
+  DeferredWgradModuleSpec wgrad_spec(const std::string& name);
 
  protected:
   DeferredWgradModule(std::string display_name, DeferredOptions opts);
@@ -73,5 +78,10 @@ class LayerNormMLP : public DeferredWgradModule {
   std::string activation;
   double eps;
 };
+
+// A callable for make_graphed_callables: `forward` over tensors, the trainable
+// parameters of `root` and every DeferredWgradModule among its modules.
+GraphableCallable graphable(const std::string& name, std::shared_ptr<torch::nn::Module> root,
+                            std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward);
 
 }  // namespace dwgraph::nn

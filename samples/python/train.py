@@ -1,16 +1,18 @@
-"""A two-layer MLP trained with dwgraph's GEMM ops, next to plain PyTorch autograd.
+"""A small model with deferred weight gradients, trained eagerly and graphed side by side.
 
-Each microbatch's backward computes only the input gradient (``dgrad_gemm``) and queues
-its weight-gradient work, as a zero-bubble pipeline schedule does; the queued work then
-runs as fused accumulation (``wgrad_gemm(..., accumulate=True)``) straight into FP32
-``main_grad`` buffers, with no temporary and no separate add. The same model trained
-with ``torch.nn`` autograd from the same weights and data gives the reference curve.
+Three dwgraph modules (Linear -> LayerNormMLP -> Linear) with delay_wgrad_compute=True:
+each backward computes input gradients only, and each module's backward_dw() computes
+its weight gradients later, as a zero-bubble pipeline schedule places them. One copy runs
+eagerly; an identical copy is captured once with dwgraph.make_graphed_callables (forward,
+backward and backward-dw graphs on one private pool; the host graph backend on CPU, CUDA
+graphs on a GPU) and replayed every step. Both use optimizer.zero_grad(set_to_none=True).
+The loss curves must be identical, bit for bit.
 
-    scripts/sample            # or: .venv/bin/python samples/python/train.py --steps 40
+    scripts/sample                     # or: .venv/bin/python samples/python/train.py --steps 40
+    .venv/bin/python samples/python/train.py --device cuda
 """
 
 import argparse
-import collections
 import time
 
 import torch
@@ -18,76 +20,82 @@ import torch
 import dwgraph
 
 
-def deferred_step(w1, w2, main_grads, x, target, microbatches):
-    """One training step's gradients with deferred, fused weight-gradient accumulation."""
-    for g in main_grads:
-        g.zero_()  # the caller owns main_grad and zeroes it in place
-    queue = collections.deque()
-    loss = 0.0
-    for xm, tm in zip(x.chunk(microbatches), target.chunk(microbatches)):
-        xm = xm.contiguous()
-        h = torch.relu(dwgraph.ops.fwd_gemm(xm, w1))
-        y = dwgraph.ops.fwd_gemm(h, w2)
-        diff = y - tm
-        loss += diff.pow(2).mean().item() / microbatches
-        dy = (diff * (2.0 / (diff.numel() * microbatches))).contiguous()
-        dh = (dwgraph.ops.dgrad_gemm(dy, w2) * (h > 0)).contiguous()
-        queue.append((dy, h, main_grads[1]))
-        queue.append((dh, xm, main_grads[0]))
-    while queue:  # the backward_dw phase
-        dy, inp, main_grad = queue.popleft()
-        dwgraph.ops.wgrad_gemm(dy, inp, main_grad, accumulate=True)
-    return loss
+def build(d_in, hidden, ffn, d_out, device, dtype):
+    flags = dict(delay_wgrad_compute=True, device=device, dtype=dtype)
+    return torch.nn.ModuleList([
+        dwgraph.nn.Linear(d_in, hidden, **flags),
+        dwgraph.nn.LayerNormMLP(hidden, ffn, **flags),
+        dwgraph.nn.Linear(hidden, d_out, **flags),
+    ])
+
+
+def train_step(stages, opt, x, target):
+    """forward, loss.backward(), then each stage's backward_dw(); returns the loss."""
+    opt.zero_grad(set_to_none=True)
+    h = x
+    for stage in stages:
+        h = stage(h)
+    loss = (h.float() - target).square().mean()
+    loss.backward()
+    for stage in stages:
+        stage.backward_dw()
+    opt.step()
+    return loss.detach()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args()
+    device, dtype = torch.device(args.device), torch.float32
+    d_in, hidden, ffn, d_out = 32, 64, 128, 8
 
     torch.manual_seed(0)
-    batch, d_in, hidden, d_out = 64, 32, 64, 8
-    ref = torch.nn.Sequential(
-        torch.nn.Linear(d_in, hidden, bias=False), torch.nn.ReLU(), torch.nn.Linear(hidden, d_out, bias=False)
-    )
-    w1 = ref[0].weight.detach().clone()
-    w2 = ref[2].weight.detach().clone()
-    main_grads = [torch.zeros_like(w1), torch.zeros_like(w2)]
-    opt = torch.optim.SGD(ref.parameters(), lr=args.lr)
-    teacher = torch.randn(d_out, d_in)
+    eager = build(d_in, hidden, ffn, d_out, device, dtype)
+    graphed_model = build(d_in, hidden, ffn, d_out, device, dtype)
+    graphed_model.load_state_dict(eager.state_dict())
+    teacher = torch.randn(d_out, d_in, device=device)
 
-    print(f"dwgraph {dwgraph.__version__} (CUDA built: {dwgraph.cuda_built()}, available: {dwgraph.cuda_available()})")
-    print(f"{'step':>4}  {'loss (dwgraph)':>14}  {'loss (torch.nn)':>15}  {'max |dW| diff':>13}")
-    t_dw = t_ref = 0.0
+    # Capture once: the sample inputs give each stage's shapes (and whether it needs dgrad).
+    samples = ((torch.randn(args.batch, d_in, device=device),),
+               (torch.randn(args.batch, hidden, device=device, requires_grad=True),),
+               (torch.randn(args.batch, hidden, device=device, requires_grad=True),))
+    graphed = dwgraph.make_graphed_callables(tuple(graphed_model), samples)
+
+    opt_e = torch.optim.SGD(eager.parameters(), lr=args.lr)
+    opt_g = torch.optim.SGD(graphed_model.parameters(), lr=args.lr)
+    print(f"dwgraph {dwgraph.__version__} on {device} (CUDA built: {dwgraph.cuda_built()})")
+    print(f"{'step':>4}  {'eager loss':>12}  {'graphed loss':>12}  identical")
+    t_eager = t_graphed = 0.0
     for step in range(args.steps):
-        x = torch.randn(batch * args.microbatches, d_in)
+        x = torch.randn(args.batch, d_in, device=device)
         target = x @ teacher.t()
-
-        t0 = time.perf_counter()
-        loss = deferred_step(w1, w2, main_grads, x, target, args.microbatches)
-        t_dw += time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        ref_loss = 0.0
-        for xm, tm in zip(x.chunk(args.microbatches), target.chunk(args.microbatches)):
-            l = (ref(xm) - tm).pow(2).mean() / args.microbatches
-            l.backward()
-            ref_loss += l.item()
-        t_ref += time.perf_counter() - t0
-
-        diff = max((main_grads[0] - ref[0].weight.grad).abs().max().item(),
-                   (main_grads[1] - ref[2].weight.grad).abs().max().item())
-        if diff > 1e-4:
-            raise SystemExit(f"step {step}: gradients differ from torch.nn by {diff:.3g}")
-        if step % 5 == 0 or step == args.steps - 1:
-            print(f"{step:>4}  {loss:>14.6f}  {ref_loss:>15.6f}  {diff:>13.2e}")
-        w1.sub_(main_grads[0], alpha=args.lr)
-        w2.sub_(main_grads[1], alpha=args.lr)
-        opt.step()
-    print(f"gradient time per step: dwgraph {1e3 * t_dw / args.steps:.2f} ms, torch.nn {1e3 * t_ref / args.steps:.2f} ms")
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync(); t0 = time.perf_counter()
+        loss_e = train_step(eager, opt_e, x, target)
+        sync(); t1 = time.perf_counter()
+        loss_g = train_step(graphed, opt_g, x, target)
+        sync(); t2 = time.perf_counter()
+        if step >= 3:  # after the first steps' one-time costs
+            t_eager += t1 - t0
+            t_graphed += t2 - t1
+        same = torch.equal(loss_e, loss_g)
+        if step % 5 == 0 or step == args.steps - 1 or not same:
+            print(f"{step:>4}  {loss_e.item():>12.6f}  {loss_g.item():>12.6f}  {'yes' if same else 'NO'}")
+        if not same:
+            raise SystemExit("the graphed run diverged from the eager run")
+    for pe, pg in zip(eager.parameters(), graphed_model.parameters()):
+        assert torch.equal(pe, pg), "parameters differ after training"
+    stats = graphed[0].stats()
+    timed = max(args.steps - 3, 1)
+    print(f"step time: eager {1e3 * t_eager / timed:.3f} ms, graphed {1e3 * t_graphed / timed:.3f} ms, "
+          f"replay/eager {t_graphed / max(t_eager, 1e-12):.2f}")
+    print(f"graph pool: {stats['pool_reserved_bytes']} B reserved, {stats['pool_allocated_bytes']} B live; "
+          f"contributions {stats['contribution_bytes']} B; static buffers {stats['static_bytes']} B; "
+          f"{stats['num_graphs']} graphs")
 
 
 if __name__ == "__main__":
