@@ -3,14 +3,66 @@
 #include "common/check.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
 
 
 namespace dwgraph::graphs {
 namespace {
 
 void no_delete(void*) {}
+
+// The out= overload of `op` whose arguments are op's followed by one mutable tensor per
+// tensor return (mm -> mm.out, gelu_backward -> gelu_backward.grad_input), if any.
+std::optional<c10::OperatorHandle> out_overload(const c10::OperatorHandle& op) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, std::vector<c10::OperatorName>>* by_name = nullptr;
+  static std::unordered_map<c10::OperatorName, std::optional<c10::OperatorHandle>>* cache = nullptr;
+  const std::lock_guard<std::mutex> lock(mu);
+  if (by_name == nullptr) {
+    by_name = new std::unordered_map<std::string, std::vector<c10::OperatorName>>();
+    cache = new std::unordered_map<c10::OperatorName, std::optional<c10::OperatorHandle>>();
+    for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) (*by_name)[name.name].push_back(name);
+  }
+  const auto& schema = op.schema();
+  auto hit = cache->find(schema.operator_name());
+  if (hit != cache->end()) return hit->second;
+  std::optional<c10::OperatorHandle> found;
+  const auto& args = schema.arguments();
+  const auto& rets = schema.returns();
+  const bool all_tensor_returns = !rets.empty() && std::all_of(rets.begin(), rets.end(), [](const c10::Argument& r) {
+    return r.type()->kind() == c10::TypeKind::TensorType && r.alias_info() == nullptr;
+  });
+  auto candidates = by_name->find(schema.name());
+  if (all_tensor_returns && candidates != by_name->end()) {
+    for (const auto& name : candidates->second) {
+      if (name.overload_name == schema.overload_name()) continue;
+      auto h = c10::Dispatcher::singleton().findSchema(name);
+      if (!h) continue;
+      const auto& oargs = h->schema().arguments();
+      if (oargs.size() != args.size() + rets.size()) continue;
+      bool match = true;
+      for (size_t i = 0; i < args.size() && match; ++i) {
+        match = oargs[i].name() == args[i].name() && oargs[i].type()->str() == args[i].type()->str();
+      }
+      for (size_t i = args.size(); i < oargs.size() && match; ++i) {
+        const auto* info = oargs[i].alias_info();
+        match = oargs[i].type()->kind() == c10::TypeKind::TensorType && info != nullptr && info->isWrite();
+      }
+      if (match) {
+        found = *h;
+        break;
+      }
+    }
+  }
+  cache->emplace(schema.operator_name(), found);
+  return found;
+}
 
 }  // namespace
 
@@ -71,6 +123,7 @@ void HostGraph::capture_end() {
   }
   replay_args_.clear();
   replay_outputs_.clear();
+  replay_ops_.clear();
   for (size_t r = 0; r < records_.size(); ++r) {
     const auto& rec = records_[r];
     std::vector<c10::IValue> args;
@@ -84,6 +137,21 @@ void HostGraph::capture_end() {
         if (k < ret.fresh.size() && ret.fresh[k]) outs.emplace_back(flat, rebuild(ret.tensors[k]));
       }
     }
+    // Every return fresh and defined, and an out= overload: write straight into them.
+    std::optional<c10::OperatorHandle> op_out;
+    size_t n_tensor_returns = 0;
+    bool all_fresh = true;
+    for (const auto& ret : rec.returns) {
+      n_tensor_returns += ret.kind == detail::ValueSlot::Kind::kTensor ? 1 : 0;
+      all_fresh = all_fresh && ret.kind == detail::ValueSlot::Kind::kTensor && !ret.fresh.empty() && ret.fresh[0] &&
+                  ret.tensors[0].defined;
+    }
+    if (!rec.skip_at_replay && all_fresh && n_tensor_returns == outs.size()) op_out = out_overload(rec.op);
+    if (op_out) {
+      for (auto& [index, target] : outs) args.emplace_back(target);
+      outs.clear();
+    }
+    replay_ops_.push_back(op_out);
     replay_args_.push_back(std::move(args));
     replay_outputs_.push_back(std::move(outs));
   }
@@ -133,7 +201,7 @@ void HostGraph::replay() {
     const auto& rec = records_[r];
     if (rec.skip_at_replay) continue;
     stack.assign(replay_args_[r].begin(), replay_args_[r].end());
-    rec.op.callBoxed(&stack);
+    (replay_ops_[r] ? *replay_ops_[r] : rec.op).callBoxed(&stack);
     if (replay_outputs_[r].empty()) continue;
     // Flatten the returns (tensor lists count one per element) and write fresh outputs
     // into the memory the capture gave them.
@@ -158,6 +226,7 @@ void HostGraph::reset() noexcept {
   records_.clear();
   replay_args_.clear();
   replay_outputs_.clear();
+  replay_ops_.clear();
   raw_storages_.clear();
   ledger_.clear();
   pool_.reset();

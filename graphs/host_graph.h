@@ -68,7 +68,10 @@ class HostGraph final : public Graph {
   // Non-owning storages over the captured memory, one per ledger entry, so replay never
   // holds (and never revives) the caller's storages; validity comes from the ledger.
   std::vector<c10::Storage> raw_storages_;
-  // Per record, its argument values and its fresh-output tensors, built once.
+  // Per record, its argument values and its fresh-output tensors, built once. When the
+  // operator has an out= overload, replay calls that with the captured outputs as `out`
+  // (no temporary, no copy) and replay_outputs_ stays empty for the record.
+  std::vector<std::optional<c10::OperatorHandle>> replay_ops_;
   std::vector<std::vector<c10::IValue>> replay_args_;
   std::vector<std::vector<std::pair<size_t, at::Tensor>>> replay_outputs_;  // (flat return index, target)
   bool captured_ = false;
