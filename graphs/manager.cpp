@@ -2,6 +2,7 @@
 
 #include "common/autograd_node.h"
 #include "common/check.h"
+#include "graphs/handoff.h"
 
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
@@ -36,8 +37,7 @@ struct Slot {
   std::vector<size_t> grad_param_indices;
   std::vector<at::Tensor> static_grad_inputs;
   std::unique_ptr<graphs::Graph> fwd, bwd, dw;
-  std::vector<std::pair<at::Tensor, at::Tensor>> contributions;  // (parameter, graph-pool buffer)
-  std::vector<std::string> contribution_names;
+  std::vector<graphs::Contribution> contributions;
   bool captured_training = true;
   SlotState state = SlotState::kIdle;
 };
@@ -372,7 +372,6 @@ void GraphManager::capture_dw(size_t s) {
     // contribution (SPEC C4); the caller's .grad comes back untouched.
     for (size_t i = 0; i < params.size(); ++i) {
       if (params[i].grad().defined()) {
-        slot.contributions.emplace_back(params[i], params[i].grad());
         std::string pname = "?";
         for (const auto& m : c.deferred_modules) {
           for (size_t k = 0; k < m.deferred_parameters.size(); ++k) {
@@ -381,7 +380,7 @@ void GraphManager::capture_dw(size_t s) {
             }
           }
         }
-        slot.contribution_names.push_back(pname);
+        slot.contributions.push_back(graphs::Contribution{params[i], params[i].grad(), pname});
       }
     }
   }
@@ -706,23 +705,9 @@ void GraphManager::backward_dw(size_t s) {
   DWGRAPH_CHECK_STATE(slot.state == SlotState::kBackward, where(s), ".backward_dw(): ",
                       slot.state == SlotState::kForward ? "its backward has not run yet"
                                                         : "no backward is pending (called before any backward, or twice)");
+  graphs::check_hand_off(slot.contributions, where(s) + ".backward_dw()");  // before anything is written
   slot.dw->replay();
-  {
-    // Hand-off (SPEC C4): clone into a None .grad, add into an existing one.
-    const at::NoGradGuard no_grad;
-    for (size_t i = 0; i < slot.contributions.size(); ++i) {
-      const auto& [param, buf] = slot.contributions[i];
-      at::Tensor& grad = param.mutable_grad();
-      if (!grad.defined()) {
-        grad = buf.clone();
-      } else {
-        DWGRAPH_CHECK_ARG(grad.scalar_type() == buf.scalar_type() && grad.sizes() == buf.sizes(), where(s),
-                          ".backward_dw(): .grad of parameter '", slot.contribution_names[i], "' is ",
-                          describe(grad), " but its gradient is ", describe(buf), " (no silent cast)");
-        grad.add_(buf);
-      }
-    }
-  }
+  graphs::hand_off(slot.contributions);
   slot.state = SlotState::kIdle;
   for (const auto& m : c.deferred_modules) {
     if (m.run_hooks) m.run_hooks();
@@ -753,7 +738,7 @@ void GraphManager::reset() {
 
 int64_t GraphManager::contribution_bytes(size_t s) const {
   int64_t n = 0;
-  for (const auto& [p, buf] : slots_.at(s).contributions) n += static_cast<int64_t>(buf.nbytes());
+  for (const auto& c : slots_.at(s).contributions) n += static_cast<int64_t>(c.buffer.nbytes());
   return n;
 }
 

@@ -1,0 +1,107 @@
+"""make_graphed_callables overheads, measured side by side in one run.
+
+1. Wrapper overhead per replay, from Python: a graphed callable whose graphs hold one
+   kernel, call-to-return, against an eager call of the same module (forward only, and
+   forward + backward + backward_dw for a deferred Linear).
+2. Memory: graph-pool bytes and contribution bytes against their analytic minimum (the
+   contributions are exactly one buffer per deferred parameter per backward-dw graph;
+   the pool must at least hold the static outputs, saved activations and gradients).
+
+``--device cuda`` on a GPU machine. The C++ side (replay, call and hand-off cost) is
+build/bench/dwgraph_bench_replay, also run by scripts/bench.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import dwgraph
+
+
+class Scale(torch.nn.Module):
+    """One kernel: y = x * 2."""
+
+    def forward(self, x):
+        return x * 2
+
+
+def median_us(fn, iters, samples, sync):
+    for _ in range(iters):
+        fn()
+    out = []
+    for _ in range(samples):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(out)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    if args.device == "cuda" and not dwgraph.cuda_available():
+        p.error("--device cuda needs a usable CUDA device")
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    iters, samples = (100, 5) if args.quick else (1000, 9)
+    torch.manual_seed(0)
+
+    print(f"# make_graphed_callables overheads ({args.device})\n")
+    print("| case | eager us | graphed us | graphed / eager |\n|---|---:|---:|---:|")
+    for n in (16, 65536):
+        x = torch.randn(n, device=dev)
+        mod = Scale()
+        g = dwgraph.make_graphed_callables(mod, (x,))
+        e = median_us(lambda: mod(x), iters, samples, sync)
+        r = median_us(lambda: g(x), iters, samples, sync)
+        print(f"| one-kernel forward, {n} floats | {e:.2f} | {r:.2f} | {r / e:.2f} |")
+    # A deferred Linear's whole step (forward, backward, backward_dw + hand-off).
+    for hidden in (64, 512):
+        lin = dwgraph.nn.Linear(hidden, hidden, delay_wgrad_compute=True, device=dev)
+        twin = dwgraph.nn.Linear(hidden, hidden, delay_wgrad_compute=True, device=dev)
+        twin.load_state_dict(lin.state_dict())
+        x = torch.randn(32, hidden, device=dev, requires_grad=True)
+        g = dwgraph.make_graphed_callables(twin, (x,))
+
+        def eager_step():
+            lin.weight.grad = None
+            lin.bias.grad = None
+            lin(x).sum().backward()
+            lin.backward_dw()
+
+        def graphed_step():
+            twin.weight.grad = None
+            twin.bias.grad = None
+            g(x).sum().backward()
+            g.backward_dw()
+
+        e = median_us(eager_step, iters // 10 + 1, samples, sync)
+        r = median_us(graphed_step, iters // 10 + 1, samples, sync)
+        print(f"| deferred Linear({hidden}, {hidden}) step, batch 32 | {e:.2f} | {r:.2f} | {r / e:.2f} |")
+
+    print("\n| model | pool reserved | pool live | static bytes | contributions | analytic minimum of contributions | contributions / minimum |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for hidden, ffn in ((64, 256), (256, 1024)):
+        mods = (dwgraph.nn.Linear(hidden, hidden, delay_wgrad_compute=True, device=dev),
+                dwgraph.nn.LayerNormMLP(hidden, ffn, delay_wgrad_compute=True, device=dev))
+        samples_in = ((torch.randn(64, hidden, device=dev),), (torch.randn(64, hidden, device=dev, requires_grad=True),))
+        gs = dwgraph.make_graphed_callables(mods, samples_in)
+        st = gs[0].stats()
+        minimum = sum(p.nbytes for m in mods for _, p in m._deferred_parameters())
+        print(f"| Linear({hidden}) + LayerNormMLP({hidden}, {ffn}), batch 64 | {st['pool_reserved_bytes']} | "
+              f"{st['pool_allocated_bytes']} | {st['static_bytes']} | {st['contribution_bytes']} | {minimum} | "
+              f"{st['contribution_bytes'] / minimum:.2f} |")
+    print("\ngraphed = the callable returned by make_graphed_callables (input copy skipped when the caller passes "
+          "the same tensor, ledger check, replay, outputs connected to autograd). Pool live bytes include the "
+          "static outputs, saved activations and gradient buffers the graphs keep.")
+
+
+if __name__ == "__main__":
+    main()

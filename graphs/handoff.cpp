@@ -1,0 +1,33 @@
+#include "graphs/handoff.h"
+
+#include "common/check.h"
+
+#include <ATen/core/grad_mode.h>
+
+namespace dwgraph::graphs {
+
+void check_hand_off(const std::vector<Contribution>& contributions, const std::string& where) {
+  for (const auto& c : contributions) {
+    const at::Tensor& grad = c.param.grad();
+    if (!grad.defined()) continue;
+    DWGRAPH_CHECK_ARG(grad.scalar_type() == c.buffer.scalar_type() && grad.sizes() == c.buffer.sizes() &&
+                          grad.device() == c.buffer.device(),
+                      where, ": .grad of parameter '", c.name, "' is a ", grad.scalar_type(), " tensor of shape ",
+                      grad.sizes(), " on ", grad.device(), " but its gradient is a ", c.buffer.scalar_type(),
+                      " tensor of shape ", c.buffer.sizes(), " on ", c.buffer.device(), " (no silent cast)");
+  }
+}
+
+void hand_off(const std::vector<Contribution>& contributions) {
+  const at::NoGradGuard no_grad;
+  for (const auto& c : contributions) {
+    at::Tensor& grad = c.param.mutable_grad();
+    if (!grad.defined()) {
+      grad = c.buffer.clone();
+    } else {
+      grad.add_(c.buffer);
+    }
+  }
+}
+
+}  // namespace dwgraph::graphs
