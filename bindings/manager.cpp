@@ -2,6 +2,7 @@
 // Python front end that describes torch.nn.Modules to it is dwgraph/graphed.py.
 #include "bindings/bindings.h"
 
+#include "graphs/graphed_step.h"
 #include "graphs/manager.h"
 
 #include <pybind11/functional.h>
@@ -74,6 +75,32 @@ void init_manager(py::module_& parent) {
       .def("stats", [](const GraphedCallable& g) { return stats_dict(graphed_stats(g)); })
       .def_property_readonly("index", &GraphedCallable::index)
       .def_property_readonly("name", &GraphedCallable::name);
+
+  py::class_<GraphedStep>(m, "GraphedStep")
+      .def(py::init([](StepFn step, int warmup_iters, std::shared_ptr<graphs::GraphPool> pool, int64_t max_graphs,
+                       std::function<std::vector<at::Tensor>()> params,
+                       std::function<std::vector<std::string>()> param_names, std::function<void()> mark_main_grads,
+                       std::function<void()> after_hand_off, std::function<void(bool)> capturing) {
+             GraphedStepOptions o;
+             o.warmup_iters = warmup_iters;
+             o.pool = std::move(pool);
+             o.max_graphs = max_graphs;
+             o.params = std::move(params);
+             o.param_names = std::move(param_names);
+             o.mark_main_grads = std::move(mark_main_grads);
+             o.after_hand_off = std::move(after_hand_off);
+             o.capturing = std::move(capturing);
+             return std::make_unique<GraphedStep>(std::move(step), std::move(o));
+           }),
+           py::arg("step"), py::kw_only(), py::arg("warmup_iters"), py::arg("pool"), py::arg("max_graphs"),
+           py::arg("params"), py::arg("param_names"), py::arg("mark_main_grads"), py::arg("after_hand_off"),
+           py::arg("capturing"))
+      // Warmup and capture run the autograd engine: no GIL (the step takes it back).
+      .def("__call__", &GraphedStep::operator(), py::arg("tensors"), py::arg("key"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_graphs", &GraphedStep::num_graphs)
+      .def_property_readonly("num_captures", &GraphedStep::num_captures)
+      .def("reset", &GraphedStep::reset);
 
   m.def(
       "make_graphed_callables",

@@ -12,6 +12,7 @@ from . import ops
 from . import nn
 from . import graphs
 from .graphed import GraphedCallable, make_graphed_callables
+from .step import GraphedStep, graphed_step
 
 __version__ = _C.version()
 
@@ -35,6 +36,8 @@ __all__ = [
     "graphs",
     "make_graphed_callables",
     "GraphedCallable",
+    "graphed_step",
+    "GraphedStep",
     "DwgraphError",
     "ArgumentError",
     "GraphStateError",

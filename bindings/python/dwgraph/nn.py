@@ -110,6 +110,9 @@ class _DeferredWgradModule(torch.nn.Module):
         return handle
 
     def _run_wgrad_hooks(self) -> None:
+        # graphed_step suppresses them while it captures, and runs them after each hand-off.
+        if getattr(self, "_suppress_wgrad_hooks", False):
+            return
         for fn in list(self._wgrad_hooks.values()):
             fn(self)
 
