@@ -13,5 +13,6 @@ namespace dwgraph::graphs {
 
 std::unique_ptr<Graph> make_cuda_graph(c10::Device device);
 std::shared_ptr<GraphPool> make_cuda_pool(c10::Device device);
+void run_on_cuda_side_stream(c10::Device device, const std::function<void()>& fn);
 
 }  // namespace dwgraph::graphs

@@ -195,6 +195,26 @@ std::unique_ptr<Graph> make_cuda_graph(c10::Device device) {
   return std::make_unique<CudaGraph>(device);
 }
 
+void run_on_cuda_side_stream(c10::Device device, const std::function<void()>& fn) {
+  if (!device.has_index()) device = c10::Device(c10::kCUDA, c10::cuda::current_device());
+  const c10::cuda::CUDAGuard guard(device);
+  const auto ambient = c10::cuda::getCurrentCUDAStream(device.index());
+  const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index());
+  auto wait = [](cudaStream_t waiter, cudaStream_t signaller) {
+    cudaEvent_t e;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(e, signaller));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, e, 0));
+    C10_CUDA_CHECK(cudaEventDestroy(e));
+  };
+  wait(side.stream(), ambient.stream());
+  {
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    fn();
+  }
+  wait(ambient.stream(), side.stream());
+}
+
 std::shared_ptr<GraphPool> make_cuda_pool(c10::Device device) {
   if (!device.has_index()) device = c10::Device(c10::kCUDA, c10::cuda::current_device());
   return std::make_shared<CudaGraphPool>(device);

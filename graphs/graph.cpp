@@ -24,6 +24,16 @@ std::shared_ptr<GraphPool> make_pool(c10::Device device) {
   return nullptr;
 }
 
+void run_on_side_stream(c10::Device device, const std::function<void()>& fn) {
+#ifdef DWGRAPH_WITH_CUDA
+  if (device.is_cuda()) {
+    run_on_cuda_side_stream(device, fn);
+    return;
+  }
+#endif
+  fn();
+}
+
 std::unique_ptr<Graph> make_graph(c10::Device device) {
   if (device.is_cpu()) return std::make_unique<HostGraph>();
 #ifdef DWGRAPH_WITH_CUDA

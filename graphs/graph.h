@@ -9,6 +9,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/Storage.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,5 +62,9 @@ class Graph {
 
 // A graph for `device` (the backend follows the device type).
 std::unique_ptr<Graph> make_graph(c10::Device device);
+
+// Runs `fn` on a side stream of `device` that waits for the current stream and is waited
+// for afterwards (CUDA), as warmup before capture must; on CPU it just runs `fn`.
+void run_on_side_stream(c10::Device device, const std::function<void()>& fn);
 
 }  // namespace dwgraph::graphs

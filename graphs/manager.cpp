@@ -562,7 +562,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     main_grad_data_.push_back(std::move(mg));
   }
   pool_ = opts_.pool ? opts_.pool : graphs::make_pool(device_);
-  if (opts_.num_warmup_iters > 0) warmup();
+  if (opts_.num_warmup_iters > 0) graphs::run_on_side_stream(device_, [this] { warmup(); });
 
   // Keep every queued unit's tensors alive until the last backward-dw graph is captured.
   for (auto& c : callables_) {
