@@ -34,6 +34,7 @@ DeferredWgradModuleSpec module_spec(const py::dict& d) {
   m.mark_main_grad_accumulated = get<std::function<void(size_t)>>(d, "mark_main_grad_accumulated");
   m.retain_consumed = get<std::function<void(bool)>>(d, "retain_consumed");
   m.release_consumed = get<std::function<void()>>(d, "release_consumed");
+  m.exact_deferred = get<bool>(d, "exact_deferred", true);
   return m;
 }
 
@@ -45,6 +46,7 @@ GraphableCallable callable_spec(const py::dict& d) {
   c.parameter_names = get<std::vector<std::string>>(d, "parameter_names");
   c.buffers = get<std::vector<at::Tensor>>(d, "buffers");
   c.is_training = get<std::function<bool()>>(d, "is_training");
+  c.after_backward = get<std::function<void()>>(d, "after_backward");
   if (d.contains("deferred_modules")) {
     for (const auto& m : d["deferred_modules"]) c.deferred_modules.push_back(module_spec(m.cast<py::dict>()));
   }
@@ -79,7 +81,9 @@ void init_manager(py::module_& parent) {
   py::class_<GraphedStep>(m, "GraphedStep")
       .def(py::init([](StepFn step, int warmup_iters, std::shared_ptr<graphs::GraphPool> pool, int64_t max_graphs,
                        std::function<std::vector<at::Tensor>()> params,
-                       std::function<std::vector<std::string>()> param_names, std::function<void()> mark_main_grads,
+                       std::function<std::vector<std::string>()> param_names,
+                       std::function<std::vector<at::Tensor>()> main_grads,
+                       std::function<std::vector<std::string>()> main_grad_names, std::function<void()> mark_main_grads,
                        std::function<void()> after_hand_off, std::function<void(bool)> capturing) {
              GraphedStepOptions o;
              o.warmup_iters = warmup_iters;
@@ -87,13 +91,16 @@ void init_manager(py::module_& parent) {
              o.max_graphs = max_graphs;
              o.params = std::move(params);
              o.param_names = std::move(param_names);
+             o.main_grads = std::move(main_grads);
+             o.main_grad_names = std::move(main_grad_names);
              o.mark_main_grads = std::move(mark_main_grads);
              o.after_hand_off = std::move(after_hand_off);
              o.capturing = std::move(capturing);
              return std::make_unique<GraphedStep>(std::move(step), std::move(o));
            }),
            py::arg("step"), py::kw_only(), py::arg("warmup_iters"), py::arg("pool"), py::arg("max_graphs"),
-           py::arg("params"), py::arg("param_names"), py::arg("mark_main_grads"), py::arg("after_hand_off"),
+           py::arg("params"), py::arg("param_names"), py::arg("main_grads"), py::arg("main_grad_names"),
+           py::arg("mark_main_grads"), py::arg("after_hand_off"),
            py::arg("capturing"))
       // Warmup and capture run the autograd engine: no GIL (the step takes it back).
       .def("__call__", &GraphedStep::operator(), py::arg("tensors"), py::arg("key"),

@@ -20,6 +20,8 @@ struct GraphedStep::Entry {
   std::vector<std::string> names;
   std::vector<bool> requires_grad;
   std::vector<void*> param_data;
+  std::vector<void*> main_grad_data;
+  std::vector<std::string> main_grad_names;
 };
 
 namespace {
@@ -43,6 +45,12 @@ GraphedStep::GraphedStep(StepFn step, GraphedStepOptions options)
 }
 
 GraphedStep::~GraphedStep() { reset(); }
+
+size_t GraphedStep::num_graphs() const {
+  size_t n = 0;
+  for (const auto& [key, e] : entries_) n += e->graph ? 1 : 0;
+  return n;
+}
 
 void GraphedStep::reset() {
   for (auto& [key, e] : entries_) {
@@ -157,6 +165,12 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, const std::vector<at::Ten
     e.requires_grad.push_back(p.requires_grad());
     e.param_data.push_back(p.data_ptr());
   }
+  e.main_grad_data.clear();
+  e.main_grad_names = opts_.main_grad_names ? opts_.main_grad_names() : std::vector<std::string>{};
+  if (opts_.main_grads) {
+    for (const auto& mg : opts_.main_grads()) e.main_grad_data.push_back(mg.data_ptr());
+  }
+  e.main_grad_names.resize(e.main_grad_data.size(), "?");
   e.graph = std::move(graph);
   ++captures_;
   // The capture changed nothing the caller sees; this call's step happens by replaying.
@@ -172,6 +186,14 @@ std::vector<at::Tensor> GraphedStep::replay(Entry& e, const std::vector<at::Tens
     DWGRAPH_CHECK_STATE(e.params[i].data_ptr() == e.param_data[i], kApi, ": parameter '", e.names[i],
                         "' was reallocated since capture (its data moved); update parameters in place, or "
                         "reset() the step");
+  }
+  if (opts_.main_grads && !e.main_grad_data.empty()) {
+    const auto mgs = opts_.main_grads();
+    for (size_t i = 0; i < e.main_grad_data.size(); ++i) {
+      DWGRAPH_CHECK_STATE(i < mgs.size() && mgs[i].data_ptr() == e.main_grad_data[i], kApi, ": main_grad of parameter '",
+                          e.main_grad_names[i], "' was replaced or reallocated since capture; the graph accumulates "
+                          "into the captured buffer. Zero it in place instead, or reset() the step");
+    }
   }
   {
     const at::NoGradGuard no_grad;

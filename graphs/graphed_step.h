@@ -33,8 +33,11 @@ struct GraphedStepOptions {
   // (Python discovers them during warmup). Names are used in messages.
   std::function<std::vector<at::Tensor>()> params;
   std::function<std::vector<std::string>()> param_names;
-  // Fused parameters: main_grad is written inside the graph; after each replay these are
-  // marked (grad_added_to_main_grad). Optional.
+  // Fused parameters' main_grad buffers: written inside the graph, so they must stay the
+  // same storages (checked at every replay); after each replay they are marked
+  // (grad_added_to_main_grad). Optional.
+  std::function<std::vector<at::Tensor>()> main_grads;
+  std::function<std::vector<std::string>()> main_grad_names;
   std::function<void()> mark_main_grads;
   // Delayed hooks, run after each hand-off. Optional.
   std::function<void()> after_hand_off;
@@ -51,7 +54,8 @@ class GraphedStep {
   // arguments); tensor shapes, dtypes and devices are added to it.
   std::vector<at::Tensor> operator()(const std::vector<at::Tensor>& tensors, const std::string& key = "");
 
-  size_t num_graphs() const { return entries_.size(); }
+  // Graphs captured and held (keys still warming up hold none).
+  size_t num_graphs() const;
   size_t num_captures() const { return captures_; }
   // Releases every graph and the pool.
   void reset();

@@ -124,6 +124,7 @@ void HostGraph::capture_end() {
   replay_args_.clear();
   replay_outputs_.clear();
   replay_ops_.clear();
+  out_targets_.clear();
   for (size_t r = 0; r < records_.size(); ++r) {
     const auto& rec = records_[r];
     std::vector<c10::IValue> args;
@@ -147,10 +148,13 @@ void HostGraph::capture_end() {
                   ret.tensors[0].defined;
     }
     if (!rec.skip_at_replay && all_fresh && n_tensor_returns == outs.size()) op_out = out_overload(rec.op);
+    std::vector<std::pair<size_t, at::Tensor>> targets;
     if (op_out) {
       for (auto& [index, target] : outs) args.emplace_back(target);
+      targets = std::move(outs);
       outs.clear();
     }
+    out_targets_.push_back(std::move(targets));
     replay_ops_.push_back(op_out);
     replay_args_.push_back(std::move(args));
     replay_outputs_.push_back(std::move(outs));
@@ -200,8 +204,27 @@ void HostGraph::replay() {
   for (size_t r = 0; r < records_.size(); ++r) {
     const auto& rec = records_[r];
     if (rec.skip_at_replay) continue;
+    if (replay_ops_[r]) {
+      // The out= overload writes straight into the captured outputs, unless it resizes
+      // or moves them: then this call and every later one use the functional form.
+      bool kept = true;
+      try {
+        stack.assign(replay_args_[r].begin(), replay_args_[r].end());
+        replay_ops_[r]->callBoxed(&stack);
+        for (const auto& [index, target] : out_targets_[r]) {
+          const auto& slot = rec.returns[index].tensors[0];
+          kept = kept && target.sizes() == c10::IntArrayRef(slot.sizes) &&
+                 target.strides() == c10::IntArrayRef(slot.strides) &&
+                 target.storage().data() == raw_storages_.at(slot.entry).data();
+        }
+      } catch (const c10::Error&) {
+        kept = false;
+      }
+      if (kept) continue;
+      fall_back_to_functional(r);
+    }
     stack.assign(replay_args_[r].begin(), replay_args_[r].end());
-    (replay_ops_[r] ? *replay_ops_[r] : rec.op).callBoxed(&stack);
+    rec.op.callBoxed(&stack);
     if (replay_outputs_[r].empty()) continue;
     // Flatten the returns (tensor lists count one per element) and write fresh outputs
     // into the memory the capture gave them.
@@ -222,11 +245,25 @@ void HostGraph::replay() {
   }
 }
 
+void HostGraph::fall_back_to_functional(size_t r) {
+  const auto& rec = records_[r];
+  replay_ops_[r].reset();
+  replay_args_[r].resize(rec.args.size());
+  std::vector<std::pair<size_t, at::Tensor>> outs;
+  for (auto& [index, target] : out_targets_[r]) {
+    // The out= call may have changed the target's metadata: rebuild it from the capture.
+    outs.emplace_back(index, rebuild(rec.returns[index].tensors[0]));
+  }
+  replay_outputs_[r] = std::move(outs);
+  out_targets_[r].clear();
+}
+
 void HostGraph::reset() noexcept {
   records_.clear();
   replay_args_.clear();
   replay_outputs_.clear();
   replay_ops_.clear();
+  out_targets_.clear();
   raw_storages_.clear();
   ledger_.clear();
   pool_.reset();

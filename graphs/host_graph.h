@@ -72,6 +72,11 @@ class HostGraph final : public Graph {
   // operator has an out= overload, replay calls that with the captured outputs as `out`
   // (no temporary, no copy) and replay_outputs_ stays empty for the record.
   std::vector<std::optional<c10::OperatorHandle>> replay_ops_;
+  // With an out= overload: the outputs as (flat index, target), to fall back to the
+  // functional call if the overload turns out to resize or move its outputs (some out=
+  // kernels, e.g. reductions of losses, resize `out` to scratch shapes first).
+  std::vector<std::vector<std::pair<size_t, at::Tensor>>> out_targets_;
+  void fall_back_to_functional(size_t r);
   std::vector<std::vector<c10::IValue>> replay_args_;
   std::vector<std::vector<std::pair<size_t, at::Tensor>>> replay_outputs_;  // (flat return index, target)
   bool captured_ = false;

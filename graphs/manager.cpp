@@ -10,6 +10,7 @@
 #include <ATen/ops/ones_like.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include <cmath>
@@ -56,6 +57,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   int64_t contribution_bytes(size_t s) const;
   GraphedStats stats() const;
   const std::string& name(size_t s) const { return callables_.at(slots_.at(s).callable).name; }
+  std::function<void()> after_backward(size_t s) const { return callables_.at(slots_.at(s).callable).after_backward; }
   size_t num_slots() const { return slots_.size(); }
 
  private:
@@ -94,7 +96,12 @@ class GraphedBackward final : public torch::autograd::Node {
   GraphedBackward(std::shared_ptr<GraphManager> m, size_t slot) : manager_(std::move(m)), slot_(slot) {}
   std::string name() const override { return "dwgraph::GraphedBackward"; }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    return manager_->backward(slot_, grads);
+    auto out = manager_->backward(slot_, grads);
+    if (auto hooks = manager_->after_backward(slot_)) {
+      // After autograd has accumulated what this node returns: at the end of the backward.
+      torch::autograd::Engine::get_default_engine().queue_callback(std::move(hooks));
+    }
+    return out;
   }
 
  private:
@@ -145,6 +152,7 @@ std::vector<at::Tensor> GraphManager::deferred_params(size_t c) const {
 
 bool GraphManager::is_deferred_or_fused(size_t c, const at::Tensor& p) const {
   for (const auto& m : callables_[c].deferred_modules) {
+    if (!m.exact_deferred) continue;  // may land in the main backward too: stays a target
     for (const auto& q : m.deferred_parameters) {
       if (q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return true;
     }
@@ -355,35 +363,30 @@ void GraphManager::capture_dw(size_t s) {
   auto restore = [&] {
     for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = caller_grads[i];
   };
+  // One contribution per (module, parameter), in the order the modules land them, so a
+  // parameter tied between two modules receives a, then b, exactly as the eager modules
+  // hand them over (.grad = a; .grad += b).
+  std::vector<graphs::Contribution> contributions;
   try {
     capture(slot.dw, s, [&] {
       for (const auto& m : c.deferred_modules) {
         DWGRAPH_CHECK_STATE(m.need_backward_dw(), "dwgraph.make_graphed_callables: module '", m.name,
                             "' of ", where(s), " does not need backward_dw()");
         m.backward_dw();
+        if (opts_.unsafe_capture_with_caller_grad) continue;
+        for (size_t k = 0; k < m.deferred_parameters.size(); ++k) {
+          const at::Tensor& p = m.deferred_parameters[k];
+          if (!p.grad().defined()) continue;
+          contributions.push_back(graphs::Contribution{p, p.grad(), m.deferred_parameter_names.at(k)});
+          p.mutable_grad() = at::Tensor();
+        }
       }
     });
   } catch (...) {
     restore();
     throw;
   }
-  if (!opts_.unsafe_capture_with_caller_grad) {
-    // The graph-pool buffer each deferred gradient landed in is that parameter's
-    // contribution (SPEC C4); the caller's .grad comes back untouched.
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (params[i].grad().defined()) {
-        std::string pname = "?";
-        for (const auto& m : c.deferred_modules) {
-          for (size_t k = 0; k < m.deferred_parameters.size(); ++k) {
-            if (m.deferred_parameters[k].unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl()) {
-              pname = m.deferred_parameter_names.at(k);
-            }
-          }
-        }
-        slot.contributions.push_back(graphs::Contribution{params[i], params[i].grad(), pname});
-      }
-    }
-  }
+  slot.contributions = std::move(contributions);
   restore();
 }
 
@@ -709,13 +712,15 @@ void GraphManager::backward_dw(size_t s) {
   slot.dw->replay();
   graphs::hand_off(slot.contributions);
   slot.state = SlotState::kIdle;
-  for (const auto& m : c.deferred_modules) {
-    if (m.run_hooks) m.run_hooks();
-  }
+  // The flag first, as the eager path sets it in the GEMM: hooks (Megatron's reduce hook)
+  // read it.
   for (const auto& m : c.deferred_modules) {
     for (size_t i = 0; i < m.fused_parameters.size(); ++i) {
       if (m.mark_main_grad_accumulated) m.mark_main_grad_accumulated(i);
     }
+  }
+  for (const auto& m : c.deferred_modules) {
+    if (m.run_hooks) m.run_hooks();
   }
 }
 

@@ -34,6 +34,10 @@ struct DeferredWgradModuleSpec {
   std::vector<std::string> fused_parameter_names;
   std::function<at::Tensor(size_t)> main_grad;
   std::function<void(size_t)> mark_main_grad_accumulated;
+  // True when deferred_parameters are exactly the parameters backward_dw() lands (dwgraph
+  // modules); false for other modules, whose parameters may get their gradient in the main
+  // backward instead: they also stay targets of the backward graph.
+  bool exact_deferred = true;
   // Keep consumed units alive during capture (WgradStore::set_retain_consumed); optional.
   std::function<void(bool)> retain_consumed;
   std::function<void()> release_consumed;
@@ -48,6 +52,9 @@ struct GraphableCallable {
   std::vector<std::string> parameter_names;
   std::vector<DeferredWgradModuleSpec> deferred_modules;
   std::function<bool()> is_training;   // optional: replay only in the mode captured
+  // Optional: run once at the end of each backward that replays this callable's backward
+  // graph, after autograd has accumulated its gradients (hooks of non-deferred modules).
+  std::function<void()> after_backward;
   // Optional: module buffers, whose contents warmup and capture must leave unchanged.
   std::vector<at::Tensor> buffers;
 };

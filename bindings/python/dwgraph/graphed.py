@@ -16,9 +16,12 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from . import _C
+from .errors import _translated
 from .graphs import GraphPool
 
 __all__ = ["make_graphed_callables", "GraphedCallable"]
+
+_MISSING = object()
 
 
 def _is_dwgraph_module(m) -> bool:
@@ -59,6 +62,7 @@ def _deferred_module_spec(name: str, sub: torch.nn.Module) -> Dict[str, Any]:
         name=name or type(sub).__name__,
         need_backward_dw=sub.need_backward_dw,
         backward_dw=sub.backward_dw,
+        exact_deferred=False,
         deferred_parameters=[p for _, p in deferred],
         deferred_parameter_names=[f"{name}.{n}" if name else n for n, _ in deferred],
         fused_parameters=fused_params,
@@ -66,6 +70,23 @@ def _deferred_module_spec(name: str, sub: torch.nn.Module) -> Dict[str, Any]:
         main_grad=lambda i: fused_params[i].main_grad,
         mark_main_grad_accumulated=lambda i: setattr(fused_params[i], "grad_added_to_main_grad", True),
     )
+
+
+def _dwgraph_modules(module: torch.nn.Module):
+    return [m for m in module.modules() if _is_dwgraph_module(m)]
+
+
+def _after_backward(module: torch.nn.Module):
+    """Hooks of the dwgraph modules without deferral: run at the end of each backward."""
+    eager = [m for m in _dwgraph_modules(module) if not m.delay_wgrad_compute]
+    if not eager:
+        return None
+
+    def run():
+        for m in eager:
+            m._run_wgrad_hooks()
+
+    return run
 
 
 def _deferred_modules(module: torch.nn.Module) -> List[Dict[str, Any]]:
@@ -187,6 +208,7 @@ def make_graphed_callables(
             buffers=list(module.buffers()) if isinstance(module, torch.nn.Module) else [],
             is_training=(lambda module=module: module.training) if isinstance(module, torch.nn.Module) else None,
             deferred_modules=_deferred_modules(module) if isinstance(module, torch.nn.Module) else [],
+            after_backward=_after_backward(module) if isinstance(module, torch.nn.Module) else None,
         ))
     # Flatten kwargs tensors after the positional ones, per slot.
     flat_args = []
@@ -194,12 +216,32 @@ def make_graphed_callables(
         mod_index = s if order is None else _module_of_slot(s, len(modules), order, num_layers_per_chunk)
         kw = sample_kwargs[mod_index] if mod_index < len(sample_kwargs) else {}
         flat_args.append(list(args) + [kw[k] for k in kwarg_names[mod_index]])
-    natives = _C.graphs.make_graphed_callables(
-        specs, flat_args, num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input,
-        order=None if order is None else [float(o) for o in order],
-        num_layers_per_chunk=None if num_layers_per_chunk is None else [int(n) for n in num_layers_per_chunk],
-        pool=pool, retain_graph_in_backward=retain_graph_in_backward,
-        unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
+    # Warmup and capture leave no trace: hooks do not run, flags are put back.
+    dw_modules = [m for mod in modules if isinstance(mod, torch.nn.Module) for m in _dwgraph_modules(mod)]
+    flags = [(p, p.__dict__.get("grad_added_to_main_grad", _MISSING))
+             for m in dw_modules for _, p in m._fused_parameters()]
+    for m in dw_modules:
+        m._suppress_wgrad_hooks = True
+    try:
+        natives = _C.graphs.make_graphed_callables(
+            specs, flat_args, num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input,
+            order=None if order is None else [float(o) for o in order],
+            num_layers_per_chunk=None if num_layers_per_chunk is None else [int(n) for n in num_layers_per_chunk],
+            pool=pool, retain_graph_in_backward=retain_graph_in_backward,
+            unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
+    except (RuntimeError, ValueError) as e:
+        ours = _translated(e)
+        if ours is None:
+            raise
+        raise ours from e
+    finally:
+        for m in dw_modules:
+            m._suppress_wgrad_hooks = False
+        for p, value in flags:
+            if value is _MISSING:
+                p.__dict__.pop("grad_added_to_main_grad", None)
+            else:
+                p.grad_added_to_main_grad = value
     out = []
     for native in natives:
         mod_index = native.index if order is None else _module_of_slot(native.index, len(modules), order, num_layers_per_chunk)

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from . import _C
+from .errors import _translated
 
 GraphPool = _C.graphs.GraphPool
 
@@ -45,9 +46,12 @@ class Graph:
         self._graph.capture_begin(pool)
         try:
             yield self
-        except BaseException:
+        except BaseException as e:
             self._graph.capture_abort()
-            raise
+            ours = _translated(e)
+            if ours is None:
+                raise
+            raise ours from e
         self._graph.capture_end()
 
     def capture_begin(self, pool: Optional[GraphPool] = None) -> None:

@@ -29,7 +29,7 @@ import torch.optim.optimizer as _optimizer
 from torch.utils import _pytree as pytree
 
 from . import _C
-from .errors import GraphStateError
+from .errors import GraphStateError, _translated
 
 __all__ = ["graphed_step", "GraphedStep"]
 
@@ -53,12 +53,17 @@ class GraphedStep:
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._given_params = list(params) if params is not None else None
+        if self._given_params is None:
+            # The parameters are found by running the step: one eager call at least.
+            warmup_iters = max(int(warmup_iters), 1)
         self._modules: Dict[int, torch.nn.Module] = {}
         self._out_specs: Dict[str, object] = {}
         self._current = None
         self._native = _C.graphs.GraphedStep(
             self._run_flat, warmup_iters=warmup_iters, pool=pool, max_graphs=max_graphs,
             params=lambda: [p for _, p in self._params()], param_names=lambda: [n for n, _ in self._params()],
+            main_grads=lambda: [p.main_grad for _, p in self._fused()],
+            main_grad_names=lambda: [n for n, _ in self._fused()],
             mark_main_grads=self._mark_main_grads, after_hand_off=self._after_hand_off,
             capturing=self._capturing)
 
@@ -69,7 +74,13 @@ class GraphedStep:
         constants = [(i, l) for i, l in enumerate(leaves) if not isinstance(l, torch.Tensor)]
         key = repr((spec, constants))
         self._current = (leaves, spec, key)
-        out = self._native(tensors, key)
+        try:
+            out = self._native(tensors, key)
+        except (RuntimeError, ValueError) as e:
+            ours = _translated(e)
+            if ours is None:
+                raise
+            raise ours from e
         return pytree.tree_unflatten(out, self._out_specs[key])
 
     def _run_flat(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -110,10 +121,11 @@ class GraphedStep:
     def _params(self):
         if self._given_params is not None:
             return [(f"params[{i}]", p) for i, p in enumerate(self._given_params)]
+        # Frozen parameters too: the graph checks that requires_grad stays as captured.
         out, seen = [], set()
         for m in self._modules.values():
             for n, p in m.named_parameters():
-                if p.requires_grad and id(p) not in seen:
+                if id(p) not in seen:
                     seen.add(id(p))
                     out.append((f"{type(m).__name__}.{n}", p))
         return out
@@ -128,14 +140,22 @@ class GraphedStep:
             m._suppress_wgrad_hooks = on
 
     def _after_hand_off(self) -> None:
+        # Every dwgraph module's hooks, deferred or not: their gradients have just landed.
         for m in self._deferred_modules():
-            if m.delay_wgrad_compute:
-                m._run_wgrad_hooks()
+            m._run_wgrad_hooks()
+
+    def _fused(self):
+        out, seen = [], set()
+        for m in self._deferred_modules():
+            for n, p in m._fused_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((f"{type(m).__name__}.{n}", p))
+        return out
 
     def _mark_main_grads(self) -> None:
-        for m in self._deferred_modules():
-            for _, p in m._fused_parameters():
-                p.grad_added_to_main_grad = True
+        for _, p in self._fused():
+            p.grad_added_to_main_grad = True
 
     # -- reporting ---------------------------------------------------------------------------
     @property
@@ -157,7 +177,8 @@ def graphed_step(fn: Optional[Callable] = None, *, warmup_iters: int = 3, pool=N
     on a private pool, then replays. Tensor arguments are copied into static inputs;
     non-tensor arguments and tensor shapes, dtypes and devices select the graph (up to
     ``max_graphs``, least recently used released first). ``params``: the parameters the
-    step gives gradients to (default: those of every module the step calls). Returned
+    step gives gradients to (default: those of every module the step calls, found during
+    the warmup calls, so at least one warmup call runs when ``params`` is not given). Returned
     tensors of at most 4096 elements (the loss, scalars) are clones; larger ones are the
     graph's static outputs, overwritten by the next call."""
     def wrap(f):

@@ -1,0 +1,474 @@
+"""Safety of make_graphed_callables on the host graph (SPEC C3, C4, C6, C7).
+
+The host backend follows CUDA graph semantics: a replay re-runs the captured kernels on
+the captured storages. These tests show the hazard dwgraph exists for, and its cure:
+
+  (a) graphed deferred modules, ``zero_grad(set_to_none=True)`` and an allocation burst
+      of sentinel tensors (likely to reuse the freed ``.grad`` memory) between replays:
+      every later gradient equals the eager run's and the burst is never written;
+  (b) negative control: ``_unsafe_capture_with_caller_grad=True`` captures the
+      backward-dw graph writing into the caller's ``.grad`` (TransformerEngine's
+      behaviour); once that ``.grad`` is freed the next ``backward_dw()`` raises
+      ``DanglingCaptureError`` naming it, having written nothing;
+  (c) gradients of NON-deferred parameters handed to autograd are caller-owned: a
+      ``.grad`` held across ``zero_grad(set_to_none=True)`` is not rewritten by the next
+      replay;
+  (d) ``register_wgrad_hook`` hooks fire once per module per step, after the module's
+      gradients have landed, graphed as eagerly;
+  (e) a module that is not ``dwgraph.nn`` but has ``backward_dw()``/``need_backward_dw()``
+      is graphed correctly;
+  (f) replay-time errors: input shape/dtype, backward_dw() order, reset(), reallocated
+      parameter / main_grad, and the eager fallback in a mode not captured;
+  (g) contribution bytes reported by ``stats()`` / ``contribution_bytes()``.
+
+Graphed and eager copies are built from the same seed; "equal" is torch.equal.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Callable, List
+
+import pytest
+import torch
+
+import dwgraph
+
+HIDDEN = 64
+FFN = 96
+ROWS = 6
+SENTINEL = 12345.0
+BURST_COPIES = 64
+STEPS = 4
+SEED = 777
+
+
+# ----------------------------------------------------------------------------- helpers
+def make_module(kind: str, *, delay: bool = True, fused: bool = False, bias: bool = True,
+                dtype=torch.float32, seed: int = SEED) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused, dtype=dtype)
+    if kind == "linear":
+        return dwgraph.nn.Linear(HIDDEN, HIDDEN, bias, **common)
+    if kind == "mlp":
+        return dwgraph.nn.LayerNormMLP(HIDDEN, FFN, bias, **common)
+    raise ValueError(kind)
+
+
+def twins(kind: str, **kw):
+    """(to be graphed, eager): the same module built twice from the same seed."""
+    a, b = make_module(kind, **kw), make_module(kind, **kw)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    return a, b
+
+
+def sample(dtype=torch.float32):
+    return (torch.randn(ROWS, HIDDEN, dtype=dtype, requires_grad=True),)
+
+
+def step_eager(module, x_val, loss_w):
+    x = x_val.clone().requires_grad_(True)
+    y = module(x)
+    (y.float() * loss_w).sum().backward()
+    if module.need_backward_dw():
+        module.backward_dw()
+    return y.detach().clone(), x.grad
+
+
+def step_graphed(g, x_val, loss_w):
+    x = x_val.clone().requires_grad_(True)
+    y = g(x)
+    (y.float() * loss_w).sum().backward()
+    if g.need_backward_dw():
+        g.backward_dw()
+    return y.detach().clone(), x.grad
+
+
+def new_inputs(dtype=torch.float32):
+    return torch.randn(ROWS, HIDDEN).to(dtype), torch.randn(ROWS, HIDDEN)
+
+
+def _none_or_tensor(t) -> str:
+    return "None" if t is None else f"a {t.dtype} tensor of shape {tuple(t.shape)}"
+
+
+def assert_same_grads(graphed_module, eager_module, what: str) -> None:
+    for (name, p), (_, q) in zip(graphed_module.named_parameters(), eager_module.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), \
+            f"{what}: {name}.grad is {_none_or_tensor(p.grad)}, eager has {_none_or_tensor(q.grad)}"
+        if q.grad is not None:
+            assert p.grad.dtype == q.grad.dtype and torch.equal(p.grad, q.grad), \
+                f"{what}: {name}.grad differs from eager (max |d| {(p.grad - q.grad).abs().max().item():.3e})"
+        if getattr(q, "main_grad", None) is not None:
+            assert torch.equal(p.main_grad, q.main_grad), f"{what}: {name}.main_grad differs from eager"
+
+
+def allocation_burst(shapes_dtypes) -> List[torch.Tensor]:
+    """Many fresh tensors of the gradients' shapes, filled with a sentinel: the CPU
+    allocator is likely to hand them the memory the freed .grad tensors held."""
+    return [torch.full(shape, SENTINEL, dtype=dtype) for _ in range(BURST_COPIES) for shape, dtype in shapes_dtypes]
+
+
+def assert_burst_intact(burst, what: str) -> None:
+    for i, t in enumerate(burst):
+        assert torch.equal(t, torch.full_like(t, SENTINEL)), f"{what}: burst tensor {i} {tuple(t.shape)} was overwritten"
+
+
+# ------------------------------------------------------------------------ (a) the hazard
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "fused"])
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_set_to_none_between_replays_is_safe(kind, fused):
+    gm, em = twins(kind, fused=fused)
+    g = dwgraph.make_graphed_callables(gm, sample())
+    opt_g = torch.optim.SGD(gm.parameters(), lr=0.1)
+    opt_e = torch.optim.SGD(em.parameters(), lr=0.1)
+    shapes = [(p.shape, p.dtype) for p in gm.parameters()]
+    burst: List[torch.Tensor] = []
+    reused = 0
+    for step in range(STEPS):
+        x_val, loss_w = new_inputs()
+        y_g, xg_g = step_graphed(g, x_val, loss_w)
+        y_e, xg_e = step_eager(em, x_val, loss_w)
+        assert torch.equal(y_g, y_e) and torch.equal(xg_g, xg_e), f"step {step}: output / input grad"
+        assert_same_grads(gm, em, f"step {step}")
+        assert_burst_intact(burst, f"step {step}")
+        freed = {p.grad.untyped_storage().data_ptr() for p in gm.parameters() if p.grad is not None}
+        for opt in (opt_g, opt_e):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if fused:
+            for m in (gm, em):
+                for p in m.parameters():
+                    if hasattr(p, "main_grad"):
+                        p.main_grad.zero_()
+        gc.collect()
+        burst = allocation_burst(shapes)
+        reused += sum(t.untyped_storage().data_ptr() in freed for t in burst)
+        for p in gm.parameters():
+            assert p.grad is None
+    assert_burst_intact(burst, "end")
+    # The burst did land on freed .grad memory, so the check above is meaningful. Only
+    # asserted where weight gradients (16 KiB and more) are freed: the CPU allocator
+    # reliably hands those back, not so the 256-byte bias gradients of the fused case.
+    if not fused:
+        assert reused > 0, "no burst tensor reused a freed .grad storage; the test shows nothing"
+
+
+# ------------------------------------------------------------ (b) the negative control
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_unsafe_capture_with_caller_grad_raises_dangling(kind):
+    gm, em = twins(kind)
+    # The caller's .grad exists before capture: an earlier eager accumulation.
+    x_val, loss_w = new_inputs()
+    step_eager(gm, x_val, loss_w)
+    step_eager(em, x_val, loss_w)
+    assert all(p.grad is not None for p in gm.parameters())
+    before = {n: p.grad for n, p in gm.named_parameters()}
+    g = dwgraph.make_graphed_callables(gm, sample(), _unsafe_capture_with_caller_grad=True)
+    for n, p in gm.named_parameters():
+        assert p.grad is before[n]
+
+    # While the captured .grad is alive the unsafe graphs accumulate into it.
+    x_val, loss_w = new_inputs()
+    step_graphed(g, x_val, loss_w)
+    step_eager(em, x_val, loss_w)
+    assert_same_grads(gm, em, "unsafe replay with the captured .grad alive")
+
+    gm.zero_grad(set_to_none=True)
+    del before
+    gc.collect()
+    burst = allocation_burst([(p.shape, p.dtype) for p in gm.parameters()])
+    x_val, loss_w = new_inputs()
+    x = x_val.clone().requires_grad_(True)
+    (g(x) * loss_w).sum().backward()  # forward and backward graphs touch no .grad
+    with pytest.raises(dwgraph.DanglingCaptureError) as err:
+        g.backward_dw()
+    assert ".grad of parameter" in str(err.value), str(err.value)
+    assert_burst_intact(burst, "after the refused backward_dw()")
+    deferred = [n for n, _ in gm._deferred_parameters()]
+    assert deferred
+    for n, p in gm.named_parameters():
+        if n in deferred:
+            assert p.grad is None, f"{n}: the refused replay produced a .grad"
+
+
+# ------------------------------------------------- (c) non-deferred .grad is caller-owned
+@pytest.mark.parametrize("case", ["linear_not_deferred", "mlp_layer_norm"])
+def test_held_non_deferred_grad_survives_next_replay(case):
+    kind, delay = ("linear", False) if case == "linear_not_deferred" else ("mlp", True)
+    gm, em = twins(kind, delay=delay)
+    g = dwgraph.make_graphed_callables(gm, sample())
+    non_deferred = {n for n, _ in gm.named_parameters()} - {n for n, _ in gm._deferred_parameters()}
+    assert non_deferred
+    for step in range(3):
+        x_val, loss_w = new_inputs()
+        step_graphed(g, x_val, loss_w)
+        step_eager(em, x_val, loss_w)
+        assert_same_grads(gm, em, f"step {step}")
+        held = {n: p.grad for n, p in gm.named_parameters() if n in non_deferred}
+        copies = {n: t.clone() for n, t in held.items()}
+        gm.zero_grad(set_to_none=True)
+        em.zero_grad(set_to_none=True)
+        x_val, loss_w = new_inputs()
+        step_graphed(g, x_val, loss_w)
+        step_eager(em, x_val, loss_w)
+        assert_same_grads(gm, em, f"step {step}, second replay")
+        for n, t in held.items():
+            assert torch.equal(t, copies[n]), f"step {step}: the held .grad of {n} was rewritten by the next replay"
+            assert t is not dict(gm.named_parameters())[n].grad
+        gm.zero_grad(set_to_none=True)
+        em.zero_grad(set_to_none=True)
+
+
+# --------------------------------------------------------------------- (d) delayed hooks
+def _hook_recorder(records: list, tag: str, fused: bool) -> Callable:
+    def hook(module):
+        w = module.weight if isinstance(module, dwgraph.nn.Linear) else module.fc2_weight
+        landed = w.main_grad if fused else w.grad
+        records.append((tag, None if landed is None else landed.clone(),
+                        getattr(w, "grad_added_to_main_grad", None) if fused else None))
+    return hook
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "fused"])
+@pytest.mark.parametrize("mode", ["eager", "graphed"])
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_wgrad_hooks_fire_once_per_step_after_landing(kind, mode, fused):
+    a = make_module(kind, fused=fused, seed=SEED)
+    b = make_module(kind, fused=fused, seed=SEED + 1)
+    records: list = []
+    a.register_wgrad_hook(_hook_recorder(records, "a", fused))
+    b.register_wgrad_hook(_hook_recorder(records, "b", fused))
+    if mode == "graphed":
+        ga, gb = dwgraph.make_graphed_callables((a, b), (sample(), sample()))
+        assert records == [], "capture ran the wgrad hooks"
+    for step in range(3):
+        records.clear()
+        for m in (a, b):
+            m.zero_grad(set_to_none=True)
+            for p in m.parameters():
+                if hasattr(p, "main_grad"):
+                    p.main_grad.zero_()
+                    p.grad_added_to_main_grad = False  # as Megatron's zero_grad_buffer does
+        x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+        if mode == "graphed":
+            gb(ga(x)).sum().backward()
+            ga.backward_dw()
+            gb.backward_dw()
+        else:
+            b(a(x)).sum().backward()
+            a.backward_dw()
+            b.backward_dw()
+        assert [r[0] for r in records] == ["a", "b"], f"step {step}: hook calls {[r[0] for r in records]}"
+        for (tag, seen, flag), m in zip(records, (a, b)):
+            w = m.weight if kind == "linear" else m.fc2_weight
+            final = w.main_grad if fused else w.grad
+            assert seen is not None and torch.equal(seen, final), \
+                f"step {step}: hook of {tag} ran before its gradient landed"
+            if fused:
+                # Eagerly the flag is set when the GEMM accumulates, before the hooks run;
+                # a Megatron-style reduce hook reads it.
+                assert flag is True, f"step {step}: hook of {tag} saw grad_added_to_main_grad={flag}"
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphed"])
+def test_non_deferred_wgrad_hooks_fire_once_per_step_after_landing(mode):
+    """Without deferral the hooks run at the end of each backward, after autograd's
+    accumulation (docs/deferred-wgrad.md); graphed, once per replay, and capture (which
+    changes nothing the caller sees, SPEC C3) runs none."""
+    m = make_module("linear", delay=False)
+    records: list = []
+    m.register_wgrad_hook(lambda mod: records.append(None if mod.weight.grad is None else mod.weight.grad.clone()))
+    g = dwgraph.make_graphed_callables(m, sample()) if mode == "graphed" else m
+    at_capture = len(records)
+    per_step, landed = [], []
+    for step in range(3):
+        records.clear()
+        m.zero_grad(set_to_none=True)
+        g(torch.randn(ROWS, HIDDEN, requires_grad=True)).sum().backward()
+        per_step.append(len(records))
+        landed.append(len(records) == 1 and records[0] is not None and torch.equal(records[0], m.weight.grad))
+    assert (at_capture, per_step, landed) == (0, [1, 1, 1], [True] * 3), \
+        (f"hook calls during capture: {at_capture} (expected 0); per step: {per_step} (expected 1 each); "
+         f"saw the landed gradient: {landed}")
+
+
+# -------------------------------------------------------- (e) a non-dwgraph deferred module
+class _QueuedWgradLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):
+        ctx.save_for_backward(x)
+        ctx.module = module
+        y = x @ weight.t()
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        module = ctx.module
+        w = module.weight
+
+        def land():
+            with torch.no_grad():
+                gw = dy.t() @ x
+                if w.grad is None:
+                    w.grad = gw
+                else:
+                    w.grad.add_(gw)
+        module.queue.append(land)
+        dbias = dy.sum(0) if module.bias is not None else None
+        return dy @ w.detach(), None, dbias, None
+
+
+class QueuedWgradLinear(torch.nn.Module):
+    """Not dwgraph.nn: its backward returns None for the weight and queues the wgrad
+    (dy^T x, init-or-add into weight.grad); backward_dw() runs the oldest. The optional
+    bias gets its gradient from the main backward, as usual."""
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN) / HIDDEN ** 0.5)
+        self.bias = torch.nn.Parameter(torch.randn(HIDDEN)) if bias else None
+        self.queue: List[Callable[[], None]] = []
+
+    def forward(self, x):
+        return _QueuedWgradLinear.apply(x, self.weight, self.bias, self)
+
+    def need_backward_dw(self) -> bool:
+        return True
+
+    def backward_dw(self) -> None:
+        if not self.queue:
+            raise RuntimeError("QueuedWgradLinear.backward_dw(): nothing queued")
+        self.queue.pop(0)()
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["weight_only", "with_main_backward_bias"])
+def test_foreign_deferred_module_is_graphed(bias):
+    torch.manual_seed(SEED)
+    gm = QueuedWgradLinear(bias)
+    torch.manual_seed(SEED)
+    em = QueuedWgradLinear(bias)
+    g = dwgraph.make_graphed_callables(gm, sample())
+    assert gm.queue == [] and all(p.grad is None for p in gm.parameters())
+    for step in range(3):
+        x_val, loss_w = new_inputs()
+        y_g, xg_g = step_graphed(g, x_val, loss_w)
+        y_e, xg_e = step_eager(em, x_val, loss_w)
+        assert torch.equal(y_g, y_e) and torch.equal(xg_g, xg_e), f"step {step}: output / input grad"
+        assert len(em.queue) == 0
+        assert_same_grads(gm, em, f"step {step}")
+        gm.zero_grad(set_to_none=True)
+        em.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------- (f) errors
+def _graphed_linear(**kw):
+    m = make_module("linear", **kw)
+    return m, dwgraph.make_graphed_callables(m, sample())
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_wrong_input_raises_argument_error(bad):
+    m, g = _graphed_linear()
+    x = torch.randn(ROWS + 1, HIDDEN) if bad == "shape" else torch.randn(ROWS, HIDDEN, dtype=torch.float64)
+    with pytest.raises(dwgraph.ArgumentError) as err:
+        g(x)
+    msg = str(err.value)
+    assert "argument 0" in msg, msg
+    assert f"shape [{ROWS}, {HIDDEN}]" in msg and "Float" in msg, msg  # expected
+    if bad == "shape":
+        assert f"shape [{ROWS + 1}, {HIDDEN}]" in msg, msg  # actual
+    else:
+        assert "Double" in msg, msg
+    # Nothing was replayed or broken: a correct call still works.
+    y = g(torch.randn(ROWS, HIDDEN, requires_grad=True))
+    y.sum().backward()
+    g.backward_dw()
+
+
+def test_backward_dw_before_backward_and_twice_raise():
+    m, g = _graphed_linear()
+    with pytest.raises(dwgraph.GraphStateError):
+        g.backward_dw()  # nothing ran yet
+    y = g(torch.randn(ROWS, HIDDEN, requires_grad=True))
+    with pytest.raises(dwgraph.GraphStateError) as err:
+        g.backward_dw()  # forward ran, its backward did not
+    assert "backward" in str(err.value)
+    y.sum().backward()
+    g.backward_dw()
+    with pytest.raises(dwgraph.GraphStateError):
+        g.backward_dw()  # twice
+    assert m.weight.grad is not None
+
+
+def test_call_after_reset_raises():
+    m, g = _graphed_linear()
+    g.reset()
+    with pytest.raises(dwgraph.GraphStateError) as err:
+        g(torch.randn(ROWS, HIDDEN, requires_grad=True))
+    assert "reset" in str(err.value)
+    assert g.stats()["contribution_bytes"] == 0
+
+
+def test_reallocated_parameter_raises():
+    m, g = _graphed_linear()
+    m.bias.data = m.bias.data.clone()
+    with pytest.raises(dwgraph.GraphStateError) as err:
+        g(torch.randn(ROWS, HIDDEN, requires_grad=True))
+    assert "'bias'" in str(err.value), str(err.value)
+
+
+def test_replaced_main_grad_raises():
+    m, g = _graphed_linear(fused=True)
+    m.weight.main_grad = torch.zeros_like(m.weight.main_grad)
+    with pytest.raises(dwgraph.GraphStateError) as err:
+        g(torch.randn(ROWS, HIDDEN, requires_grad=True))
+    msg = str(err.value)
+    assert "main_grad" in msg and "'weight'" in msg, msg
+
+
+def test_training_mode_change_falls_back_to_eager():
+    m, g = _graphed_linear()
+    m.eval()
+    x = torch.randn(ROWS, HIDDEN)
+    with torch.no_grad():
+        y = g(x)
+        ref = m(x)
+    assert torch.equal(y, ref)
+    # Back in the captured mode, the graphs replay again.
+    m.train()
+    e = make_module("linear")
+    x_val, loss_w = new_inputs()
+    step_graphed(g, x_val, loss_w)
+    step_eager(e, x_val, loss_w)
+    assert_same_grads(m, e, "after returning to training mode")
+
+
+# ------------------------------------------------------------------ (g) contribution bytes
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "fused"])
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_contribution_bytes_match_deferred_parameters(kind, fused):
+    a = make_module(kind, fused=fused, seed=SEED)
+    b = make_module(kind, fused=fused, seed=SEED + 1)
+    c = make_module("linear", delay=False, seed=SEED + 2)
+    order = [1, 2, 3, 1, 2, 3, -3, -2, -1, -2.5, -1.5, -3, -2, -1, -2.5, -1.5]
+    n_micro = 2
+    slots = dwgraph.make_graphed_callables((a, b, c), tuple(sample() for _ in range(3 * n_micro)),
+                                           order=order, num_layers_per_chunk=[1, 1, 1])
+    assert len(slots) == 3 * n_micro
+    per_module = []
+    for m in (a, b):
+        deferred = [p for _, p in m._deferred_parameters()]
+        assert deferred
+        if fused:
+            assert all(not hasattr(p, "main_grad") for p in deferred)  # fused weights: main_grad, no contribution
+        per_module.append(sum(p.nbytes for p in deferred))
+    expected = [per_module[0]] * n_micro + [per_module[1]] * n_micro + [0] * n_micro
+    assert [s.contribution_bytes() for s in slots] == expected
+    assert all(s.need_backward_dw() for s in slots[: 2 * n_micro])
+    assert not slots[-1].need_backward_dw()
+    stats = slots[0].stats()
+    assert stats["contribution_bytes"] == sum(expected) > 0
+    assert stats["pool_allocated_bytes"] >= stats["contribution_bytes"]

@@ -1,0 +1,675 @@
+"""``@dwgraph.graphed_step`` (SPEC C3, C4, C7) on the CPU host graph, against the same step run eagerly.
+
+Every training test builds one model, deep-copies it (``copy.deepcopy``: same initial
+weights, ``main_grad`` buffers copied too), and trains the two copies side by side on the
+same data: the *eager* copy runs the step body directly, the *graphed* copy runs it
+through ``dwgraph.graphed_step``. The optimizer (SGD, lr 0.1) and ``zero_grad`` stay
+outside the step. The step semantics under test:
+
+  * per input key (non-tensor arguments, tensor shapes / dtypes / devices / requires_grad)
+    the first ``warmup_iters`` calls run the body eagerly, the next captures it (every
+    parameter's ``.grad`` set to None for the capture) and replays it once, every later
+    call replays;
+  * after each replay each parameter's gradient contribution is handed over:
+    ``.grad = contribution.clone()`` when ``.grad`` is None, ``.grad.add_(contribution)``
+    otherwise; then the wgrad hooks of deferred ``dwgraph.nn`` modules run; fused
+    ``main_grad`` accumulates inside the graph;
+  * returned tensors of at most 4096 elements are clones, larger ones the static outputs.
+
+Every comparison is bitwise (``torch.equal``): FP32 on the CPU, the host graph replays
+exactly the ATen kernels the eager body runs, on identical operands, and a gradient that
+lands on a ``.grad`` of None is taken as is while ``0 + g == g`` exactly, so both
+``zero_grad`` modes and in-step microbatch accumulation give identical bits.
+
+Cases that currently fail are library bugs, asserted on the documented contract:
+  * ``test_wgrad_hooks_once_per_step[non_deferred]``: hooks of a non-deferred dwgraph.nn
+    module never run on capture/replay calls (only during warmup);
+  * ``test_main_grad_reallocated_since_capture_raises``: replacing ``main_grad`` after
+    capture is not detected; the graph keeps accumulating into the old buffer;
+  * ``test_item_during_capture_raises_graph_state_error``: the capture's refusal of
+    ``.item()`` arrives as a plain RuntimeError, not ``dwgraph.GraphStateError``;
+  * ``test_warmup_zero_without_params``: with ``warmup_iters=0`` and no ``params=`` the
+    parameters are not known at capture, so the caller's ``.grad`` is the graph's static
+    buffer (overwritten by every replay) and later replays hand over no gradient;
+  * ``test_unfrozen_parameter_after_capture_raises``: a parameter that starts requiring
+    grad after capture silently gets no gradient.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dwgraph
+
+H = 8        # hidden size
+FFN = 12     # LayerNormMLP's ffn_hidden_size
+B = 4        # rows per microbatch
+LR = 0.1
+STEPS = 10
+CLONE_LIMIT = 4096
+
+
+# --------------------------------------------------------------------------------------
+# the model and the step body
+# --------------------------------------------------------------------------------------
+class Net(torch.nn.Module):
+    """torch.nn.Linear -> deferred dwgraph Linear -> relu -> deferred LayerNormMLP ->
+    non-deferred dwgraph Linear. ``fuse=True`` fuses the deferred modules' weights into
+    ``main_grad``; ``delay=False`` makes them non-deferred."""
+
+    def __init__(self, *, delay: bool = True, fuse: bool = False):
+        super().__init__()
+        self.inp = torch.nn.Linear(H, H)
+        self.lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse)
+        self.mlp = dwgraph.nn.LayerNormMLP(H, FFN, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse)
+        self.out = dwgraph.nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.out(self.mlp(torch.relu(self.lin(self.inp(x)))))
+
+    def deferred(self):
+        return [m for m in (self.lin, self.mlp, self.out) if m.delay_wgrad_compute]
+
+    def fused_weights(self):
+        return [p for m in (self.lin, self.mlp) for _, p in m._fused_parameters()]
+
+
+def body(model: Net, xs: torch.Tensor, ys: torch.Tensor):
+    """One training step: per microbatch forward, loss.backward(), backward_dw() of every
+    deferred module. Returns (summed loss, last microbatch's output)."""
+    total = None
+    out = None
+    for i in range(xs.shape[0]):
+        out = model(xs[i])
+        loss = F.mse_loss(out, ys[i])
+        loss.backward()
+        for m in model.deferred():
+            m.backward_dw()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total, out.detach()
+
+
+def sgd_step(model: Net, lr: float = LR) -> None:
+    """SGD on .grad, and on main_grad for fused weights (in place: no reallocation)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+        for p in model.fused_weights():
+            p.add_(p.main_grad, alpha=-lr)
+
+
+def zero_grad(model: Net, set_to_none: bool) -> None:
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.zero_()
+
+
+def assert_grads_equal(eager: torch.nn.Module, graphed: torch.nn.Module, what: str) -> None:
+    for (name, pe), pg in zip(eager.named_parameters(), graphed.parameters()):
+        if pe.grad is None:
+            assert pg.grad is None, f"{what}: {name}.grad should be None (as eager), got a tensor"
+        else:
+            assert pg.grad is not None, f"{what}: {name}.grad is None, eager has a gradient"
+            assert torch.equal(pg.grad, pe.grad), f"{what}: {name}.grad differs from eager"
+        if hasattr(pe, "main_grad"):
+            assert torch.equal(pg.main_grad, pe.main_grad), f"{what}: {name}.main_grad differs from eager"
+
+
+def assert_params_equal(eager: torch.nn.Module, graphed: torch.nn.Module, what: str) -> None:
+    for (name, pe), pg in zip(eager.named_parameters(), graphed.parameters()):
+        assert torch.equal(pg, pe), f"{what}: parameter {name} differs from eager"
+
+
+def data(steps: int, micro: int, rows: int = B):
+    return torch.randn(steps, micro, rows, H), torch.randn(steps, micro, rows, H)
+
+
+# --------------------------------------------------------------------------------------
+# 1. a training loop: graphed == eager, bitwise, every step
+# --------------------------------------------------------------------------------------
+FORMS = {
+    # name: (warmup_iters the form implies)
+    "bare": 3,      # @dwgraph.graphed_step
+    "args": 2,      # @dwgraph.graphed_step(warmup_iters=2, max_graphs=4)
+    "params": 1,    # @dwgraph.graphed_step(warmup_iters=1, params=[...])
+}
+
+
+def make_step(model: Net, form: str):
+    if form == "bare":
+        @dwgraph.graphed_step
+        def step(xs, ys):
+            return body(model, xs, ys)
+    elif form == "args":
+        @dwgraph.graphed_step(warmup_iters=2, max_graphs=4)
+        def step(xs, ys):
+            return body(model, xs, ys)
+    else:
+        @dwgraph.graphed_step(warmup_iters=1, params=list(model.parameters()))
+        def step(xs, ys):
+            return body(model, xs, ys)
+    assert isinstance(step, dwgraph.GraphedStep)
+    return step
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("micro", [1, 3], ids=["micro1", "micro3"])
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["none", "zero"])
+def test_training_loop_matches_eager(form, micro, set_to_none):
+    eager = Net()
+    graphed = copy.deepcopy(eager)
+    assert_params_equal(eager, graphed, "initial weights")
+    opt_e = torch.optim.SGD(eager.parameters(), lr=LR)
+    opt_g = torch.optim.SGD(graphed.parameters(), lr=LR)
+    step = make_step(graphed, form)
+    warmup = FORMS[form]
+    xs, ys = data(STEPS, micro)
+
+    for s in range(STEPS):
+        le, oe = body(eager, xs[s], ys[s])
+        lg, og = step(xs[s], ys[s])
+        what = f"step {s} ({'warmup' if s < warmup else 'capture' if s == warmup else 'replay'})"
+        assert torch.equal(lg, le), f"{what}: loss {lg.item()} != eager {le.item()}"
+        assert torch.equal(og, oe), f"{what}: output differs from eager"
+        assert_grads_equal(eager, graphed, what)
+        assert step.num_captures == (0 if s < warmup else 1), what
+        for m in graphed.deferred():
+            assert m.num_queued_wgrad_units() == 0, f"{what}: wgrad work left queued"
+        opt_e.step(), opt_g.step()
+        assert_params_equal(eager, graphed, what)
+        opt_e.zero_grad(set_to_none=set_to_none), opt_g.zero_grad(set_to_none=set_to_none)
+        if not set_to_none and s > 0:
+            assert all(p.grad is not None and not p.grad.any() for p in graphed.parameters())
+    assert step.num_graphs == 1
+    assert step.num_captures == 1
+
+
+# --------------------------------------------------------------------------------------
+# 2. two shapes alternating: one graph each, never re-captured
+# --------------------------------------------------------------------------------------
+def test_two_shapes_alternating():
+    eager = Net()
+    graphed = copy.deepcopy(eager)
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(xs, ys):
+        return body(graphed, xs, ys)
+
+    rows = [4, 6]
+    n = 14
+    for i in range(n):
+        r = rows[i % 2]
+        xs, ys = torch.randn(1, r, H), torch.randn(1, r, H)
+        le, oe = body(eager, xs, ys)
+        lg, og = step(xs, ys)
+        assert torch.equal(lg, le) and torch.equal(og, oe), f"call {i} (rows {r}) differs from eager"
+        assert_grads_equal(eager, graphed, f"call {i}")
+        # calls 0, 1: warmup of each shape; 2, 3: capture of each; then replays only
+        expected = {0: 0, 1: 0, 2: 1}.get(i, 2)
+        assert step.num_captures == expected, f"call {i}: num_captures {step.num_captures} != {expected}"
+        if i >= 3:
+            assert step.num_graphs == 2
+        sgd_step(eager), sgd_step(graphed)
+        zero_grad(eager, True), zero_grad(graphed, True)
+    assert_params_equal(eager, graphed, "end")
+    assert step.num_captures == 2 and step.num_graphs == 2
+
+
+# --------------------------------------------------------------------------------------
+# 3. max_graphs: least recently used graph released, re-captured when its key returns
+# --------------------------------------------------------------------------------------
+def _expected_captures(seq: List[int], warmup: int, max_graphs: int):
+    """The documented policy: per key ``warmup`` eager calls then a capture; a new key
+    beyond ``max_graphs`` releases the least recently used one (which starts over)."""
+    entries: "collections.OrderedDict[int, int]" = collections.OrderedDict()
+    captures, out = 0, []
+    for key in seq:
+        if key not in entries:
+            while len(entries) >= max_graphs:
+                entries.popitem(last=False)
+            entries[key] = 0
+        entries.move_to_end(key)
+        entries[key] += 1
+        if entries[key] == warmup + 1:
+            captures += 1
+        captured = sum(1 for c in entries.values() if c > warmup)
+        out.append((captures, captured))
+    return out
+
+
+@pytest.mark.parametrize("pattern", ["pairs", "cycle"])
+def test_max_graphs_bound(pattern):
+    eager = Net()
+    graphed = copy.deepcopy(eager)
+    if pattern == "pairs":
+        # each shape twice in a row (warmup, capture), a cached key revisited, then evicted keys return
+        warmup = 1
+        seq = [4, 4, 5, 5, 4, 6, 6, 5, 5, 4, 4, 6, 6, 4]
+        step = dwgraph.graphed_step(lambda xs, ys: body(graphed, xs, ys), warmup_iters=warmup, max_graphs=2)
+    else:
+        # three shapes cycling with no warmup (params given): every call is a new capture
+        warmup = 0
+        seq = [4, 5, 6] * 4
+        step = dwgraph.graphed_step(lambda xs, ys: body(graphed, xs, ys), warmup_iters=warmup, max_graphs=2,
+                                    params=list(graphed.parameters()))
+    expected = _expected_captures(seq, warmup, 2)
+    assert expected[-1][0] > 3, "the sequence must re-capture evicted keys"
+    for i, r in enumerate(seq):
+        xs, ys = torch.randn(1, r, H), torch.randn(1, r, H)
+        le, oe = body(eager, xs, ys)
+        lg, og = step(xs, ys)
+        assert torch.equal(lg, le) and torch.equal(og, oe), f"call {i} (rows {r}) differs from eager"
+        assert_grads_equal(eager, graphed, f"call {i} (rows {r})")
+        captures, captured = expected[i]
+        assert step.num_captures == captures, f"call {i} (rows {r}): num_captures {step.num_captures} != {captures}"
+        assert captured <= step.num_graphs <= 2, f"call {i}: num_graphs {step.num_graphs}"
+        sgd_step(eager), sgd_step(graphed)
+        zero_grad(eager, True), zero_grad(graphed, True)
+    assert_params_equal(eager, graphed, "end")
+
+
+# --------------------------------------------------------------------------------------
+# 4. zero_grad(set_to_none=True) then an allocation burst: replays never write freed memory
+# --------------------------------------------------------------------------------------
+def test_set_to_none_then_allocation_burst():
+    eager = Net()
+    graphed = copy.deepcopy(eager)
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(xs, ys):
+        return body(graphed, xs, ys)
+
+    sentinel = 12345.0
+    bursts: List[torch.Tensor] = []
+    xs, ys = data(8, 1)
+    for s in range(8):
+        held = [p.grad for p in graphed.parameters()]  # the caller's gradients of the last step
+        held_copy = [None if g is None else g.clone() for g in held]
+        zero_grad(eager, True), zero_grad(graphed, True)
+        # freed gradient memory is likely reused by these
+        shapes = [p.shape for p in graphed.parameters()]
+        bursts += [torch.full(shp, sentinel) for shp in shapes for _ in range(8)]
+        le, _ = body(eager, xs[s], ys[s])
+        lg, _ = step(xs[s], ys[s])
+        assert torch.equal(lg, le), f"step {s}: loss differs"
+        assert_grads_equal(eager, graphed, f"step {s}")
+        for i, t in enumerate(bursts):
+            assert bool((t == sentinel).all()), f"step {s}: burst tensor {i} was overwritten"
+        for g, c in zip(held, held_copy):
+            if g is not None:
+                assert torch.equal(g, c), f"step {s}: a gradient the caller dropped was written after its release"
+        sgd_step(eager), sgd_step(graphed)
+    assert step.num_captures == 1
+
+
+# --------------------------------------------------------------------------------------
+# 5. errors
+# --------------------------------------------------------------------------------------
+def _small():
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(H, H), dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+
+
+def _small_body(m, x):
+    loss = m(x).square().mean()
+    loss.backward()
+    m[1].backward_dw()
+    return loss
+
+
+def test_optimizer_step_inside_raises():
+    m = _small()
+    opt = torch.optim.SGD(m.parameters(), lr=LR)
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        loss = _small_body(m, x)
+        opt.step()
+        return loss
+
+    with pytest.raises(dwgraph.GraphStateError, match=r"optimizer\.step"):
+        step(torch.randn(B, H))
+    # the refusal is scoped to the step: outside it the optimizer works
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, m.parameters()))
+
+
+@pytest.mark.parametrize("who", ["optimizer", "module"])
+def test_zero_grad_inside_raises(who):
+    m = _small()
+    opt = torch.optim.SGD(m.parameters(), lr=LR)
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        loss = _small_body(m, x)
+        (opt if who == "optimizer" else m).zero_grad()
+        return loss
+
+    with pytest.raises(dwgraph.GraphStateError, match="zero_grad"):
+        step(torch.randn(B, H))
+    # restored outside the step
+    (opt if who == "optimizer" else m).zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in m.parameters())
+
+
+def _captured_small(warmup: int = 1):
+    m = _small()
+
+    @dwgraph.graphed_step(warmup_iters=warmup)
+    def step(x):
+        return _small_body(m, x)
+
+    x = torch.randn(B, H)
+    for _ in range(warmup + 1):
+        step(x)
+    assert step.num_captures == 1
+    m.zero_grad(set_to_none=True)
+    return m, step, x
+
+
+def test_frozen_parameter_after_capture_raises():
+    m, step, x = _captured_small()
+    m[0].weight.requires_grad_(False)
+    with pytest.raises(dwgraph.GraphStateError, match=r"parameter 'Sequential\.0\.weight'.*requires grad"):
+        step(x)
+    assert all(p.grad is None for p in m.parameters()), "the refused call must not hand over gradients"
+    # reset() captures again, without the frozen parameter; the result equals eager
+    eager = copy.deepcopy(m)
+    step.reset()
+    assert step.num_graphs == 0
+    for _ in range(3):
+        lg = step(x)
+        le = _small_body(eager, x)
+        assert torch.equal(lg, le)
+        assert m[0].weight.grad is None
+        assert_grads_equal(eager, m, "after reset")
+        m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
+    assert step.num_captures == 2
+
+
+def test_unfrozen_parameter_after_capture_raises():
+    # the other direction: a parameter that did not require grad at capture now does
+    m = _small()
+    m[0].weight.requires_grad_(False)
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        return _small_body(m, x)
+
+    x = torch.randn(B, H)
+    step(x), step(x)
+    m.zero_grad(set_to_none=True)
+    m[0].weight.requires_grad_(True)
+    with pytest.raises(dwgraph.GraphStateError, match=r"weight.*requires grad"):
+        step(x)
+
+
+def test_returning_item_raises_type_error():
+    m = _small()
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        return _small_body(m, x).item()
+
+    with pytest.raises(TypeError, match=r"must return tensors.*float.*\.item\(\)"):
+        step(torch.randn(B, H))
+
+
+def test_item_during_capture_raises_graph_state_error():
+    # No warmup: the first call captures, and .item() inside a capture is refused.
+    m = _small()
+
+    @dwgraph.graphed_step(warmup_iters=0, params=list(m.parameters()))
+    def step(x):
+        return _small_body(m, x).item()
+
+    with pytest.raises(dwgraph.GraphStateError, match=r"\.item\(\)"):
+        step(torch.randn(B, H))
+
+
+def test_failed_capture_can_be_retried():
+    # SPEC C7: a capture that raises leaves nothing behind and can be retried; C3: it
+    # changes no caller-visible state (.grad, main_grad).
+    m = torch.nn.Sequential(torch.nn.Linear(H, H),
+                            dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True))
+    eager = copy.deepcopy(m)
+    fail = [False]
+
+    def raw(model, x):
+        loss = _small_body(model, x)
+        if fail[0]:
+            raise ValueError("boom inside the step")
+        return loss
+
+    step = dwgraph.graphed_step(lambda x: raw(m, x), warmup_iters=1)
+    xs = torch.randn(4, B, H)
+    assert torch.equal(step(xs[0]), raw(eager, xs[0]))  # warmup
+    grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    main = m[1].weight.main_grad.clone()
+    fail[0] = True
+    with pytest.raises(ValueError, match="boom"):
+        step(xs[1])  # the capture call
+    fail[0] = False
+    assert step.num_captures == 0
+    with_grad = [p for p in m.parameters() if p.grad is not None]
+    assert len(with_grad) == len(grads), "a failed capture changed which parameters have a .grad"
+    for g, p in zip(grads, with_grad):
+        assert torch.equal(p.grad, g), "a failed capture changed a caller .grad"
+    assert torch.equal(m[1].weight.main_grad, main), "a failed capture changed main_grad"
+    assert torch.ones(3).sum().item() == 3.0  # no capture mode left behind
+    for s in range(1, 4):
+        lg, le = step(xs[s]), raw(eager, xs[s])
+        assert torch.equal(lg, le), f"call {s} after the failed capture"
+        assert_grads_equal(eager, m, f"call {s} after the failed capture")
+    assert step.num_captures == 1
+
+
+def test_parameter_reallocated_since_capture_raises():
+    m, step, x = _captured_small()
+    m[1].weight.data = m[1].weight.data.clone()
+    with pytest.raises(dwgraph.GraphStateError, match=r"Sequential\.1\.weight.*reallocated"):
+        step(x)
+
+
+def test_main_grad_reallocated_since_capture_raises():
+    # SPEC C4/C7: main_grad is checked at every replay to be the same storage.
+    m = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True))
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        loss = m(x).square().mean()
+        loss.backward()
+        m[0].backward_dw()
+        return loss
+
+    x = torch.randn(B, H)
+    step(x), step(x)
+    old = m[0].weight.main_grad
+    m[0].weight.main_grad = torch.zeros_like(old)
+    old_copy = old.clone()
+    with pytest.raises(dwgraph.GraphStateError, match=r"main_grad.*reallocated|reallocated.*main_grad"):
+        step(x)
+    assert torch.equal(old, old_copy), "the replay wrote into the released main_grad"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not dwgraph.cuda_available(), reason="no CUDA device")
+def test_cpu_argument_to_cuda_step_raises():
+    m = _small().cuda()
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        return _small_body(m, x)
+
+    x = torch.randn(B, H, device="cuda")
+    step(x), step(x)
+    with pytest.raises(dwgraph.ArgumentError, match="is on cpu but the step runs on cuda"):
+        step(x.cpu())
+
+
+# --------------------------------------------------------------------------------------
+# 6. wgrad hooks: once per step, after the gradients landed
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("delay", [True, False], ids=["deferred", "non_deferred"])
+def test_wgrad_hooks_once_per_step(delay):
+    def build():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=delay),
+                                   dwgraph.nn.LayerNormMLP(H, FFN, delay_wgrad_compute=delay))
+
+    eager = build()
+    graphed = build()
+    logs: Dict[str, List] = {"eager": [], "graphed": []}
+
+    def hook_for(log):
+        def hook(mod):
+            names = [n for n, _ in mod.named_parameters() if not n.startswith("layer_norm")]
+            log.append((type(mod).__name__, {n: None if getattr(mod, n).grad is None else getattr(mod, n).grad.clone()
+                                             for n in names}))
+        return hook
+
+    for model, key in ((eager, "eager"), (graphed, "graphed")):
+        for mod in model:
+            mod.register_wgrad_hook(hook_for(logs[key]))
+
+    def raw(model, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        for mod in model:
+            if delay:
+                mod.backward_dw()
+        return loss
+
+    step = dwgraph.graphed_step(lambda x: raw(graphed, x), warmup_iters=2)
+    xs = torch.randn(7, B, H)
+    for s in range(xs.shape[0]):
+        ne, ng = len(logs["eager"]), len(logs["graphed"])
+        le = raw(eager, xs[s])
+        lg = step(xs[s])
+        assert torch.equal(lg, le)
+        for key, model, n in (("eager", eager, ne), ("graphed", graphed, ng)):
+            new = logs[key][n:]
+            assert sorted(name for name, _ in new) == ["LayerNormMLP", "Linear"], (
+                f"step {s} ({key}): hooks ran {[name for name, _ in new]}, expected each module once")
+            for (name, seen), mod in zip(sorted(new, key=lambda e: e[0] != "Linear"), model):
+                for pname, g in seen.items():
+                    final = getattr(mod, pname).grad
+                    assert g is not None, f"step {s} ({key}): {name} hook ran before {pname}'s gradient landed"
+                    assert torch.equal(g, final), f"step {s} ({key}): {name} hook saw {pname}.grad != final"
+        assert_grads_equal(eager, graphed, f"step {s}")
+        for model in (eager, graphed):
+            for p in model.parameters():
+                p.grad = None
+
+
+# --------------------------------------------------------------------------------------
+# 7. fused main_grad
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("delay", [True, False], ids=["deferred", "non_deferred"])
+def test_fused_main_grad_accumulates_like_eager(delay):
+    eager = Net(delay=delay, fuse=True)
+    graphed = copy.deepcopy(eager)
+    fused_e, fused_g = eager.fused_weights(), graphed.fused_weights()
+    assert len(fused_g) == 3  # lin.weight, mlp.fc1_weight, mlp.fc2_weight
+    buffers = [p.main_grad for p in fused_g]
+    for pe, pg in zip(fused_e, fused_g):
+        assert pe.main_grad.data_ptr() != pg.main_grad.data_ptr()
+
+    @dwgraph.graphed_step(warmup_iters=2)
+    def step(xs, ys):
+        return body(graphed, xs, ys)
+
+    xs, ys = data(STEPS, 1)
+    for s in range(STEPS):
+        for p in fused_e + fused_g:
+            p.grad_added_to_main_grad = False
+        le, _ = body(eager, xs[s], ys[s])
+        lg, _ = step(xs[s], ys[s])
+        assert torch.equal(lg, le), f"step {s}: loss differs"
+        assert_grads_equal(eager, graphed, f"step {s}")  # includes main_grad
+        for p in fused_g:
+            assert p.grad_added_to_main_grad is True, f"step {s}: grad_added_to_main_grad not set"
+            assert p.grad is None, f"step {s}: a fused weight got a .grad"
+            assert bool(p.main_grad.abs().sum() > 0)
+        assert all(p.main_grad is b for p, b in zip(fused_g, buffers))
+        sgd_step(eager), sgd_step(graphed)
+        assert_params_equal(eager, graphed, f"step {s}")
+        zero_grad(eager, True), zero_grad(graphed, True)
+        if s % 3 == 2:  # main_grad accumulates over 3 steps, then the caller zeroes it in place
+            for p in fused_e + fused_g:
+                p.main_grad.zero_()
+    assert step.num_captures == 1
+
+
+# --------------------------------------------------------------------------------------
+# 8. returned tensors: small ones are clones, large ones the static outputs
+# --------------------------------------------------------------------------------------
+def test_returned_small_clones_large_static():
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(H, H)
+    rows = CLONE_LIMIT // H + 1  # (rows, H) output: just over the limit
+    fan = torch.randn(H, H)
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        out = lin(x)
+        loss = out.square().mean()
+        loss.backward()
+        big = out.detach() @ fan
+        small = big[:4]  # 4*H elements, a view of the large one
+        return loss, small.contiguous(), big
+
+    outs = []
+    xs = torch.randn(4, rows, H)
+    for s in range(4):
+        loss, small, big = step(xs[s])
+        ref_out = torch.nn.functional.linear(xs[s], lin.weight, lin.bias)
+        ref_big = ref_out @ fan
+        assert big.numel() > CLONE_LIMIT and small.numel() <= CLONE_LIMIT
+        assert torch.equal(loss, ref_out.square().mean()) and torch.equal(big, ref_big)
+        outs.append((loss, small, big, ref_big.clone(), ref_big[:4].clone()))
+        lin.zero_grad(set_to_none=True)
+    # calls 1..3 are capture/replays: the large output is one static tensor, overwritten by each
+    # call; the small ones are clones that keep their values
+    assert outs[1][2].data_ptr() == outs[2][2].data_ptr() == outs[3][2].data_ptr()
+    for s in (1, 2):
+        assert torch.equal(outs[s][2], outs[3][3]), "the large output is the static output of the latest call"
+    for s in range(4):
+        assert torch.equal(outs[s][1], outs[s][4]), f"call {s}: the small output changed after later calls"
+    assert len({o[1].data_ptr() for o in outs}) == 4
+
+
+# --------------------------------------------------------------------------------------
+# warmup_iters=0 without params=: the parameters must still be found
+# --------------------------------------------------------------------------------------
+def test_warmup_zero_without_params():
+    eager = _small()
+    m = copy.deepcopy(eager)
+
+    @dwgraph.graphed_step(warmup_iters=0)
+    def step(x):
+        return _small_body(m, x)
+
+    xs = torch.randn(4, B, H)
+    grads_seen = []
+    for s in range(4):
+        lg, le = step(xs[s]), _small_body(eager, xs[s])
+        assert torch.equal(lg, le)
+        assert_grads_equal(eager, m, f"call {s}")
+        grads_seen.append([(p.grad, p.grad.clone()) for p in m.parameters()])
+        m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
+    for s, held in enumerate(grads_seen):
+        for g, c in held:
+            assert torch.equal(g, c), f"the .grad handed over at call {s} was overwritten by a later replay"
