@@ -46,7 +46,7 @@ c10::DataPtr HostPool::allocate(size_t nbytes) {
       TORCH_CHECK(base != nullptr, "dwgraph host pool: out of memory allocating a ", chunk_size,
                   "-byte chunk");
       chunks_.emplace_back(base, chunk_size);
-      blocks_[base] = Block{chunk_size, chunks_.size() - 1, true};
+      blocks_[base] = Block{chunk_size, chunks_.size() - 1, true, 0};
       it = free_.insert({chunk_size, base}).first;
       stats_.reserved_bytes += static_cast<int64_t>(chunk_size);
     }
@@ -54,7 +54,7 @@ c10::DataPtr HostPool::allocate(size_t nbytes) {
     Block& b = blocks_.at(p);
     free_.erase(it);
     if (b.size - n >= kAlign) {  // split: the tail stays free
-      blocks_[p + n] = Block{b.size - n, b.chunk, true};
+      blocks_[p + n] = Block{b.size - n, b.chunk, true, 0};
       free_.insert({b.size - n, p + n});
       b.size = n;
     }
@@ -63,6 +63,7 @@ c10::DataPtr HostPool::allocate(size_t nbytes) {
     stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
     stats_.live_blocks += 1;
     stats_.num_allocations += 1;
+    b.serial = stats_.num_allocations;
   }
   {
     const std::lock_guard<std::mutex> lock(live_mu);
@@ -125,6 +126,13 @@ bool HostPool::owns(const void* p) const {
     if (c >= base && c < base + size) return true;
   }
   return false;
+}
+
+int64_t HostPool::allocation_serial(const void* p) const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  auto it = blocks_.find(static_cast<char*>(const_cast<void*>(p)));
+  if (it == blocks_.end() || it->second.free) return 0;
+  return it->second.serial;
 }
 
 PoolStats HostPool::stats() const {

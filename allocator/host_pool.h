@@ -41,6 +41,10 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   static bool release_block(void* p);
   // True when `p` points into one of this pool's chunks.
   bool owns(const void* p) const;
+  // The allocation number (1, 2, ... per pool) of the live block starting at `p`; 0 when
+  // `p` starts no live block. Compare with stats().num_allocations taken earlier to tell
+  // whether a block was allocated since.
+  int64_t allocation_serial(const void* p) const;
   PoolStats stats() const;
   // Debug mode: freed blocks are filled with 0xFF bytes (NaN for floating point), so a
   // replay that reads memory it does not own shows up as NaN instead of stale values.
@@ -57,6 +61,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
     size_t size;
     size_t chunk;
     bool free;
+    int64_t serial = 0;
   };
   const uint64_t id_;
   mutable std::mutex mu_;

@@ -47,6 +47,7 @@ void init_graphs(py::module_& parent) {
       .def_property_readonly("is_capturing", &Graph::is_capturing)
       .def_property_readonly("pool", &Graph::pool)
       .def_property_readonly("num_kernels", &Graph::num_kernels)
+      .def("recorded_calls", &Graph::recorded_calls)
       .def("storages",
            [](const Graph& g) {
              py::list out;

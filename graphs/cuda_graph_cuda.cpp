@@ -145,6 +145,7 @@ class CudaGraph final : public Graph {
     for (const auto& r : records_) n += r.skip_at_replay ? 0 : 1;
     return n;
   }
+  std::vector<std::string> recorded_calls() const override { return detail::describe_records(records_); }
   std::vector<StorageInfo> storages() const override {
     std::vector<StorageInfo> out;
     for (size_t i = 0; i < ledger_.size(); ++i) {

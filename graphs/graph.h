@@ -54,6 +54,8 @@ class Graph {
   virtual std::shared_ptr<GraphPool> pool() const = 0;
   // Number of captured kernels (host: dispatcher calls recorded; CUDA: graph nodes).
   virtual size_t num_kernels() const = 0;
+  // The dispatcher calls the capture recorded, in order ("aten::mm", "aten::t [skipped]").
+  virtual std::vector<std::string> recorded_calls() const = 0;
   // The storages the capture touched, with their ownership.
   virtual std::vector<StorageInfo> storages() const = 0;
   // Names a storage for error messages; `persistent` marks parameters and main_grad.

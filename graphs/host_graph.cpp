@@ -8,6 +8,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -16,6 +18,12 @@ namespace dwgraph::graphs {
 namespace {
 
 void no_delete(void*) {}
+
+// Swallows the warnings of an out= call that we are about to discard.
+struct WarningCollector final : c10::WarningHandler {
+  bool any = false;
+  void process(const c10::Warning&) override { any = true; }
+};
 
 // The out= overload of `op` whose arguments are op's followed by one mutable tensor per
 // tensor return (mm -> mm.out, gelu_backward -> gelu_backward.grad_input), if any.
@@ -89,7 +97,8 @@ void HostGraph::capture_begin(std::shared_ptr<GraphPool> pool) {
   }
   auto hp = pool_->host_pool();
   recorder_ = std::make_unique<detail::Recorder>(
-      ledger_, [hp](const void* p) { return hp->owns(p); }, /*execute=*/true);
+      ledger_, [hp](const void* p) { return hp->owns(p); }, /*execute=*/true,
+      [hp](const void* p) { return hp->allocation_serial(p); }, hp->stats().num_allocations);
   alloc_guard_ = std::make_unique<allocator::CaptureAllocationGuard>(hp);
   record_guard_ = std::make_unique<detail::RecordingGuard>(recorder_.get());
 }
@@ -147,7 +156,8 @@ void HostGraph::capture_end() {
       all_fresh = all_fresh && ret.kind == detail::ValueSlot::Kind::kTensor && !ret.fresh.empty() && ret.fresh[0] &&
                   ret.tensors[0].defined;
     }
-    if (!rec.skip_at_replay && all_fresh && n_tensor_returns == outs.size()) op_out = out_overload(rec.op);
+    static const bool no_out = std::getenv("DWGRAPH_HOST_GRAPH_NO_OUT_OVERLOADS") != nullptr;
+    if (!no_out && !rec.skip_at_replay && all_fresh && n_tensor_returns == outs.size()) op_out = out_overload(rec.op);
     std::vector<std::pair<size_t, at::Tensor>> targets;
     if (op_out) {
       for (auto& [index, target] : outs) args.emplace_back(target);
@@ -204,13 +214,19 @@ void HostGraph::replay() {
   for (size_t r = 0; r < records_.size(); ++r) {
     const auto& rec = records_[r];
     if (rec.skip_at_replay) continue;
+    for (const auto& [entry, bytes] : rec.constants) {
+      std::memcpy(raw_storages_[entry].mutable_data(), bytes.data(), bytes.size());
+    }
     if (replay_ops_[r]) {
       // The out= overload writes straight into the captured outputs, unless it resizes
       // or moves them: then this call and every later one use the functional form.
       bool kept = true;
+      WarningCollector warnings;
       try {
+        const c10::WarningUtils::WarningHandlerGuard quiet(&warnings);
         stack.assign(replay_args_[r].begin(), replay_args_[r].end());
         replay_ops_[r]->callBoxed(&stack);
+        kept = !warnings.any;  // e.g. torch's warning that it resized an output
         for (const auto& [index, target] : out_targets_[r]) {
           const auto& slot = rec.returns[index].tensors[0];
           kept = kept && target.sizes() == c10::IntArrayRef(slot.sizes) &&

@@ -52,6 +52,7 @@ class HostGraph final : public Graph {
   std::shared_ptr<GraphPool> pool() const override { return pool_; }
   size_t num_kernels() const override;
   std::vector<StorageInfo> storages() const override;
+  std::vector<std::string> recorded_calls() const override { return detail::describe_records(records_); }
   void set_role(const c10::Storage& storage, const std::string& role, bool persistent) override;
 
  private:

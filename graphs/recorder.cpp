@@ -6,7 +6,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <unordered_set>
 
 namespace dwgraph::graphs::detail {
@@ -52,9 +54,9 @@ void capture_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, tor
     op.redispatchBoxed(ks.remove(kModeKey), stack);
     return;
   }
-  if (op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
-    // A composite decomposes into other calls, and autograd saves the intermediates of
-    // that decomposition (layer_norm's mean and rstd): record the calls it makes, not it.
+  if (rec->depth() > 0 && c10::impl::tls_is_dispatch_keyset_excluded(c10::autograd_dispatch_keyset)) {
+    // Inside a kernel, below autograd: part of the call being recorded, not a call of its own.
+    const c10::impl::ExcludeDispatchKeyGuard guard(kModeKey);
     op.redispatchBoxed(ks.remove(kModeKey), stack);
     return;
   }
@@ -75,8 +77,13 @@ RecordingGuard::RecordingGuard(Recorder* rec) : previous_(tls_recorder), include
 
 RecordingGuard::~RecordingGuard() { tls_recorder = previous_; }
 
-Recorder::Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> owned, bool execute)
-    : ledger_(ledger), owned_(std::move(owned)), execute_(execute) {}
+Recorder::Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> owned, bool execute,
+                   std::function<int64_t(const void*)> serial, int64_t first_serial)
+    : ledger_(ledger),
+      owned_(std::move(owned)),
+      execute_(execute),
+      serial_(std::move(serial)),
+      first_serial_(first_serial) {}
 
 TensorSlot Recorder::tensor_slot(const at::Tensor& t) {
   TensorSlot s;
@@ -126,8 +133,6 @@ void Recorder::snapshot_if_caller(const TensorSlot& s, const at::Tensor& t) {
 }
 
 void Recorder::on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  // Nothing below (our own tensor work, the kernel's nested calls) is recorded again.
-  const c10::impl::ExcludeDispatchKeyGuard exclude(kModeKey);
   const auto& schema = op.schema();
   DWGRAPH_CHECK_STATE(!reads_value_on_host(schema.operator_name()), "dwgraph graph capture: ",
                       schema.operator_name().name,
@@ -136,8 +141,11 @@ void Recorder::on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
   const size_t nargs = schema.arguments().size();
   TORCH_INTERNAL_ASSERT(stack->size() >= nargs);
   const size_t base = stack->size() - nargs;
+  refuse_data_dependent(schema, *stack, base);
 
-  OpRecord rec{op, {}, {}, false};
+  // Our own bookkeeping below must not be recorded.
+  std::optional<c10::impl::ExcludeDispatchKeyGuard> exclude(std::in_place, kModeKey);
+  OpRecord rec{op, {}, {}, false, {}};
   rec.args.reserve(nargs);
   std::unordered_set<const void*> input_data;
   for (size_t i = 0; i < nargs; ++i) {
@@ -167,8 +175,22 @@ void Recorder::on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
     rec.args.push_back(std::move(s));
   }
 
-  // The kernel's own allocations follow the capture's routing (pool on the host graph).
-  op.redispatchBoxed(ks.remove(kModeKey), stack);
+  snapshot_constants(rec, *stack, base);
+  // The call itself: its autograd layer's own calls (a clone of self saved for backward,
+  // the pieces of a CompositeImplicitAutograd operator) are recorded as its children;
+  // calls inside its kernels are not (see capture_fallback). The kernel's allocations
+  // follow the capture's routing (the pool on the host graph).
+  const size_t first_child = records_.size();
+  exclude.reset();
+  ++depth_;
+  try {
+    op.redispatchBoxed(ks.remove(kModeKey), stack);
+  } catch (...) {
+    --depth_;
+    throw;
+  }
+  --depth_;
+  exclude.emplace(kModeKey);
 
   bool any_fresh = false;
   bool any_write = std::any_of(rec.args.begin(), rec.args.end(), [](const ValueSlot& s) { return s.written; });
@@ -200,7 +222,110 @@ void Recorder::on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
     rec.returns.push_back(std::move(s));
   }
   rec.skip_at_replay = (!any_write && !any_fresh) || is_allocation(schema.operator_name());
+  if (!rec.skip_at_replay && records_.size() > first_child) {
+    // Everything this call wrote was written by its children (a composite such as
+    // layer_norm): replaying them is replaying it.
+    std::unordered_set<size_t> child_writes;
+    for (size_t r = first_child; r < records_.size(); ++r) {
+      for (size_t e : written_entries(records_[r])) child_writes.insert(e);
+    }
+    const auto mine = written_entries(rec);
+    rec.skip_at_replay = !mine.empty() && std::all_of(mine.begin(), mine.end(), [&](size_t e) { return child_writes.count(e) > 0; });
+  }
+  if (!is_allocation(schema.operator_name())) {
+    for (size_t e : written_entries(rec)) mark_defined(e);
+  }
   records_.push_back(std::move(rec));
+}
+
+std::vector<size_t> Recorder::written_entries(const OpRecord& rec) const {
+  std::vector<size_t> out;
+  for (const auto& a : rec.args) {
+    if (!a.written) continue;
+    for (const auto& t : a.tensors) {
+      if (t.defined && !t.no_memory) out.push_back(t.entry);
+    }
+  }
+  for (const auto& r : rec.returns) {
+    for (size_t k = 0; k < r.tensors.size(); ++k) {
+      if (k < r.fresh.size() && r.fresh[k] && r.tensors[k].defined && !r.tensors[k].no_memory) {
+        out.push_back(r.tensors[k].entry);
+      }
+    }
+  }
+  return out;
+}
+
+void Recorder::mark_defined(size_t entry) {
+  if (!serial_) return;
+  if (defined_.size() <= entry) defined_.resize(entry + 1, -1);
+  defined_[entry] = serial_(ledger_.entry(entry).data);
+}
+
+bool Recorder::is_defined(size_t entry) const {
+  // Written by a recorded kernel into this very allocation (a reused block is new memory).
+  return defined_.size() > entry && defined_[entry] == serial_(ledger_.entry(entry).data);
+}
+
+void Recorder::snapshot_constants(OpRecord& rec, const torch::jit::Stack& stack, size_t base) {
+  // Note [Constants in the pool]: a graph-pool tensor a recorded call reads before any
+  // recorded kernel wrote it was filled outside the dispatcher (a Python number turned
+  // into a 0-dim tensor for x * 2, torch.tensor([...]) data). Its block may be freed and
+  // reused later in the capture, so replay restores its bytes just before this call, as
+  // CUDA bakes such values into the captured kernel. Arguments the call writes are
+  // outputs (out=, in-place), not constants.
+  static const bool off = std::getenv("DWGRAPH_HOST_GRAPH_NO_CONSTANTS") != nullptr;
+  if (!execute_ || !serial_ || off) return;
+  for (size_t i = 0; i < rec.args.size(); ++i) {
+    const auto& a = rec.args[i];
+    if (a.written || a.kind != ValueSlot::Kind::kTensor) continue;
+    const auto& t = a.tensors[0];
+    if (!t.defined || t.no_memory) continue;
+    const auto& e = ledger_.entry(t.entry);
+    if (e.ownership != allocator::Ownership::kGraph) continue;
+    if (is_defined(t.entry)) continue;
+    if (serial_(e.data) <= first_serial_) continue;  // an earlier graph's block on this pool
+    // The storage as it is now (the entry may span a larger earlier use of the address).
+    const c10::Storage& st = stack[base + i].toTensor().storage();
+    const auto* begin = static_cast<const uint8_t*>(st.data());
+    rec.constants.emplace_back(t.entry, std::vector<uint8_t>(begin, begin + st.nbytes()));
+    mark_defined(t.entry);
+  }
+}
+
+void Recorder::refuse_data_dependent(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                                     size_t base) {
+  // Boolean-mask indexing runs nonzero inside its kernel: a host sync with a data-dependent
+  // shape, which a CUDA graph cannot capture.
+  const auto& name = schema.operator_name().name;
+  if (name != "aten::index" && name != "aten::index_put_" && name != "aten::index_put" &&
+      name != "aten::_index_put_impl_") {
+    return;
+  }
+  for (size_t i = base; i < stack.size(); ++i) {
+    const auto& v = stack[i];
+    if (!v.isList()) continue;
+    for (const auto& e : v.toListRef()) {
+      if (!e.isTensor()) continue;
+      const auto dtype = e.toTensor().scalar_type();
+      DWGRAPH_CHECK_STATE(dtype != at::kBool && dtype != at::kByte, "dwgraph graph capture: ", name,
+                          " with a boolean mask reads a tensor's value on the host (its kernel runs "
+                          "nonzero, with a data-dependent shape), which a CUDA graph cannot capture; use "
+                          "torch.where or masked_fill, or move it out of the captured region");
+    }
+  }
+}
+
+std::vector<std::string> describe_records(const std::vector<OpRecord>& records) {
+  std::vector<std::string> out;
+  for (const auto& r : records) {
+    const auto& name = r.op.schema().operator_name();
+    std::string s = name.name + (name.overload_name.empty() ? "" : "." + name.overload_name);
+    if (r.skip_at_replay) s += " [skipped]";
+    if (!r.constants.empty()) s += " [" + std::to_string(r.constants.size()) + " restored constant(s)]";
+    out.push_back(std::move(s));
+  }
+  return out;
 }
 
 void check_ledger(const allocator::Ledger& ledger, const std::vector<OpRecord>& records,

@@ -8,11 +8,12 @@
 // top-level dispatcher call of the region, from C++ or Python, forward or backward,
 // ATen or torch.ops.dwgraph, reaches the fallback first. The fallback records the
 // operator and its arguments (tensors as storage + geometry), redispatches with the key
-// excluded (so calls nested inside the kernel are not recorded twice) and records which
-// outputs are fresh and which alias an input. CompositeImplicitAutograd operators are not
-// recorded themselves: they pass through with the key still active, so the calls they
-// decompose into are recorded instead, because autograd saves the intermediates of that
-// decomposition (layer_norm's mean and rstd) and replay must rewrite them too. RecordFunction observers were rejected:
+// and records which outputs are fresh and which alias an input. Calls made by a recorded
+// call's autograd layer (autograd saving a clone of self before an in-place op, the pieces
+// a CompositeImplicitAutograd operator such as layer_norm decomposes into, whose
+// intermediates autograd saves) are recorded too, before it; calls made inside its
+// kernels, below autograd, are not. A call whose writes are all made by its recorded
+// children is not re-run. RecordFunction observers were rejected:
 // they miss inputs of several ops and never see autograd's backward kernels.
 //
 // The same recorder fills the ledger of a CUDA capture (which CUDA replays natively).
@@ -57,7 +58,10 @@ struct OpRecord {
   c10::OperatorHandle op;
   std::vector<ValueSlot> args;
   std::vector<ValueSlot> returns;
-  bool skip_at_replay = false;  // views and allocations: no kernel to re-run
+  bool skip_at_replay = false;  // views, allocations, composites replayed by their children
+  // Graph-pool bytes this call reads that no recorded kernel wrote (Note [Constants in the
+  // pool]): restored just before the call at replay.
+  std::vector<std::pair<size_t, std::vector<uint8_t>>> constants;
 };
 
 class Recorder {
@@ -65,9 +69,16 @@ class Recorder {
   // `owned(data)` says a data pointer is a block of the graph's pool. With `execute`,
   // the calls run during capture (host); the pre-capture contents of every non-owned
   // storage a call writes are saved first so restore_caller_writes() can undo them.
-  Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> owned, bool execute);
+  // `serial(data)` is the allocation number of the pool block at `data` (0: none) and
+  // `first_serial` the first number of this capture: constants are only looked for in
+  // blocks allocated during it (earlier captures on the pool hold their outputs), and a
+  // block's contents are new whenever its serial changes.
+  Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> owned, bool execute,
+           std::function<int64_t(const void*)> serial = nullptr, int64_t first_serial = 0);
 
   void on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+  // How many recorded calls are in progress on this thread (1 inside a recorded call).
+  int depth() const { return depth_; }
 
   // Puts back the pre-capture contents of non-owned storages the capture wrote.
   void restore_caller_writes();
@@ -78,13 +89,27 @@ class Recorder {
   ValueSlot slot_for(const c10::IValue& v);
   TensorSlot tensor_slot(const at::Tensor& t);
   void snapshot_if_caller(const TensorSlot& s, const at::Tensor& t);
+  void snapshot_constants(OpRecord& rec, const torch::jit::Stack& stack, size_t base);
+  std::vector<size_t> written_entries(const OpRecord& rec) const;
+  void mark_defined(size_t entry);
+  bool is_defined(size_t entry) const;
+  static void refuse_data_dependent(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                                    size_t base);
 
   allocator::Ledger& ledger_;
   std::function<bool(const void*)> owned_;
   bool execute_;
+  std::function<int64_t(const void*)> serial_;
+  int64_t first_serial_ = 0;
   std::vector<OpRecord> records_;
   std::map<size_t, std::pair<c10::Storage, std::vector<uint8_t>>> snapshots_;
+  // Per ledger entry: the allocation serial of the block when a recorded kernel wrote it.
+  std::vector<int64_t> defined_;
+  int depth_ = 0;
 };
+
+// Names of the records, "[skipped]" marking those replay does not re-run.
+std::vector<std::string> describe_records(const std::vector<OpRecord>& records);
 
 // Raises DanglingCaptureError, naming the first recorded call that touches it, when a
 // storage the graph does not own has been released (or reallocated) by its owner.

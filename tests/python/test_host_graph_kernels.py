@@ -255,8 +255,7 @@ CASES = {
     # -- in-place -----------------------------------------------------------------------
     "inplace_on_caller_tensor": Case([_c(8, 16), _c(8, 16)], _inplace_caller),
     "inplace_under_autograd": Case([_g(8, 16), _g(8, 16)], _inplace_autograd),
-    "inplace_saving_original_self": Case([_g(8, 16), _g(8, 16)], _inplace_saving_original,
-                                         bug="inplace-original-self"),
+    "inplace_saving_original_self": Case([_g(8, 16), _g(8, 16)], _inplace_saving_original),
     # -- out= ---------------------------------------------------------------------------
     "out_into_caller_buffers": Case([_c(16, 16), _c(16, 16), _c(16, 24), _c(16, 16), _c(16, 24)],
                                     _out_caller),
@@ -285,8 +284,8 @@ CASES = {
     "relu": Case([_g(8, 16)], lambda a: [F.relu(a)]),
     "gelu": Case([_g(8, 16)], lambda a: [F.gelu(a)]),
     "gelu_tanh": Case([_g(8, 16)], lambda a: [F.gelu(a, approximate="tanh")]),
-    "silu": Case([_g(8, 16)], lambda a: [F.silu(a)], bug="composite-with-cpu-kernel"),
-    "mish": Case([_g(8, 16)], lambda a: [F.mish(a)], bug="composite-with-cpu-kernel"),
+    "silu": Case([_g(8, 16)], lambda a: [F.silu(a)]),
+    "mish": Case([_g(8, 16)], lambda a: [F.mish(a)]),
     "sigmoid": Case([_g(8, 16)], lambda a: [torch.sigmoid(a)]),
     "cross_entropy": Case([_g(16, 10), _idx((16,), 10)],
                           lambda x, t: [F.cross_entropy(x, t), F.cross_entropy(x, t, reduction="none")]),
@@ -787,11 +786,6 @@ def test_reset_graph_refuses_replay():
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: a Python number used as a tensor operand (x * 2, x + 3) becomes a "
-    "0-dim wrapped-number tensor that the capture allocates from the graph pool and fills "
-    "outside the dispatcher; it is freed right after the op, its block is reused, and "
-    "replay reads whatever is there (CUDA bakes such scalars into the kernel)"))
 def test_python_scalar_operand_replays_its_value():
     x = torch.randn(8)
     g = Graph("cpu")
@@ -839,12 +833,6 @@ def test_composite_op_saved_intermediates_are_recomputed_at_replay():
     assert torch.equal(gx, ref.grad)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: boolean-mask indexing x[mask] (aten::index, whose kernel calls nonzero "
-    "internally) is a host sync with a data-dependent shape that a CUDA graph cannot "
-    "capture, but only top-level nonzero/masked_select are refused; the host graph "
-    "captures it and replay later fails with a shape error (after running earlier "
-    "kernels) when the mask's count changes"))
 def test_boolean_mask_indexing_inside_capture_is_refused():
     x = torch.randn(8)
     mask = torch.arange(8) < 3
@@ -854,11 +842,6 @@ def test_boolean_mask_indexing_inside_capture_is_refused():
             x[mask]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug (since 424bbcf 'replay calls the out= overload'): mse_loss.out uses its "
-    "0-dim out as scratch for the unreduced loss, so every replay resizes the rebuilt "
-    "out from [] to the input shape and torch prints 'An output with one or more elements "
-    "was resized ...' to stderr once per replay"))
 def test_replay_prints_no_torch_warnings(capfd):
     x, t = torch.randn(32, 64), torch.randn(32, 64)
     g = Graph("cpu")

@@ -89,6 +89,11 @@ class Graph:
         """Kernels replay runs (host: dispatcher calls recorded, less views and allocations)."""
         return self._graph.num_kernels
 
+    def recorded_calls(self):
+        """The dispatcher calls the capture recorded, in order; "[skipped]" marks views,
+        allocations and composites whose pieces are replayed instead."""
+        return self._graph.recorded_calls()
+
     def storages(self):
         """Every storage the capture touched: ownership ("graph pool", "caller",
         "persistent"), size, role, and whether its owner still holds it."""
