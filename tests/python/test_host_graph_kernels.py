@@ -62,20 +62,7 @@ class Case:
 # Library bugs these tests found (reported, not fixed here). Each affected case is a strict
 # xfail with ``raises=`` the way it fails, so an unrelated failure still shows up and a fix
 # turns the xfail into an XPASS failure that says to drop the mark.
-BUGS = {
-    "inplace-original-self": (AssertionError,
-        "library bug: an in-place op under autograd whose derivative needs the original self "
-        "(mul_ by a tensor that requires grad, clamp_, ...) makes autograd clone self INSIDE "
-        "the recorded call (its autograd kernel); the clone is not recorded, so replay never "
-        "rewrites it and the backward kernels read the capture-time values: wrong gradients"),
-    "composite-with-cpu-kernel": (AssertionError,
-        "library bug (regression of 0f156ff 'CompositeImplicitAutograd operators are recorded as "
-        "the calls they decompose into'): silu_backward, mish_backward and "
-        "native_channel_shuffle register a CompositeImplicitAutograd kernel AND a CPU kernel; "
-        "the capture fallback passes them through unrecorded, but dispatch then runs the CPU "
-        "kernel directly (no nested dispatcher calls), so nothing is recorded and replay leaves "
-        "their outputs (the silu/mish input gradient) at capture-time values"),
-}
+BUGS: dict = {}  # none known at present
 
 
 def _g(*shape):
