@@ -12,12 +12,10 @@ build/bench/dwgraph_bench_replay, also run by scripts/bench.
 """
 
 import argparse
-import statistics
-import time
-
 import torch
 
 import dwgraph
+from common import median_time
 
 
 class Scale(torch.nn.Module):
@@ -28,17 +26,7 @@ class Scale(torch.nn.Module):
 
 
 def median_us(fn, iters, samples, sync):
-    for _ in range(iters):
-        fn()
-    out = []
-    for _ in range(samples):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync()
-        out.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(out)
+    return median_time(fn, warmup=iters, samples=samples, sync=sync, iters=iters, scale=1e6)
 
 
 def main():

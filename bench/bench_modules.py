@@ -10,12 +10,10 @@ Prints median step times and ratios. ``--device cuda`` on a GPU machine.
 """
 
 import argparse
-import statistics
-import time
-
 import torch
 
 import dwgraph
+from common import median_time
 
 
 def build(kind, hidden, layers, device, dtype, **flags):
@@ -36,18 +34,8 @@ def step(model, xs, deferred):
 
 
 def timeit(fn, device, warmup, samples):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(samples):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return median_time(fn, warmup=warmup, samples=samples, sync=sync)
 
 
 def main():

@@ -8,20 +8,26 @@
 #endif
 
 namespace dwgraph::graphs {
+namespace {
+
+[[noreturn]] void unsupported_device(const char* api, c10::Device device) {
+#ifdef DWGRAPH_WITH_CUDA
+  constexpr const char* kSupported = "cpu or cuda";
+#else
+  constexpr const char* kSupported = "cpu (this build has no CUDA sources)";
+#endif
+  DWGRAPH_CHECK_ARG(false, api, ": argument 'device' must be ", kSupported, ", got ", device);
+  TORCH_INTERNAL_ASSERT(false);
+}
+
+}  // namespace
 
 std::shared_ptr<GraphPool> make_pool(c10::Device device) {
   if (device.is_cpu()) return std::make_shared<HostGraphPool>();
 #ifdef DWGRAPH_WITH_CUDA
   if (device.is_cuda()) return make_cuda_pool(device);
 #endif
-  DWGRAPH_CHECK_ARG(false, "dwgraph.graph_pool_handle: argument 'device' must be cpu",
-#ifdef DWGRAPH_WITH_CUDA
-                    " or cuda",
-#else
-                    " (this build has no CUDA sources)",
-#endif
-                    ", got ", device);
-  return nullptr;
+  unsupported_device("dwgraph.graph_pool_handle", device);
 }
 
 void run_on_side_stream(c10::Device device, const std::function<void()>& fn) {
@@ -39,14 +45,7 @@ std::unique_ptr<Graph> make_graph(c10::Device device) {
 #ifdef DWGRAPH_WITH_CUDA
   if (device.is_cuda()) return make_cuda_graph(device);
 #endif
-  DWGRAPH_CHECK_ARG(false, "dwgraph.Graph: argument 'device' must be cpu",
-#ifdef DWGRAPH_WITH_CUDA
-                    " or cuda",
-#else
-                    " (this build has no CUDA sources)",
-#endif
-                    ", got ", device);
-  return nullptr;
+  unsupported_device("dwgraph.Graph", device);
 }
 
 }  // namespace dwgraph::graphs

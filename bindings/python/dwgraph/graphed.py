@@ -32,43 +32,32 @@ def _is_dwgraph_module(m) -> bool:
 
 def _deferred_module_spec(name: str, sub: torch.nn.Module) -> Dict[str, Any]:
     if _is_dwgraph_module(sub):
-        deferred = sub._deferred_parameters()
-        fused = sub._fused_parameters()
+        deferred, fused = sub._deferred_parameters(), sub._fused_parameters()
         store = sub._wgrad_store
-        fused_params = [p for _, p in fused]
-        return dict(
-            name=name or type(sub).__name__,
-            need_backward_dw=sub.need_backward_dw,
-            backward_dw=sub._backward_dw_without_hooks,
-            run_hooks=sub._run_wgrad_hooks,
-            deferred_parameters=[p for _, p in deferred],
-            deferred_parameter_names=[f"{name}.{n}" if name else n for n, _ in deferred],
-            fused_parameters=fused_params,
-            fused_parameter_names=[f"{name}.{n}" if name else n for n, _ in fused],
-            main_grad=lambda i: fused_params[i].main_grad,
-            mark_main_grad_accumulated=lambda i: setattr(fused_params[i], "grad_added_to_main_grad", True),
-            retain_consumed=store.set_retain_consumed,
-            release_consumed=store.release_consumed,
-        )
-    # Any other module with backward_dw()/need_backward_dw() (TransformerEngine's): its
-    # backward_dw runs its own hooks; weights with main_grad under fuse_wgrad_accumulation
-    # accumulate there, every other trainable parameter lands in .grad.
-    fusing = bool(getattr(sub, "fuse_wgrad_accumulation", False))
-    named = [(n, p) for n, p in sub.named_parameters() if p.requires_grad]
-    fused = [(n, p) for n, p in named if fusing and hasattr(p, "main_grad")]
-    deferred = [(n, p) for n, p in named if not (fusing and hasattr(p, "main_grad"))]
+        extra = dict(backward_dw=sub._backward_dw_without_hooks, run_hooks=sub._run_wgrad_hooks,
+                     retain_consumed=store.set_retain_consumed, release_consumed=store.release_consumed)
+    else:
+        # Any other module with backward_dw()/need_backward_dw() (TransformerEngine's): its
+        # backward_dw runs its own hooks; weights with main_grad under
+        # fuse_wgrad_accumulation accumulate there, every other trainable parameter lands
+        # in .grad (in backward_dw or in the main backward: exact_deferred=False).
+        fusing = bool(getattr(sub, "fuse_wgrad_accumulation", False))
+        named = [(n, p) for n, p in sub.named_parameters() if p.requires_grad]
+        fused = [(n, p) for n, p in named if fusing and hasattr(p, "main_grad")]
+        deferred = [(n, p) for n, p in named if not (fusing and hasattr(p, "main_grad"))]
+        extra = dict(backward_dw=sub.backward_dw, exact_deferred=False)
     fused_params = [p for _, p in fused]
+    qualified = lambda pairs: [f"{name}.{n}" if name else n for n, _ in pairs]  # noqa: E731
     return dict(
         name=name or type(sub).__name__,
         need_backward_dw=sub.need_backward_dw,
-        backward_dw=sub.backward_dw,
-        exact_deferred=False,
         deferred_parameters=[p for _, p in deferred],
-        deferred_parameter_names=[f"{name}.{n}" if name else n for n, _ in deferred],
+        deferred_parameter_names=qualified(deferred),
         fused_parameters=fused_params,
-        fused_parameter_names=[f"{name}.{n}" if name else n for n, _ in fused],
+        fused_parameter_names=qualified(fused),
         main_grad=lambda i: fused_params[i].main_grad,
         mark_main_grad_accumulated=lambda i: setattr(fused_params[i], "grad_added_to_main_grad", True),
+        **extra,
     )
 
 

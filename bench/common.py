@@ -1,0 +1,20 @@
+"""Timing helpers shared by the benchmarks (not a benchmark itself)."""
+
+import statistics
+import time
+
+
+def median_time(fn, *, warmup, samples, sync=lambda: None, iters=1, scale=1e3):
+    """Median over `samples` of the mean time of `iters` calls of fn, times `scale`
+    (1e3: milliseconds, 1e6: microseconds), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(samples):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t0) / iters * scale)
+    return statistics.median(out)
