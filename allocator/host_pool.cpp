@@ -11,7 +11,10 @@ namespace dwgraph::allocator {
 namespace {
 
 constexpr size_t kAlign = 64;
-constexpr size_t kChunkBytes = size_t{2} << 20;
+// A new chunk is sized to the request that needs it: the pool's reserved bytes then
+// follow the capture's peak instead of a fixed chunk granularity (a graph keeps all the
+// memory its capture used, freed temporaries included, so its peak is the floor).
+constexpr size_t kMinChunkBytes = kAlign;
 
 size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
@@ -41,11 +44,12 @@ c10::DataPtr HostPool::allocate(size_t nbytes) {
     const std::lock_guard<std::mutex> lock(mu_);
     auto it = free_.lower_bound({n, nullptr});
     if (it == free_.end()) {
-      const size_t chunk_size = std::max(kChunkBytes, n);
+      const size_t chunk_size = std::max(kMinChunkBytes, n);
       auto* base = static_cast<char*>(std::aligned_alloc(kAlign, chunk_size));
       TORCH_CHECK(base != nullptr, "dwgraph host pool: out of memory allocating a ", chunk_size,
                   "-byte chunk");
       chunks_.emplace_back(base, chunk_size);
+      chunk_index_[base] = chunk_size;
       blocks_[base] = Block{chunk_size, chunks_.size() - 1, true, 0};
       it = free_.insert({chunk_size, base}).first;
       stats_.reserved_bytes += static_cast<int64_t>(chunk_size);
@@ -120,12 +124,12 @@ void HostPool::free_block(char* p) {
 }
 
 bool HostPool::owns(const void* p) const {
-  const auto* c = static_cast<const char*>(p);
+  auto* c = static_cast<char*>(const_cast<void*>(p));
   const std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& [base, size] : chunks_) {
-    if (c >= base && c < base + size) return true;
-  }
-  return false;
+  auto it = chunk_index_.upper_bound(c);  // the first chunk starting after p
+  if (it == chunk_index_.begin()) return false;
+  --it;
+  return c < it->first + it->second;
 }
 
 int64_t HostPool::allocation_serial(const void* p) const {

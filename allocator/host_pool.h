@@ -1,7 +1,7 @@
 #pragma once
 // The private host memory pool of the host graph backend (namespace dwgraph::allocator).
 //
-// An arena of chunks with stable addresses: a block freed back to the pool is reused only
+// An arena of chunks (each sized to the request that opened it) with stable addresses: a block freed back to the pool is reused only
 // by later allocations from the same pool (the graphs that share it), never by the rest
 // of the process, as CUDA routes capture allocations to a graph's private pool. The
 // chunks live as long as the pool: each graph captured on it and each live block hold a
@@ -66,6 +66,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   const uint64_t id_;
   mutable std::mutex mu_;
   std::vector<std::pair<char*, size_t>> chunks_;  // base, size
+  std::map<char*, size_t> chunk_index_;            // base -> size, for owns()
   std::map<char*, Block> blocks_;                 // every block, by address
   std::set<std::pair<size_t, char*>> free_;       // free blocks, best fit by size
   PoolStats stats_;

@@ -265,7 +265,7 @@ def main():
           "in the pool: outputs (MLP output, loss) + .grad buffers + saved activations still "
           "alive (forward-only capture). reserved / peak / allocated from g.pool.stats()"
           + (" (CUDA: allocator snapshot of the private pool; peak = torch.cuda.max_memory_allocated "
-             "delta during capture)" if dev == "cuda" else " (host pool: 2 MiB chunks, 64-byte blocks)")
+             "delta during capture)" if dev == "cuda" else " (host pool: chunks sized to the request that opens them, 64-byte blocks)")
           + ".\n")
     print("| MLP | captured | outputs MB | grads MB | saved MB | static MB | allocated MB | peak MB | "
           "reserved MB | allocated / static | peak / static | reserved / static | reserved <= 1.25x |")
