@@ -77,8 +77,11 @@ class CudaGraph final : public Graph {
     // Handles and workspaces before capture (Note [cuBLASLt under capture]).
     ops::detail::prepare_cublaslt(device_.index(), side_->stream());
     graph_ = std::make_unique<at::cuda::CUDAGraph>();
+    // Blocks of the private pool are the outputs the capture allocates: the recorder marks
+    // every fresh output as the graph's; what it first sees as an input is the caller's.
     recorder_ = std::make_unique<detail::Recorder>(
         ledger_, [](const void*) { return false; }, /*execute=*/false);
+    recorder_->only_device(c10::kCUDA);
     try {
       graph_->capture_begin(pool_->id(), cudaStreamCaptureModeThreadLocal);
     } catch (...) {

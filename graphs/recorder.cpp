@@ -95,7 +95,7 @@ TensorSlot Recorder::tensor_slot(const at::Tensor& t) {
   s.dtype = t.scalar_type();
   s.device = t.device();
   const c10::Storage& st = t.storage();
-  s.no_memory = st.nbytes() == 0 || st.data() == nullptr;
+  s.no_memory = st.nbytes() == 0 || st.data() == nullptr || (device_type_ && t.device().type() != *device_type_);
   if (!s.no_memory) s.entry = ledger_.record(st, owned_(st.data()));
   return s;
 }
@@ -200,7 +200,8 @@ void Recorder::on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
     const c10::IValue& v = (*stack)[base + i];
     // A fresh output lives in memory the capture allocated: the graph's pool.
     auto mark_owned = [&](const at::Tensor& t) {
-      if (t.defined() && t.storage().nbytes() > 0 && input_data.count(t.storage().data()) == 0) {
+      if (t.defined() && t.storage().nbytes() > 0 && input_data.count(t.storage().data()) == 0 &&
+          (!device_type_ || t.device().type() == *device_type_)) {
         ledger_.record(t.storage(), /*owned=*/true);
       }
     };

@@ -75,6 +75,9 @@ class Recorder {
   // block's contents are new whenever its serial changes.
   Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> owned, bool execute,
            std::function<int64_t(const void*)> serial = nullptr, int64_t first_serial = 0);
+  // Only storages on `device` enter the ledger (a CUDA capture ignores host scalars,
+  // which CUDA bakes into the kernels' arguments).
+  void only_device(c10::DeviceType type) { device_type_ = type; }
 
   void on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
   // How many recorded calls are in progress on this thread (1 inside a recorded call).
@@ -100,6 +103,7 @@ class Recorder {
   std::function<bool(const void*)> owned_;
   bool execute_;
   std::function<int64_t(const void*)> serial_;
+  std::optional<c10::DeviceType> device_type_;
   int64_t first_serial_ = 0;
   std::vector<OpRecord> records_;
   std::map<size_t, std::pair<c10::Storage, std::vector<uint8_t>>> snapshots_;

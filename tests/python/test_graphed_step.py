@@ -21,6 +21,11 @@ exactly the ATen kernels the eager body runs, on identical operands, and a gradi
 lands on a ``.grad`` of None is taken as is while ``0 + g == g`` exactly, so both
 ``zero_grad`` modes and in-step microbatch accumulation give identical bits.
 
+The training-loop, shape, ``max_graphs``, burst, hook, ``main_grad``, returned-tensor and
+``warmup_iters=0`` tests also run on CUDA (the ``device`` fixture: marked ``cuda``,
+skipped without a CUDA device), still bitwise: CUDA graphs replay the kernels the eager
+body runs (each step's batch is then its own allocation, see ``per_step``).
+
 Cases that currently fail are library bugs, asserted on the documented contract:
   * ``test_wgrad_hooks_once_per_step[non_deferred]``: hooks of a non-deferred dwgraph.nn
     module never run on capture/replay calls (only during warmup);
@@ -63,12 +68,13 @@ class Net(torch.nn.Module):
     non-deferred dwgraph Linear. ``fuse=True`` fuses the deferred modules' weights into
     ``main_grad``; ``delay=False`` makes them non-deferred."""
 
-    def __init__(self, *, delay: bool = True, fuse: bool = False):
+    def __init__(self, *, delay: bool = True, fuse: bool = False, device: str = "cpu"):
         super().__init__()
-        self.inp = torch.nn.Linear(H, H)
-        self.lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse)
-        self.mlp = dwgraph.nn.LayerNormMLP(H, FFN, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse)
-        self.out = dwgraph.nn.Linear(H, H)
+        self.inp = torch.nn.Linear(H, H, device=device)
+        self.lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse, device=device)
+        self.mlp = dwgraph.nn.LayerNormMLP(H, FFN, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse,
+                                           device=device)
+        self.out = dwgraph.nn.Linear(H, H, device=device)
 
     def forward(self, x):
         return self.out(self.mlp(torch.relu(self.lin(self.inp(x)))))
@@ -131,8 +137,20 @@ def assert_params_equal(eager: torch.nn.Module, graphed: torch.nn.Module, what: 
         assert torch.equal(pg, pe), f"{what}: parameter {name} differs from eager"
 
 
-def data(steps: int, micro: int, rows: int = B):
-    return torch.randn(steps, micro, rows, H), torch.randn(steps, micro, rows, H)
+def per_step(t: torch.Tensor, device: str):
+    """``t`` moved to ``device``, indexed by step. On CUDA every step's batch is its own
+    allocation: cuBLASLt chooses its algorithm by the operands' alignment (dwgraph's and
+    ATen's cuBLASLt calls pass the pointers' alignment, up to 256 bytes), and a graphed
+    step copies its inputs into freshly allocated static buffers, so an eager call on a
+    view at an odd offset into one big tensor might get another algorithm and not be
+    bitwise comparable. On the CPU, the tensor itself (the values are the same)."""
+    t = t.to(device)
+    return t if device == "cpu" else [b.clone() for b in t.unbind(0)]
+
+
+def data(steps: int, micro: int, rows: int = B, device: str = "cpu"):
+    # Drawn on the CPU and moved: the CPU cases see exactly the values they always did.
+    return per_step(torch.randn(steps, micro, rows, H), device), per_step(torch.randn(steps, micro, rows, H), device)
 
 
 # --------------------------------------------------------------------------------------
@@ -166,15 +184,15 @@ def make_step(model: Net, form: str):
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("micro", [1, 3], ids=["micro1", "micro3"])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["none", "zero"])
-def test_training_loop_matches_eager(form, micro, set_to_none):
-    eager = Net()
+def test_training_loop_matches_eager(device, form, micro, set_to_none):
+    eager = Net(device=device)
     graphed = copy.deepcopy(eager)
     assert_params_equal(eager, graphed, "initial weights")
     opt_e = torch.optim.SGD(eager.parameters(), lr=LR)
     opt_g = torch.optim.SGD(graphed.parameters(), lr=LR)
     step = make_step(graphed, form)
     warmup = FORMS[form]
-    xs, ys = data(STEPS, micro)
+    xs, ys = data(STEPS, micro, device=device)
 
     for s in range(STEPS):
         le, oe = body(eager, xs[s], ys[s])
@@ -198,8 +216,8 @@ def test_training_loop_matches_eager(form, micro, set_to_none):
 # --------------------------------------------------------------------------------------
 # 2. two shapes alternating: one graph each, never re-captured
 # --------------------------------------------------------------------------------------
-def test_two_shapes_alternating():
-    eager = Net()
+def test_two_shapes_alternating(device):
+    eager = Net(device=device)
     graphed = copy.deepcopy(eager)
 
     @dwgraph.graphed_step(warmup_iters=1)
@@ -210,7 +228,7 @@ def test_two_shapes_alternating():
     n = 14
     for i in range(n):
         r = rows[i % 2]
-        xs, ys = torch.randn(1, r, H), torch.randn(1, r, H)
+        xs, ys = torch.randn(1, r, H).to(device), torch.randn(1, r, H).to(device)
         le, oe = body(eager, xs, ys)
         lg, og = step(xs, ys)
         assert torch.equal(lg, le) and torch.equal(og, oe), f"call {i} (rows {r}) differs from eager"
@@ -249,8 +267,8 @@ def _expected_captures(seq: List[int], warmup: int, max_graphs: int):
 
 
 @pytest.mark.parametrize("pattern", ["pairs", "cycle"])
-def test_max_graphs_bound(pattern):
-    eager = Net()
+def test_max_graphs_bound(device, pattern):
+    eager = Net(device=device)
     graphed = copy.deepcopy(eager)
     if pattern == "pairs":
         # each shape twice in a row (warmup, capture), a cached key revisited, then evicted keys return
@@ -266,7 +284,7 @@ def test_max_graphs_bound(pattern):
     expected = _expected_captures(seq, warmup, 2)
     assert expected[-1][0] > 3, "the sequence must re-capture evicted keys"
     for i, r in enumerate(seq):
-        xs, ys = torch.randn(1, r, H), torch.randn(1, r, H)
+        xs, ys = torch.randn(1, r, H).to(device), torch.randn(1, r, H).to(device)
         le, oe = body(eager, xs, ys)
         lg, og = step(xs, ys)
         assert torch.equal(lg, le) and torch.equal(og, oe), f"call {i} (rows {r}) differs from eager"
@@ -282,8 +300,11 @@ def test_max_graphs_bound(pattern):
 # --------------------------------------------------------------------------------------
 # 4. zero_grad(set_to_none=True) then an allocation burst: replays never write freed memory
 # --------------------------------------------------------------------------------------
-def test_set_to_none_then_allocation_burst():
-    eager = Net()
+def test_set_to_none_then_allocation_burst(device):
+    # On CUDA too: the gradients equal eager after zero_grad(set_to_none=True) between
+    # replays, and no replay writes into the burst or into a dropped gradient (whether the
+    # burst lands on freed gradient memory is up to the allocator; nothing asserts it).
+    eager = Net(device=device)
     graphed = copy.deepcopy(eager)
 
     @dwgraph.graphed_step(warmup_iters=1)
@@ -292,14 +313,14 @@ def test_set_to_none_then_allocation_burst():
 
     sentinel = 12345.0
     bursts: List[torch.Tensor] = []
-    xs, ys = data(8, 1)
+    xs, ys = data(8, 1, device=device)
     for s in range(8):
         held = [p.grad for p in graphed.parameters()]  # the caller's gradients of the last step
         held_copy = [None if g is None else g.clone() for g in held]
         zero_grad(eager, True), zero_grad(graphed, True)
         # freed gradient memory is likely reused by these
         shapes = [p.shape for p in graphed.parameters()]
-        bursts += [torch.full(shp, sentinel) for shp in shapes for _ in range(8)]
+        bursts += [torch.full(shp, sentinel, device=device) for shp in shapes for _ in range(8)]
         le, _ = body(eager, xs[s], ys[s])
         lg, _ = step(xs[s], ys[s])
         assert torch.equal(lg, le), f"step {s}: loss differs"
@@ -316,9 +337,9 @@ def test_set_to_none_then_allocation_burst():
 # --------------------------------------------------------------------------------------
 # 5. errors
 # --------------------------------------------------------------------------------------
-def _small():
+def _small(device: str = "cpu"):
     torch.manual_seed(7)
-    return torch.nn.Sequential(torch.nn.Linear(H, H), dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+    return torch.nn.Sequential(torch.nn.Linear(H, H), dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)).to(device)
 
 
 def _small_body(m, x):
@@ -523,11 +544,11 @@ def test_cpu_argument_to_cuda_step_raises():
 # 6. wgrad hooks: once per step, after the gradients landed
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("delay", [True, False], ids=["deferred", "non_deferred"])
-def test_wgrad_hooks_once_per_step(delay):
+def test_wgrad_hooks_once_per_step(device, delay):
     def build():
         torch.manual_seed(3)
-        return torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=delay),
-                                   dwgraph.nn.LayerNormMLP(H, FFN, delay_wgrad_compute=delay))
+        return torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=delay, device=device),
+                                   dwgraph.nn.LayerNormMLP(H, FFN, delay_wgrad_compute=delay, device=device))
 
     eager = build()
     graphed = build()
@@ -553,8 +574,8 @@ def test_wgrad_hooks_once_per_step(delay):
         return loss
 
     step = dwgraph.graphed_step(lambda x: raw(graphed, x), warmup_iters=2)
-    xs = torch.randn(7, B, H)
-    for s in range(xs.shape[0]):
+    xs = per_step(torch.randn(7, B, H), device)
+    for s in range(len(xs)):
         ne, ng = len(logs["eager"]), len(logs["graphed"])
         le = raw(eager, xs[s])
         lg = step(xs[s])
@@ -578,8 +599,8 @@ def test_wgrad_hooks_once_per_step(delay):
 # 7. fused main_grad
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("delay", [True, False], ids=["deferred", "non_deferred"])
-def test_fused_main_grad_accumulates_like_eager(delay):
-    eager = Net(delay=delay, fuse=True)
+def test_fused_main_grad_accumulates_like_eager(device, delay):
+    eager = Net(delay=delay, fuse=True, device=device)
     graphed = copy.deepcopy(eager)
     fused_e, fused_g = eager.fused_weights(), graphed.fused_weights()
     assert len(fused_g) == 3  # lin.weight, mlp.fc1_weight, mlp.fc2_weight
@@ -591,7 +612,7 @@ def test_fused_main_grad_accumulates_like_eager(delay):
     def step(xs, ys):
         return body(graphed, xs, ys)
 
-    xs, ys = data(STEPS, 1)
+    xs, ys = data(STEPS, 1, device=device)
     for s in range(STEPS):
         for p in fused_e + fused_g:
             p.grad_added_to_main_grad = False
@@ -616,11 +637,11 @@ def test_fused_main_grad_accumulates_like_eager(delay):
 # --------------------------------------------------------------------------------------
 # 8. returned tensors: small ones are clones, large ones the static outputs
 # --------------------------------------------------------------------------------------
-def test_returned_small_clones_large_static():
+def test_returned_small_clones_large_static(device):
     torch.manual_seed(5)
-    lin = torch.nn.Linear(H, H)
+    lin = torch.nn.Linear(H, H).to(device)
     rows = CLONE_LIMIT // H + 1  # (rows, H) output: just over the limit
-    fan = torch.randn(H, H)
+    fan = torch.randn(H, H).to(device)
 
     @dwgraph.graphed_step(warmup_iters=1)
     def step(x):
@@ -632,7 +653,7 @@ def test_returned_small_clones_large_static():
         return loss, small.contiguous(), big
 
     outs = []
-    xs = torch.randn(4, rows, H)
+    xs = per_step(torch.randn(4, rows, H), device)
     for s in range(4):
         loss, small, big = step(xs[s])
         ref_out = torch.nn.functional.linear(xs[s], lin.weight, lin.bias)
@@ -654,15 +675,15 @@ def test_returned_small_clones_large_static():
 # --------------------------------------------------------------------------------------
 # warmup_iters=0 without params=: the parameters must still be found
 # --------------------------------------------------------------------------------------
-def test_warmup_zero_without_params():
-    eager = _small()
+def test_warmup_zero_without_params(device):
+    eager = _small(device)
     m = copy.deepcopy(eager)
 
     @dwgraph.graphed_step(warmup_iters=0)
     def step(x):
         return _small_body(m, x)
 
-    xs = torch.randn(4, B, H)
+    xs = per_step(torch.randn(4, B, H), device)
     grads_seen = []
     for s in range(4):
         lg, le = step(xs[s]), _small_body(eager, xs[s])

@@ -9,6 +9,11 @@ AccumulateGrad stole during capture, which each replay rewrites) and every stati
 (in-place cases mutate them) must equal a fresh eager run on clones of the same inputs
 with ``torch.equal``.
 
+``test_cuda_replay_equals_eager_bitwise`` runs the same case table on the CUDA backend
+(``Graph("cuda")``; marked ``cuda``, skipped without a CUDA device): inputs on the GPU,
+capture on the graph's side stream (where no kernel runs), replay, and bitwise equality
+with eager on the same device.
+
 Python scalars as tensor operands (``x * 2``, ``x + 1``) are deliberately absent from the
 captured regions of the kernel cases: see ``test_python_scalar_operand_replays_its_value``.
 
@@ -95,7 +100,7 @@ def _idx(shape, high):
 
 
 def _wgrad_graph_buffer(dy, x):
-    out = torch.zeros(24, 32)  # graph-owned, zeroed by a recorded aten::zeros
+    out = torch.zeros(24, 32, device=dy.device)  # graph-owned, zeroed by a recorded aten::zeros
     dwgraph.ops.wgrad_gemm(dy, x, out, True)
     dwgraph.ops.wgrad_gemm(dy, x, out, True)
     return [out]
@@ -104,8 +109,8 @@ def _wgrad_graph_buffer(dy, x):
 def _dwgraph_gemm_chain(x, w, dy, b):
     y = dwgraph.ops.fwd_gemm(x, w, b)
     dx = dwgraph.ops.dgrad_gemm(dy, w)
-    wg = torch.empty(24, 32)
-    bg = torch.empty(24)
+    wg = torch.empty(24, 32, device=x.device)
+    bg = torch.empty(24, device=x.device)
     dwgraph.ops.wgrad_gemm(dy, x, wg, False, bg)
     dwgraph.ops.wgrad_gemm(dy, x, wg, True)
     return [y, dx, wg, bg]
@@ -143,8 +148,8 @@ def _out_caller(a, b, m, o1, o2):
 
 
 def _out_graph(a, b, m):
-    o1 = torch.empty(16, 16)  # allocation: skipped at replay, written by add.out
-    o2 = torch.empty(16, 24)
+    o1 = torch.empty(16, 16, device=a.device)  # allocation: skipped at replay, written by add.out
+    o2 = torch.empty(16, 24, device=a.device)
     torch.add(a, b, alpha=-2.0, out=o1)
     torch.mm(o1, m, out=o2)
     return [o1, o2]
@@ -156,15 +161,15 @@ def _copy_caller(dst, src):
 
 
 def _copy_dtypes(src):
-    d64 = torch.empty(8, 16, dtype=torch.float64)
+    d64 = torch.empty(8, 16, dtype=torch.float64, device=src.device)
     d64.copy_(src)
-    bf = torch.empty(16, 8, dtype=torch.bfloat16)
+    bf = torch.empty(16, 8, dtype=torch.bfloat16, device=src.device)
     bf.copy_(src.t())
     return [d64, bf]
 
 
 def _copy_autograd(a, b):
-    h = torch.empty(8, 16)
+    h = torch.empty(8, 16, device=a.device)
     h.copy_(a * b)  # CopyBackwards
     return [h.tanh()]
 
@@ -374,6 +379,111 @@ def test_replay_equals_eager_bitwise(name):
                 _assert_equal(gr, t.grad, f"round {r} grad of input {i}")
         for i, (t, ref) in enumerate(zip(statics, ref_in)):
             _assert_equal(t.detach(), ref.detach(), f"round {r} static input {i}")
+    assert changed, "replay never changed the outputs: the case does not test anything"
+
+
+# --------------------------------------------------------------------------------------
+# The same case table on the CUDA graph backend
+# --------------------------------------------------------------------------------------
+
+requires_cuda = pytest.mark.skipif(not dwgraph.cuda_available(), reason="no CUDA device")
+
+
+def _unique_per_row(high):
+    # Per-row unique column indices (gather along dim 1).
+    return lambda shape: torch.argsort(torch.rand(shape[0], high), dim=1)[:, : shape[1]]
+
+
+# On CUDA the backward of index_select (index_add_) and of gather (scatter_add_) adds
+# duplicate indices with floating-point atomics, in an order that can differ between two
+# runs of the same kernel (torch lists both as nondeterministic on CUDA), so bitwise
+# replay == eager needs indices without duplicates there. Every other case keeps its
+# inputs: index_put_ with accumulate=True (and the backward of x[i], which uses it) sorts
+# the indices on CUDA and is deterministic, so its duplicates stay.
+CUDA_INPUTS = {
+    "index_select": [_g(10, 16), In((8,), gen=_unique(10))],
+    "gather": [_g(8, 16), In((8, 5), gen=_unique_per_row(16))],
+}
+
+
+def _cuda_case_params():
+    for name, case in CASES.items():
+        marks = [pytest.mark.cuda, requires_cuda]
+        if case.bug is not None:
+            exc, reason = BUGS[case.bug]
+            marks.append(pytest.mark.xfail(strict=True, raises=exc, reason=reason))
+        yield pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("name", list(_cuda_case_params()))
+def test_cuda_replay_equals_eager_bitwise(name):
+    """Every case of ``CASES`` on ``Graph("cuda")``: inputs on the GPU, the case (and its
+    weighted loss's backward) captured once on the graph's side stream, then for several
+    rounds fresh values copied into the static inputs, one replay, and every output,
+    captured ``.grad`` and static input equal to an eager run on the same device, bitwise.
+
+    Unlike the host graph, a CUDA capture runs no kernel: the outputs hold nothing
+    meaningful until the first replay, and the static inputs (in-place cases) are not
+    written by the capture. The case runs eagerly once before capture (warm-up: cuBLAS
+    and cuDNN handles, the autograd device thread), on clones, so no ``.grad`` exists on
+    the static leaves when the capture's AccumulateGrad steals its graph-owned buffer.
+    """
+    device = "cuda"
+    case = CASES[name]
+    specs = CUDA_INPUTS.get(name, case.inputs)
+    wants_grad = any(s.grad for s in specs)
+    statics = _leaves(specs, [s.draw().to(device) for s in specs])
+
+    with torch.no_grad():
+        probe = case.fn(*[t.detach().clone() for t in statics])
+    weights = None
+    if wants_grad:
+        weights = [torch.randn_like(o) if o.is_floating_point() else None for o in probe]
+    # Warm-up, eagerly, on clones of the static inputs.
+    _run(case, _leaves(specs, [t.detach().clone() for t in statics]), weights)
+    torch.cuda.synchronize()
+    before = [t.detach().clone() for t in statics]
+
+    g = Graph(device)
+    with g.capture():
+        outs, loss = _run(case, statics, weights)
+    assert g.is_captured and g.num_kernels > 0
+    assert g.device.type == "cuda"
+    captured_outs = list(outs) + ([loss] if loss is not None else [])
+    grads = [t.grad for t in statics]  # the graph-owned buffers AccumulateGrad stole
+    for s, gr in zip(specs, grads):
+        assert (gr is not None) == s.grad
+        assert gr is None or gr.device.type == "cuda"
+    for i, (t, b) in enumerate(zip(statics, before)):
+        _assert_equal(t.detach(), b, f"static input {i} after capture (a CUDA capture runs no kernel)")
+
+    first = None
+    changed = False
+    for r in range(ROUNDS):
+        fresh = [s.draw().to(device) for s in specs]
+        with torch.no_grad():
+            for t, f in zip(statics, fresh):
+                t.copy_(f)
+        g.replay()
+
+        ref_in = _leaves(specs, fresh)
+        ref_outs, ref_loss = _run(case, ref_in, weights)
+        ref_all = list(ref_outs) + ([ref_loss] if ref_loss is not None else [])
+        assert len(ref_all) == len(captured_outs)
+        for i, (o, ref) in enumerate(zip(captured_outs, ref_all)):
+            assert o.device == ref.device, f"round {r} output {i}: on {o.device}, eager on {ref.device}"
+            _assert_equal(o.detach(), ref.detach(), f"round {r} output {i}")
+        for i, (gr, t) in enumerate(zip(grads, ref_in)):
+            if gr is not None:
+                assert t.grad is not None
+                _assert_equal(gr, t.grad, f"round {r} grad of input {i}")
+        for i, (t, ref) in enumerate(zip(statics, ref_in)):
+            _assert_equal(t.detach(), ref.detach(), f"round {r} static input {i}")
+        now = [o.detach().clone() for o in captured_outs]
+        if first is None:
+            first = now
+        else:
+            changed = changed or any(not torch.equal(a, b) for a, b in zip(now, first))
     assert changed, "replay never changed the outputs: the case does not test anything"
 
 
