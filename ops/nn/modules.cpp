@@ -93,9 +93,8 @@ DeferredWgradModuleSpec DeferredWgradModule::wgrad_spec(const std::string& name)
   };
   const std::string prefix = name.empty() ? "" : name + ".";
   for (const auto& item : named_parameters(/*recurse=*/false)) {
-    const bool is_weight = main_grads_.count(item.key()) > 0 ||
-                           item.key().find("weight") != std::string::npos && item.key().rfind("layer_norm", 0) != 0;
     if (item.key().rfind("layer_norm", 0) == 0) continue;  // LayerNorm gets its gradient in the main backward
+    const bool is_weight = main_grads_.count(item.key()) > 0 || item.key().find("weight") != std::string::npos;
     if (opts_.fuse_wgrad_accumulation && is_weight) {
       spec.fused_parameters.push_back(item.value());
       spec.fused_parameter_names.push_back(prefix + item.key());
