@@ -86,6 +86,10 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   std::vector<int64_t> layers_per_chunk_;
   std::vector<std::vector<void*>> param_data_;      // per callable, at capture
   std::vector<std::vector<void*>> main_grad_data_;  // per callable, fused parameters in order
+  // Contribution buffers shared by the backward-dw graphs of one callable's microbatches:
+  // (callable, module) -> parameter -> buffer. Each backward_dw() hands its contribution
+  // off right after its replay, so one buffer serves every microbatch.
+  std::map<std::pair<size_t, size_t>, std::map<const void*, at::Tensor>> shared_contributions_;
   bool reset_ = false;
 };
 
@@ -369,15 +373,28 @@ void GraphManager::capture_dw(size_t s) {
   std::vector<graphs::Contribution> contributions;
   try {
     capture(slot.dw, s, [&] {
-      for (const auto& m : c.deferred_modules) {
+      for (size_t k = 0; k < c.deferred_modules.size(); ++k) {
+        const auto& m = c.deferred_modules[k];
         DWGRAPH_CHECK_STATE(m.need_backward_dw(), "dwgraph.make_graphed_callables: module '", m.name,
                             "' of ", where(s), " does not need backward_dw()");
+        auto& shared = shared_contributions_[{slot.callable, k}];
+        if (!opts_.unsafe_capture_with_caller_grad) {
+          // An earlier microbatch's graph of this callable already has a buffer for this
+          // parameter: land into it (zeroed in the graph, then the gradient added).
+          for (const auto& p : m.deferred_parameters) {
+            auto it = shared.find(p.unsafeGetTensorImpl());
+            if (it == shared.end()) continue;
+            it->second.zero_();
+            p.mutable_grad() = it->second;
+          }
+        }
         m.backward_dw();
         if (opts_.unsafe_capture_with_caller_grad) continue;
-        for (size_t k = 0; k < m.deferred_parameters.size(); ++k) {
-          const at::Tensor& p = m.deferred_parameters[k];
+        for (size_t i = 0; i < m.deferred_parameters.size(); ++i) {
+          const at::Tensor& p = m.deferred_parameters[i];
           if (!p.grad().defined()) continue;
-          contributions.push_back(graphs::Contribution{p, p.grad(), m.deferred_parameter_names.at(k)});
+          contributions.push_back(graphs::Contribution{p, p.grad(), m.deferred_parameter_names.at(i)});
+          shared.emplace(p.unsafeGetTensorImpl(), p.grad());
           p.mutable_grad() = at::Tensor();
         }
       }
@@ -737,6 +754,7 @@ void GraphManager::reset() {
     slot.static_grad_outputs.clear();
     slot.static_grad_inputs.clear();
   }
+  shared_contributions_.clear();
   pool_.reset();
   reset_ = true;
 }
@@ -755,9 +773,12 @@ GraphedStats GraphManager::stats() const {
     for (const auto& t : v) n += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
     return n;
   };
+  std::unordered_set<const void*> seen;
   for (size_t s = 0; s < slots_.size(); ++s) {
     const Slot& slot = slots_[s];
-    st.contribution_bytes += contribution_bytes(s);
+    for (const auto& c : slot.contributions) {
+      if (seen.insert(c.buffer.storage().data()).second) st.contribution_bytes += static_cast<int64_t>(c.buffer.nbytes());
+    }
     st.static_bytes += bytes(slot.static_inputs) + bytes(slot.static_outputs) + bytes(slot.static_grad_outputs) +
                        bytes(slot.static_grad_inputs);
     for (const auto* g : {&slot.fwd, &slot.bwd, &slot.dw}) st.num_graphs += *g ? 1 : 0;

@@ -78,7 +78,7 @@ class GraphManager;
 // Pool statistics and contribution bytes of a set of graphed callables.
 struct GraphedStats {
   allocator::PoolStats pool;
-  int64_t contribution_bytes = 0;
+  int64_t contribution_bytes = 0;  // distinct contribution buffers (microbatches share them)
   int64_t static_bytes = 0;  // static inputs, outputs, grad outputs and grad inputs
   size_t num_graphs = 0;
 };

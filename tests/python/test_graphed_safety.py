@@ -482,5 +482,7 @@ def test_contribution_bytes_match_deferred_parameters(kind, fused):
     assert all(s.need_backward_dw() for s in slots[: 2 * n_micro])
     assert not slots[-1].need_backward_dw()
     stats = slots[0].stats()
-    assert stats["contribution_bytes"] == sum(expected) > 0
+    # The microbatches' backward-dw graphs of one module share its contribution buffers
+    # (each backward_dw() hands off right after its replay): the set holds one per module.
+    assert stats["contribution_bytes"] == sum(per_module) > 0
     assert stats["pool_allocated_bytes"] >= stats["contribution_bytes"]
