@@ -11,11 +11,10 @@
 build/bench/dwgraph_bench_replay, also run by scripts/bench.
 """
 
-import argparse
 import torch
 
 import dwgraph
-from common import median_time
+from common import bench_args, median_time
 
 
 class Scale(torch.nn.Module):
@@ -30,12 +29,7 @@ def median_us(fn, iters, samples, sync):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args()
-    if args.device == "cuda" and not dwgraph.cuda_available():
-        p.error("--device cuda needs a usable CUDA device")
+    args = bench_args(__doc__)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     iters, samples = (100, 5) if args.quick else (1000, 9)

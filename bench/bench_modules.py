@@ -9,11 +9,10 @@
 Prints median step times and ratios. ``--device cuda`` on a GPU machine.
 """
 
-import argparse
 import torch
 
 import dwgraph
-from common import median_time
+from common import bench_args, median_time
 
 
 def build(kind, hidden, layers, device, dtype, **flags):
@@ -39,12 +38,7 @@ def timeit(fn, device, warmup, samples):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args()
-    if args.device == "cuda" and not dwgraph.cuda_available():
-        p.error("--device cuda needs a usable CUDA device")
+    args = bench_args(__doc__)
     hidden, tokens, layers, micro = (512, 256, 4, 4) if args.device == "cpu" else (4096, 4096, 4, 4)
     if args.quick:
         hidden, tokens = hidden // 2, tokens // 2

@@ -18,3 +18,18 @@ def median_time(fn, *, warmup, samples, sync=lambda: None, iters=1, scale=1e3):
         sync()
         out.append((time.perf_counter() - t0) / iters * scale)
     return statistics.median(out)
+
+
+def bench_args(doc):
+    """--device cpu|cuda and --quick, refusing cuda without a usable device."""
+    import argparse
+
+    import dwgraph
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    if args.device == "cuda" and not dwgraph.cuda_available():
+        p.error("--device cuda needs a usable CUDA device")
+    return args
