@@ -113,6 +113,12 @@ else()
   target_link_libraries(dwgraph_torch INTERFACE
     "${_dw_tlib}/libtorch.so" "${_dw_tlib}/libtorch_cpu.so" "${_dw_tlib}/libc10.so")
   target_compile_definitions(dwgraph_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${DWGRAPH_TORCH_CXX11_ABI})
+  # Recent LibTorch headers need C++20 (TorchConfig.cmake then requires cxx_std_20);
+  # dwgraph's own code is C++17 and compiles as either.
+  file(READ "${DWGRAPH_TORCH_CMAKE_PREFIX}/Torch/TorchConfig.cmake" _dw_torch_config)
+  if(_dw_torch_config MATCHES "cxx_std_20")
+    target_compile_features(dwgraph_torch INTERFACE cxx_std_20)
+  endif()
   add_library(dwgraph::torch ALIAS dwgraph_torch)
 endif()
 
