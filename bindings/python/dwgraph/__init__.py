@@ -18,7 +18,7 @@ __version__ = _C.version()
 
 
 def cuda_built() -> bool:
-    """True when this build compiled the CUDA sources (cuBLASLt GEMMs)."""
+    """True when this build compiled the CUDA sources (cuBLASLt GEMMs, the CUDA graph backend)."""
     return bool(_C.cuda_built())
 
 
