@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 import dwgraph
+from references import RefMLP, ulp
 
 HIDDEN = 8          # in == out for Linear / Grouped, hidden for LayerNormMLP
 FFN = 12            # LayerNormMLP's ffn_hidden_size
@@ -115,23 +116,6 @@ class RefLinear(torch.nn.Module):
         return self.lin(x)
 
 
-class RefMLP(torch.nn.Module):
-    def __init__(self, bias: bool):
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(HIDDEN, eps=1e-5)
-        self.fc1 = torch.nn.Linear(HIDDEN, FFN, bias=bias)
-        self.act = torch.nn.GELU()
-        self.fc2 = torch.nn.Linear(FFN, HIDDEN, bias=bias)
-        self.slots = {
-            "layer_norm_weight": (self.ln, "weight"), "layer_norm_bias": (self.ln, "bias"),
-            "fc1_weight": (self.fc1, "weight"), "fc1_bias": (self.fc1, "bias"),
-            "fc2_weight": (self.fc2, "weight"), "fc2_bias": (self.fc2, "bias"),
-        }
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(self.ln(x))))
-
-
 class RefGrouped(torch.nn.Module):
     """Per-group ``F.linear`` over the row splits; discrete (weight0..) or packed weights."""
 
@@ -168,7 +152,7 @@ def make_ref(kind: str, bias: bool) -> torch.nn.Module:
     if kind == "linear":
         return RefLinear(bias)
     if kind == "mlp":
-        return RefMLP(bias)
+        return RefMLP(HIDDEN, FFN, bias)
     return RefGrouped(bias, packed=(kind == "grouped_packed"))
 
 
@@ -294,11 +278,6 @@ def run_dw(kind, bias, pair, inputs, order, *, check_protocol=True) -> List[torc
 
 
 # --------------------------------------------------------------------------- comparisons
-def ulp(value: float, dtype: torch.dtype) -> float:
-    mant = {torch.float32: 23, torch.bfloat16: 7}[dtype]
-    return 2.0 ** (math.floor(math.log2(value)) - mant) if value > 0 else 0.0
-
-
 def assert_grad_matches(actual, expected, *, exact: bool, what: str, n_ulps: int = 4) -> None:
     assert actual is not None, f"{what}: no gradient"
     assert expected is not None, f"{what}: reference has no gradient"

@@ -100,6 +100,7 @@ import torch
 import torch.nn.functional as F
 
 import dwgraph
+from references import RefMLP, ulp
 
 HIDDEN = 8
 FFN = 12
@@ -134,18 +135,6 @@ class GroupedBlock(torch.nn.Module):
 
     def forward(self, x):
         return self.inner(x, M_SPLITS)
-
-
-class RefMLP(torch.nn.Module):
-    def __init__(self, bias: bool):
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(HIDDEN, eps=1e-5)
-        self.fc1 = torch.nn.Linear(HIDDEN, FFN, bias=bias)
-        self.act = torch.nn.GELU()
-        self.fc2 = torch.nn.Linear(FFN, HIDDEN, bias=bias)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(self.ln(x))))
 
 
 class RefGrouped(torch.nn.Module):
@@ -198,7 +187,7 @@ def make_ref_leaf(kind: str, bias: bool, dtype, device: str = "cpu") -> torch.nn
     if kind == "linear":
         return torch.nn.Linear(HIDDEN, HIDDEN, bias=bias).to(device=device, dtype=dtype)
     if kind == "mlp":
-        return RefMLP(bias).to(device=device, dtype=dtype)
+        return RefMLP(HIDDEN, FFN, bias).to(device=device, dtype=dtype)
     return RefGrouped(bias).to(device=device, dtype=dtype)
 
 
@@ -274,11 +263,6 @@ def eager_dw(callable_module):
 
 
 # ----------------------------------------------------------------------------- comparisons
-def ulp(value: float, dtype: torch.dtype) -> float:
-    mant = {torch.float32: 23, torch.bfloat16: 7}[dtype]
-    return 2.0 ** (math.floor(math.log2(value)) - mant) if value > 0 else 0.0
-
-
 def assert_bitwise(actual, expected, what: str) -> None:
     if expected is None:
         assert actual is None, f"{what}: expected None, got a tensor"

@@ -334,6 +334,40 @@ def _case_params():
         yield pytest.param(name, marks=marks, id=name)
 
 
+def _replay_rounds(case, specs, statics, g, captured_outs, grads, weights, device, baseline=None):
+    """ROUNDS times: fresh inputs copied into the static ones, replay, then every captured
+    output, captured .grad buffer and static input must equal an eager run bitwise.
+    Returns whether the outputs ever changed: against `baseline` (the values at capture),
+    or, when None (a CUDA capture runs nothing), against the first round."""
+    changed = False
+    for r in range(ROUNDS):
+        fresh = [s.draw().to(device) for s in specs]
+        with torch.no_grad():
+            for t, f in zip(statics, fresh):
+                t.copy_(f)
+        g.replay()
+
+        ref_in = _leaves(specs, fresh)
+        ref_outs, ref_loss = _run(case, ref_in, weights)
+        ref_all = list(ref_outs) + ([ref_loss] if ref_loss is not None else [])
+        assert len(ref_all) == len(captured_outs)
+        for i, (o, ref) in enumerate(zip(captured_outs, ref_all)):
+            assert o.device == ref.device, f"round {r} output {i}: on {o.device}, eager on {ref.device}"
+            _assert_equal(o.detach(), ref.detach(), f"round {r} output {i}")
+        for i, (gr, t) in enumerate(zip(grads, ref_in)):
+            if gr is not None:
+                assert t.grad is not None
+                _assert_equal(gr, t.grad, f"round {r} grad of input {i}")
+        for i, (t, ref) in enumerate(zip(statics, ref_in)):
+            _assert_equal(t.detach(), ref.detach(), f"round {r} static input {i}")
+        now = [o.detach().clone() for o in captured_outs]
+        if baseline is None:
+            baseline = now
+        else:
+            changed = changed or any(not torch.equal(a, b) for a, b in zip(now, baseline))
+    return changed
+
+
 @pytest.mark.parametrize("name", list(_case_params()))
 def test_replay_equals_eager_bitwise(name):
     case = CASES[name]
@@ -358,27 +392,7 @@ def test_replay_equals_eager_bitwise(name):
         assert (gr is not None) == s.grad
     at_capture = [o.detach().clone() for o in captured_outs]
 
-    changed = False
-    for r in range(ROUNDS):
-        fresh = [s.draw() for s in specs]
-        with torch.no_grad():
-            for t, f in zip(statics, fresh):
-                t.copy_(f)
-        g.replay()
-
-        ref_in = _leaves(specs, fresh)
-        ref_outs, ref_loss = _run(case, ref_in, weights)
-        ref_all = list(ref_outs) + ([ref_loss] if ref_loss is not None else [])
-        assert len(ref_all) == len(captured_outs)
-        for i, (o, ref) in enumerate(zip(captured_outs, ref_all)):
-            _assert_equal(o.detach(), ref.detach(), f"round {r} output {i}")
-            changed = changed or not torch.equal(o.detach(), at_capture[i])
-        for i, (gr, t) in enumerate(zip(grads, ref_in)):
-            if gr is not None:
-                assert t.grad is not None
-                _assert_equal(gr, t.grad, f"round {r} grad of input {i}")
-        for i, (t, ref) in enumerate(zip(statics, ref_in)):
-            _assert_equal(t.detach(), ref.detach(), f"round {r} static input {i}")
+    changed = _replay_rounds(case, specs, statics, g, captured_outs, grads, weights, "cpu", baseline=at_capture)
     assert changed, "replay never changed the outputs: the case does not test anything"
 
 
@@ -457,33 +471,7 @@ def test_cuda_replay_equals_eager_bitwise(name):
     for i, (t, b) in enumerate(zip(statics, before)):
         _assert_equal(t.detach(), b, f"static input {i} after capture (a CUDA capture runs no kernel)")
 
-    first = None
-    changed = False
-    for r in range(ROUNDS):
-        fresh = [s.draw().to(device) for s in specs]
-        with torch.no_grad():
-            for t, f in zip(statics, fresh):
-                t.copy_(f)
-        g.replay()
-
-        ref_in = _leaves(specs, fresh)
-        ref_outs, ref_loss = _run(case, ref_in, weights)
-        ref_all = list(ref_outs) + ([ref_loss] if ref_loss is not None else [])
-        assert len(ref_all) == len(captured_outs)
-        for i, (o, ref) in enumerate(zip(captured_outs, ref_all)):
-            assert o.device == ref.device, f"round {r} output {i}: on {o.device}, eager on {ref.device}"
-            _assert_equal(o.detach(), ref.detach(), f"round {r} output {i}")
-        for i, (gr, t) in enumerate(zip(grads, ref_in)):
-            if gr is not None:
-                assert t.grad is not None
-                _assert_equal(gr, t.grad, f"round {r} grad of input {i}")
-        for i, (t, ref) in enumerate(zip(statics, ref_in)):
-            _assert_equal(t.detach(), ref.detach(), f"round {r} static input {i}")
-        now = [o.detach().clone() for o in captured_outs]
-        if first is None:
-            first = now
-        else:
-            changed = changed or any(not torch.equal(a, b) for a, b in zip(now, first))
+    changed = _replay_rounds(case, specs, statics, g, captured_outs, grads, weights, device)
     assert changed, "replay never changed the outputs: the case does not test anything"
 
 

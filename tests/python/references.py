@@ -1,0 +1,32 @@
+"""Helpers shared by the test files (not a test module): independent torch.nn references
+and the BF16/FP32 ulp used by the tolerances."""
+
+import math
+
+import torch
+
+
+def ulp(value: float, dtype: torch.dtype) -> float:
+    """The spacing of `dtype` at magnitude `value` (7 mantissa bits for BF16, 23 for FP32)."""
+    mant = {torch.float32: 23, torch.bfloat16: 7}[dtype]
+    return 2.0 ** (math.floor(math.log2(value)) - mant) if value > 0 else 0.0
+
+
+class RefMLP(torch.nn.Module):
+    """dwgraph.nn.LayerNormMLP in plain torch.nn: LayerNorm, fc1, exact GELU, fc2.
+    `slots` maps dwgraph's parameter names to (module, attribute) here."""
+
+    def __init__(self, hidden: int, ffn: int, bias: bool):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(hidden, eps=1e-5)
+        self.fc1 = torch.nn.Linear(hidden, ffn, bias=bias)
+        self.act = torch.nn.GELU()
+        self.fc2 = torch.nn.Linear(ffn, hidden, bias=bias)
+        self.slots = {
+            "layer_norm_weight": (self.ln, "weight"), "layer_norm_bias": (self.ln, "bias"),
+            "fc1_weight": (self.fc1, "weight"), "fc1_bias": (self.fc1, "bias"),
+            "fc2_weight": (self.fc2, "weight"), "fc2_bias": (self.fc2, "bias"),
+        }
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(self.ln(x))))
