@@ -2,7 +2,7 @@
 
 #include "common/check.h"
 #include "graphs/recorder.h"
-#include "ops/impl/cublaslt.h"
+#include "ops/gemm.h"
 
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -75,7 +75,7 @@ class CudaGraph final : public Graph {
     C10_CUDA_CHECK(cudaEventDestroy(ready));
     c10::cuda::setCurrentCUDAStream(*side_);
     // Handles and workspaces before capture (Note [cuBLASLt under capture]).
-    ops::detail::prepare_cublaslt(device_.index(), side_->stream());
+    ops::prepare_for_capture(c10::Stream(*side_));
     graph_ = std::make_unique<at::cuda::CUDAGraph>();
     // Blocks of the private pool are the outputs the capture allocates: the recorder marks
     // every fresh output as the graph's; what it first sees as an input is the caller's.

@@ -98,4 +98,16 @@ void grouped_wgrad_gemm(const at::Tensor& dy, const at::Tensor& x, at::Tensor& o
   op.call(dy, x, out_packed, m_splits, accumulate, bias_grad_out_packed);
 }
 
+#ifdef DWGRAPH_WITH_CUDA
+namespace detail {
+void prepare_cuda_capture(c10::Stream stream);  // gemm_cuda.cpp
+}  // namespace detail
+#endif
+
+void prepare_for_capture(c10::Stream stream) {
+#ifdef DWGRAPH_WITH_CUDA
+  if (stream.device_type() == c10::DeviceType::CUDA) detail::prepare_cuda_capture(stream);
+#endif
+}
+
 }  // namespace dwgraph::ops

@@ -13,6 +13,7 @@
 // of fwd/dgrad have the input dtype; wgrad's `out` is float32 or the input dtype.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Optional.h>
 
@@ -53,5 +54,10 @@ void grouped_wgrad_gemm(const at::Tensor& dy, const at::Tensor& x, at::TensorLis
 void grouped_wgrad_gemm(const at::Tensor& dy, const at::Tensor& x, at::Tensor& out_packed,
                         at::IntArrayRef m_splits, bool accumulate,
                         const std::optional<at::Tensor>& bias_grad_out_packed = std::nullopt);
+
+// Creates what the GEMMs need on `stream` (on CUDA: the cuBLASLt handle and the stream's
+// workspace) so that a graph capture on that stream allocates nothing for them (Note
+// [cuBLASLt under capture] in ops/impl/cublaslt.h). A no-op for host streams.
+void prepare_for_capture(c10::Stream stream);
 
 }  // namespace dwgraph::ops

@@ -121,4 +121,11 @@ struct CudaKernels {
 
 TORCH_LIBRARY_IMPL(dwgraph, CUDA, m) { detail::register_gemm_kernels<CudaKernels>(m); }
 
+namespace detail {
+void prepare_cuda_capture(c10::Stream stream) {
+  const c10::cuda::CUDAStream cuda(stream);
+  prepare_cublaslt(cuda.device_index(), cuda.stream());
+}
+}  // namespace detail
+
 }  // namespace dwgraph::ops

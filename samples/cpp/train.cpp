@@ -6,7 +6,7 @@
 // between steps. The two loss curves must be identical, bit for bit.
 #include "common/build_info.h"
 #include "graphs/manager.h"
-#include "ops/nn/modules.h"
+#include "nn/modules.h"
 
 #include <ATen/ATen.h>
 

@@ -6,7 +6,7 @@
 
 #include "common/check.h"
 #include "graphs/graphed_step.h"
-#include "ops/nn/modules.h"
+#include "nn/modules.h"
 
 #include <ATen/ops/linear.h>
 

@@ -58,7 +58,7 @@ DWGRAPH_DEVICE_TEST("graph replay equals eager, bitwise, on fresh inputs", "[gra
   }
 }
 
-TEST_CASE("host capture changes nothing the caller sees; replay applies the writes", "[graphs][cpu]") {
+TEST_CASE("host capture changes nothing the caller sees, replay applies the writes", "[graphs][cpu]") {
   const auto cpu = c10::Device(c10::kCPU);
   auto param = randn({4, 4}, at::kFloat, cpu);
   auto main_grad = at::zeros({4, 4});

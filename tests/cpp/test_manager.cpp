@@ -6,7 +6,7 @@
 
 #include "common/check.h"
 #include "graphs/manager.h"
-#include "ops/nn/modules.h"
+#include "nn/modules.h"
 
 
 using dwgraph::nn::DeferredOptions;

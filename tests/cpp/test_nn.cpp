@@ -1,10 +1,10 @@
-// The C++ deferred-wgrad modules (ops/nn/modules.h) against plain ATen autograd on the
+// The C++ deferred-wgrad modules (nn/modules.h) against plain ATen autograd on the
 // same weights and inputs: the C1 accumulation contract for Linear and a grouped case,
 // fused main_grad, and the errors.
 #include "testing.h"
 
 #include "common/check.h"
-#include "ops/nn/modules.h"
+#include "nn/modules.h"
 
 #include <ATen/ops/linear.h>
 

@@ -1,4 +1,4 @@
-#include "ops/nn/modules.h"
+#include "nn/modules.h"
 
 #include "common/check.h"
 
