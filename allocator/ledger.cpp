@@ -71,6 +71,12 @@ std::optional<c10::Storage> Ledger::lock(size_t i) const {
   return s;
 }
 
+std::optional<size_t> Ledger::find(const void* data) const {
+  auto it = by_data_.find(data);
+  if (it == by_data_.end()) return std::nullopt;
+  return it->second;
+}
+
 size_t Ledger::count(Ownership o) const {
   size_t n = 0;
   for (const auto& e : entries_) n += e.ownership == o ? 1 : 0;

@@ -44,6 +44,8 @@ class Ledger {
   // it no longer holds the memory the graph captured).
   std::optional<c10::Storage> lock(size_t i) const;
 
+  // The entry of the storage whose data pointer was `data` at capture.
+  std::optional<size_t> find(const void* data) const;
   size_t count(Ownership o) const;
   void clear();
 

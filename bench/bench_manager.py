@@ -75,7 +75,7 @@ def main():
                 dwgraph.nn.LayerNormMLP(hidden, ffn, delay_wgrad_compute=True, device=dev))
         samples_in = ((torch.randn(64, hidden, device=dev),), (torch.randn(64, hidden, device=dev, requires_grad=True),))
         gs = dwgraph.make_graphed_callables(mods, samples_in)
-        st = gs[0].stats()
+        st = dwgraph.graphed_handle(gs[0]).stats()
         minimum = sum(p.nbytes for m in mods for _, p in m._deferred_parameters())
         print(f"| Linear({hidden}) + LayerNormMLP({hidden}, {ffn}), batch 64 | {st['pool_reserved_bytes']} | "
               f"{st['pool_allocated_bytes']} | {st['static_bytes']} | {st['contribution_bytes']} | {minimum} | "

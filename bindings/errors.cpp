@@ -1,35 +1,64 @@
-// Translates dwgraph's C++ error types into the Python classes of dwgraph/errors.py
-// (see Note [Error types] in common/check.h).
+// dwgraph's errors in Python (see Note [Error types] in common/check.h): the raiser the
+// core calls, which raises the Python class chosen by the error's code, and a translator
+// for exceptions that reach dwgraph's own bindings as C++ exceptions.
 #include "bindings/bindings.h"
 
 #include "common/check.h"
+
+#include <torch/csrc/Exceptions.h>
 
 namespace py = pybind11;
 
 namespace dwgraph::bindings {
 namespace {
 
-// Sets the Python error; a translator must return normally after PyErr_SetString.
-void raise(const char* cls, const c10::Error& e) {
-  // Looked up per raise: the errors module is imported by dwgraph/__init__ before _C.
-  py::object type = py::module_::import("dwgraph.errors").attr(cls);
-  PyErr_SetString(type.ptr(), e.what_without_backtrace());
+const char* class_of(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kArgument:
+      return "ArgumentError";
+    case ErrorCode::kGraphState:
+      return "GraphStateError";
+    case ErrorCode::kDanglingCapture:
+      return "DanglingCaptureError";
+  }
+  return "DwgraphError";
+}
+
+void set_python_error(ErrorCode code, const std::string& msg) {
+  // Looked up per raise: dwgraph/__init__ imports the errors module before _C.
+  const py::object cls = py::module_::import("dwgraph.errors").attr(class_of(code));
+  PyErr_SetString(cls.ptr(), msg.c_str());
+}
+
+// Raises the Python class itself: torch's bindings (a torch op under a capture, the
+// autograd engine under loss.backward()) pass error_already_set through unchanged.
+[[noreturn]] void raise_python(ErrorCode code, const std::string& msg) {
+  std::optional<py::error_already_set> error;
+  {
+    const py::gil_scoped_acquire gil;
+    set_python_error(code, msg);
+    error.emplace();
+  }
+  throw *error;
 }
 
 }  // namespace
 
 void init_errors(py::module_& m) {
+  set_error_raiser(&raise_python);
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
-    } catch (const ArgumentError& e) {
-      raise("ArgumentError", e);
-    } catch (const GraphStateError& e) {
-      raise("GraphStateError", e);
-    } catch (const DanglingCaptureError& e) {
-      raise("DanglingCaptureError", e);
+    } catch (python_error& e) {
+      e.restore();  // a Python exception raised inside the core's callbacks, with its own type
     } catch (const c10::Error& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+      const int code = error_code(e);
+      if (code != 0) {
+        set_python_error(static_cast<ErrorCode>(code), e.what_without_backtrace());
+      } else {
+        PyErr_SetString(dynamic_cast<const c10::ValueError*>(&e) != nullptr ? PyExc_ValueError : PyExc_RuntimeError,
+                        e.what_without_backtrace());
+      }
     }
   });
   // Lets tests prove the translation without reaching into a real failure path.
@@ -38,7 +67,7 @@ void init_errors(py::module_& m) {
       [](const std::string& kind, const std::string& msg) {
         if (kind == "argument") DWGRAPH_CHECK_ARG(false, msg);
         if (kind == "state") DWGRAPH_CHECK_STATE(false, msg);
-        if (kind == "dangling") throw DanglingCaptureError(c10::SourceLocation{__func__, __FILE__, __LINE__}, msg);
+        if (kind == "dangling") DWGRAPH_RAISE(ErrorCode::kDanglingCapture, msg);
         TORCH_CHECK(false, msg);
       },
       py::arg("kind"), py::arg("message"));

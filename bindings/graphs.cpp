@@ -31,9 +31,12 @@ void init_graphs(py::module_& parent) {
 
   py::class_<GraphPool, std::shared_ptr<GraphPool>>(m, "GraphPool")
       .def_property_readonly("device", &GraphPool::device)
-      .def("stats", [](const GraphPool& p) { return stats_dict(p.stats()); });
+      .def("stats", [](const GraphPool& p) { return stats_dict(p.stats()); })
+      // Test-only negative control: replays in any order, corrupting as CUDA would.
+      .def("_set_order_checks", [](GraphPool& p, bool on) { p.order().set_enforced(on); }, py::arg("on"));
 
   m.def("graph_pool_handle", &graphs::make_pool, py::arg("device"));
+  m.def("graph_pool_from_handle", &graphs::pool_from_handle, py::arg("handle"));
 
   py::class_<Graph>(m, "Graph")
       .def(py::init([](c10::Device device) { return graphs::make_graph(device); }), py::arg("device"))
@@ -43,6 +46,7 @@ void init_graphs(py::module_& parent) {
       .def("capture_abort", &Graph::capture_abort)
       .def("replay", &Graph::replay, py::call_guard<py::gil_scoped_release>())
       .def("reset", &Graph::reset)
+      .def_property("name", &Graph::name, &Graph::set_name)
       .def_property_readonly("is_captured", &Graph::is_captured)
       .def_property_readonly("is_capturing", &Graph::is_capturing)
       .def_property_readonly("pool", &Graph::pool)

@@ -1,7 +1,10 @@
-// Bindings of the capture/replay manager (dwgraph._C.graphs.make_graphed_callables); the
-// Python front end that describes torch.nn.Modules to it is dwgraph/graphed.py.
+// Bindings of the capture/replay manager and graphed_step (dwgraph._C.graphs): the spec
+// structs as classes with fields (an unknown attribute is an AttributeError, never a
+// silent default), the Schedule, the graphed callables and the step. The Python front
+// ends that describe torch.nn.Modules to them are dwgraph/graphed.py and dwgraph/step.py.
 #include "bindings/bindings.h"
 
+#include "common/check.h"
 #include "graphs/graphed_step.h"
 #include "graphs/manager.h"
 
@@ -9,48 +12,40 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <climits>
+
 namespace py = pybind11;
 
 namespace dwgraph::bindings {
 namespace {
 
-template <class T>
-T get(const py::dict& d, const char* key, T fallback = T()) {
-  if (!d.contains(key) || d[key].is_none()) return fallback;
-  return d[key].cast<T>();
-}
+using namespace dwgraph::graphs;
 
-DeferredWgradModuleSpec module_spec(const py::dict& d) {
-  DeferredWgradModuleSpec m;
-  m.name = get<std::string>(d, "name");
-  m.need_backward_dw = get<std::function<bool()>>(d, "need_backward_dw");
-  m.backward_dw = get<std::function<void()>>(d, "backward_dw");
-  m.run_hooks = get<std::function<void()>>(d, "run_hooks");
-  m.deferred_parameters = get<std::vector<at::Tensor>>(d, "deferred_parameters");
-  m.deferred_parameter_names = get<std::vector<std::string>>(d, "deferred_parameter_names");
-  m.fused_parameters = get<std::vector<at::Tensor>>(d, "fused_parameters");
-  m.fused_parameter_names = get<std::vector<std::string>>(d, "fused_parameter_names");
-  m.main_grad = get<std::function<at::Tensor(size_t)>>(d, "main_grad");
-  m.mark_main_grad_accumulated = get<std::function<void(size_t)>>(d, "mark_main_grad_accumulated");
-  m.retain_consumed = get<std::function<void(bool)>>(d, "retain_consumed");
-  m.release_consumed = get<std::function<void()>>(d, "release_consumed");
-  m.exact_deferred = get<bool>(d, "exact_deferred", true);
-  return m;
-}
-
-GraphableCallable callable_spec(const py::dict& d) {
-  GraphableCallable c;
-  c.name = get<std::string>(d, "name");
-  c.forward = get<std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>>(d, "forward");
-  c.parameters = get<std::vector<at::Tensor>>(d, "parameters");
-  c.parameter_names = get<std::vector<std::string>>(d, "parameter_names");
-  c.buffers = get<std::vector<at::Tensor>>(d, "buffers");
-  c.is_training = get<std::function<bool()>>(d, "is_training");
-  c.after_backward = get<std::function<void()>>(d, "after_backward");
-  if (d.contains("deferred_modules")) {
-    for (const auto& m : d["deferred_modules"]) c.deferred_modules.push_back(module_spec(m.cast<py::dict>()));
+// The entries of a Python `order` as doubles, refusing what is not a real number before
+// any conversion can overflow (bool, str, None, an int beyond 64 bits).
+std::vector<double> order_values(const py::sequence& order) {
+  std::vector<double> out;
+  out.reserve(py::len(order));
+  for (size_t k = 0; k < py::len(order); ++k) {
+    const py::object v = order[k];
+    DWGRAPH_CHECK_ARG(!py::isinstance<py::bool_>(v), "dwgraph.make_graphed_callables: argument 'order' entry ", k,
+                      " must be a number, got a bool");
+    if (PyLong_Check(v.ptr())) {
+      int overflow = 0;
+      const long long i = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+      DWGRAPH_CHECK_ARG(overflow == 0, "dwgraph.make_graphed_callables: argument 'order' entry ", k, " (",
+                        py::str(v).cast<std::string>(), ") is out of range");
+      out.push_back(static_cast<double>(i));
+      continue;
+    }
+    const bool number = PyFloat_Check(v.ptr()) || PyIndex_Check(v.ptr()) || py::hasattr(v, "__float__");
+    DWGRAPH_CHECK_ARG(number, "dwgraph.make_graphed_callables: argument 'order' entry ", k, " must be a number, got ",
+                      py::str(py::type::of(v).attr("__name__")).cast<std::string>());
+    const double d = PyFloat_AsDouble(v.ptr());
+    if (d == -1.0 && PyErr_Occurred()) throw py::error_already_set();
+    out.push_back(d);
   }
-  return c;
+  return out;
 }
 
 py::dict stats_dict(const GraphedStats& s) {
@@ -61,6 +56,7 @@ py::dict stats_dict(const GraphedStats& s) {
   d["contribution_bytes"] = s.contribution_bytes;
   d["static_bytes"] = s.static_bytes;
   d["num_graphs"] = s.num_graphs;
+  d["num_kernels"] = s.num_kernels;
   return d;
 }
 
@@ -68,71 +64,136 @@ py::dict stats_dict(const GraphedStats& s) {
 
 void init_manager(py::module_& parent) {
   auto m = parent.attr("graphs").cast<py::module_>();
+
+  m.def("registration_version", &registration_version);
+  m.def("bump_registration_version", &bump_registration_version);
+
+  py::class_<FusedParameter>(m, "FusedParameter")
+      .def(py::init<>())
+      .def_readwrite("name", &FusedParameter::name)
+      .def_readwrite("param", &FusedParameter::param)
+      .def_readwrite("main_grad", &FusedParameter::main_grad)
+      .def_readwrite("get_flag", &FusedParameter::get_flag)
+      .def_readwrite("set_flag", &FusedParameter::set_flag);
+
+  py::class_<ModuleSpec>(m, "ModuleSpec")
+      .def(py::init<>())
+      .def_readwrite("name", &ModuleSpec::name)
+      .def_readwrite("defers", &ModuleSpec::defers)
+      .def_readwrite("backward_dw", &ModuleSpec::backward_dw)
+      .def_readwrite("run_hooks", &ModuleSpec::run_hooks)
+      .def_readwrite("deferred_names", &ModuleSpec::deferred_names)
+      .def_readwrite("deferred", &ModuleSpec::deferred)
+      .def_readwrite("fused", &ModuleSpec::fused)
+      .def_readwrite("store", &ModuleSpec::store);
+
+  py::class_<DwgraphModuleInfo>(m, "DwgraphModuleInfo")
+      .def(py::init<>())
+      .def_readwrite("name", &DwgraphModuleInfo::name)
+      .def_readwrite("display_name", &DwgraphModuleInfo::display_name)
+      .def_readwrite("store", &DwgraphModuleInfo::store)
+      .def_readwrite("delay_wgrad_compute", &DwgraphModuleInfo::delay_wgrad_compute)
+      .def_readwrite("fuse_wgrad_accumulation", &DwgraphModuleInfo::fuse_wgrad_accumulation)
+      .def_readwrite("parameter_names", &DwgraphModuleInfo::parameter_names)
+      .def_readwrite("parameters", &DwgraphModuleInfo::parameters)
+      .def_readwrite("run_hooks", &DwgraphModuleInfo::run_hooks)
+      .def_readwrite("main_grad", &DwgraphModuleInfo::main_grad)
+      .def_readwrite("get_flag", &DwgraphModuleInfo::get_flag)
+      .def_readwrite("set_flag", &DwgraphModuleInfo::set_flag);
+  m.def("dwgraph_module_spec", &dwgraph_module_spec, py::arg("info"));
+
+  py::class_<GraphableCallable>(m, "GraphableCallable")
+      .def(py::init<>())
+      .def_readwrite("name", &GraphableCallable::name)
+      .def_readwrite("forward", &GraphableCallable::forward)
+      .def_readwrite("parameters", &GraphableCallable::parameters)
+      .def_readwrite("parameter_names", &GraphableCallable::parameter_names)
+      .def_readwrite("current_parameters", &GraphableCallable::current_parameters)
+      .def_readwrite("parameters_version", &GraphableCallable::parameters_version)
+      .def_readwrite("modules", &GraphableCallable::modules)
+      .def_readwrite("is_training", &GraphableCallable::is_training)
+      .def_readwrite("capture_time_hook", &GraphableCallable::capture_time_hook)
+      .def_readwrite("buffers", &GraphableCallable::buffers);
+
+  py::class_<Schedule>(m, "Schedule")
+      .def_static("sequential", &Schedule::sequential, py::arg("num_callables"))
+      .def_static(
+          "pipeline",
+          [](const py::sequence& order, std::optional<std::vector<int64_t>> num_layers_per_chunk, size_t num_callables) {
+            return Schedule::pipeline(order_values(order), num_layers_per_chunk, num_callables);
+          },
+          py::arg("order"), py::arg("num_layers_per_chunk"), py::arg("num_callables"))
+      .def_property_readonly("pipelined", &Schedule::pipelined)
+      .def_property_readonly("num_slots", &Schedule::num_slots)
+      .def_property_readonly("num_callables", &Schedule::num_callables)
+      .def_property_readonly("num_microbatches", &Schedule::num_microbatches)
+      .def("callable_of_slot", &Schedule::callable_of_slot, py::arg("slot"));
+
   py::class_<GraphedCallable, std::shared_ptr<GraphedCallable>>(m, "GraphedCallable")
       .def("__call__", &GraphedCallable::operator(), py::arg("inputs"), py::call_guard<py::gil_scoped_release>())
+      .def("replays", &GraphedCallable::replays)
       .def("backward_dw", &GraphedCallable::backward_dw, py::call_guard<py::gil_scoped_release>())
       .def("need_backward_dw", &GraphedCallable::need_backward_dw)
-      .def("reset", &GraphedCallable::reset)
+      .def("reset", &GraphedCallable::reset, py::call_guard<py::gil_scoped_release>())
       .def("contribution_bytes", &GraphedCallable::contribution_bytes)
-      .def("stats", [](const GraphedCallable& g) { return stats_dict(graphed_stats(g)); })
+      .def("stats", [](const GraphedCallable& g) { return stats_dict(g.stats()); })
       .def_property_readonly("index", &GraphedCallable::index)
+      .def_property_readonly("callable_index", &GraphedCallable::callable_index)
       .def_property_readonly("name", &GraphedCallable::name);
-
-  py::class_<GraphedStep>(m, "GraphedStep")
-      .def(py::init([](StepFn step, int warmup_iters, std::shared_ptr<graphs::GraphPool> pool, int64_t max_graphs,
-                       std::function<std::vector<at::Tensor>()> params,
-                       std::function<std::vector<std::string>()> param_names,
-                       std::function<std::vector<at::Tensor>()> main_grads,
-                       std::function<std::vector<std::string>()> main_grad_names, std::function<void()> mark_main_grads,
-                       std::function<void()> after_hand_off, std::function<void(bool)> capturing) {
-             GraphedStepOptions o;
-             o.warmup_iters = warmup_iters;
-             o.pool = std::move(pool);
-             o.max_graphs = max_graphs;
-             o.params = std::move(params);
-             o.param_names = std::move(param_names);
-             o.main_grads = std::move(main_grads);
-             o.main_grad_names = std::move(main_grad_names);
-             o.mark_main_grads = std::move(mark_main_grads);
-             o.after_hand_off = std::move(after_hand_off);
-             o.capturing = std::move(capturing);
-             return std::make_unique<GraphedStep>(std::move(step), std::move(o));
-           }),
-           py::arg("step"), py::kw_only(), py::arg("warmup_iters"), py::arg("pool"), py::arg("max_graphs"),
-           py::arg("params"), py::arg("param_names"), py::arg("main_grads"), py::arg("main_grad_names"),
-           py::arg("mark_main_grads"), py::arg("after_hand_off"),
-           py::arg("capturing"))
-      // Warmup and capture run the autograd engine: no GIL (the step takes it back).
-      .def("__call__", &GraphedStep::operator(), py::arg("tensors"), py::arg("key"),
-           py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("num_graphs", &GraphedStep::num_graphs)
-      .def_property_readonly("num_captures", &GraphedStep::num_captures)
-      .def("reset", &GraphedStep::reset);
 
   m.def(
       "make_graphed_callables",
-      [](const py::list& callables, const std::vector<std::vector<at::Tensor>>& sample_args, int num_warmup_iters,
-         bool allow_unused_input, std::optional<std::vector<double>> order,
-         std::optional<std::vector<int64_t>> num_layers_per_chunk, std::shared_ptr<graphs::GraphPool> pool,
-         bool retain_graph_in_backward, bool unsafe_capture_with_caller_grad) {
-        std::vector<GraphableCallable> specs;
-        for (const auto& c : callables) specs.push_back(callable_spec(c.cast<py::dict>()));
+      [](std::vector<GraphableCallable> callables, const std::vector<std::vector<at::Tensor>>& sample_args,
+         int num_warmup_iters, bool allow_unused_input, std::optional<Schedule> schedule,
+         std::shared_ptr<GraphPool> pool, bool retain_graph_in_backward, bool unsafe_capture_with_caller_grad) {
         GraphedCallableOptions o;
         o.num_warmup_iters = num_warmup_iters;
         o.allow_unused_input = allow_unused_input;
-        o.order = std::move(order);
-        o.num_layers_per_chunk = std::move(num_layers_per_chunk);
+        o.schedule = std::move(schedule);
         o.pool = std::move(pool);
         o.retain_graph_in_backward = retain_graph_in_backward;
         o.unsafe_capture_with_caller_grad = unsafe_capture_with_caller_grad;
         // Warmup and capture run the autograd engine, which must not hold the GIL; the
         // Python forward functions and hooks take it back when they are called.
         const py::gil_scoped_release no_gil;
-        return make_graphed_callables(std::move(specs), sample_args, std::move(o));
+        return make_graphed_callables(std::move(callables), sample_args, std::move(o));
       },
       py::arg("callables"), py::arg("sample_args"), py::kw_only(), py::arg("num_warmup_iters"),
-      py::arg("allow_unused_input"), py::arg("order"), py::arg("num_layers_per_chunk"), py::arg("pool"),
-      py::arg("retain_graph_in_backward"), py::arg("unsafe_capture_with_caller_grad"));
+      py::arg("allow_unused_input"), py::arg("schedule"), py::arg("pool"), py::arg("retain_graph_in_backward"),
+      py::arg("unsafe_capture_with_caller_grad"));
+
+  py::class_<GraphedStep>(m, "GraphedStep")
+      .def(py::init([](StepFn step, int warmup_iters, std::shared_ptr<GraphPool> pool, int64_t max_graphs,
+                       std::function<NamedTensors()> params, std::function<std::vector<ModuleSpec>()> modules,
+                       std::function<std::vector<at::Tensor>()> buffers,
+                       std::function<void(const std::string&, const std::string&, size_t, size_t, double)> on_event) {
+             GraphedStepOptions o;
+             o.warmup_iters = warmup_iters;
+             o.pool = std::move(pool);
+             o.max_graphs = max_graphs;
+             o.params = std::move(params);
+             o.modules = std::move(modules);
+             o.buffers = std::move(buffers);
+             auto g = std::make_unique<GraphedStep>(std::move(step), std::move(o));
+             if (on_event) {
+               g->on_event = [on_event](const std::string& event, const std::string& key, const Graph* graph,
+                                        double seconds) {
+                 const size_t kernels = graph != nullptr ? graph->num_kernels() : 0;
+                 const size_t pool_bytes =
+                     graph != nullptr && graph->pool() ? static_cast<size_t>(graph->pool()->stats().reserved_bytes) : 0;
+                 on_event(event, key, kernels, pool_bytes, seconds);
+               };
+             }
+             return g;
+           }),
+           py::arg("step"), py::kw_only(), py::arg("warmup_iters"), py::arg("pool"), py::arg("max_graphs"),
+           py::arg("params"), py::arg("modules"), py::arg("buffers"), py::arg("on_event"))
+      // Warmup and capture run the autograd engine: no GIL (the step takes it back).
+      .def("__call__", &GraphedStep::operator(), py::arg("tensors"), py::arg("key"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_graphs", &GraphedStep::num_graphs)
+      .def_property_readonly("num_captures", &GraphedStep::num_captures)
+      .def("reset", &GraphedStep::reset);
 }
 
 }  // namespace dwgraph::bindings

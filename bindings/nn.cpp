@@ -3,6 +3,7 @@
 #include "bindings/bindings.h"
 
 #include "ops/linear.h"
+#include "ops/param_roles.h"
 #include "ops/wgrad_store.h"
 
 #include <pybind11/functional.h>
@@ -49,8 +50,7 @@ void init_nn(py::module_& parent) {
            py::call_guard<py::gil_scoped_release>())
       .def("num_units", &WgradStore::num_units)
       .def("clear", &WgradStore::clear)
-      .def("set_retain_consumed", &WgradStore::set_retain_consumed, py::arg("on"))
-      .def("release_consumed", &WgradStore::release_consumed)
+      .def("hooks_suppressed", &WgradStore::hooks_suppressed)
       // A copied module starts with nothing queued: queued work belongs to the original's
       // autograd graphs.
       .def("__deepcopy__", [](const WgradStore&, py::dict) { return std::make_shared<WgradStore>(); });
@@ -116,6 +116,13 @@ void init_nn(py::module_& parent) {
       py::arg("store"), py::arg("unit_id"), py::arg("module"));
 
   m.def("check_activation", &ops::check_activation, py::arg("module"), py::arg("activation"));
+  // The one rule for how a dwgraph module's parameter gets its gradient (ops/param_roles.h).
+  m.def(
+      "classify_parameter",
+      [](const std::string& name, bool delay, bool fuse) {
+        return std::string(ops::to_string(ops::classify_parameter(name, delay, fuse)));
+      },
+      py::arg("name"), py::arg("delay_wgrad_compute"), py::arg("fuse_wgrad_accumulation"));
 }
 
 }  // namespace dwgraph::bindings

@@ -1,15 +1,36 @@
 #include "common/check.h"
 
-namespace dwgraph::detail {
+#include <atomic>
 
-void throw_argument_error(const char* func, const char* file, uint32_t line,
-                          const std::string& msg) {
-  throw ArgumentError(c10::SourceLocation{func, file, line}, msg);
+namespace dwgraph {
+namespace {
+std::atomic<ErrorRaiser> g_raiser{nullptr};
+}  // namespace
+
+void set_error_raiser(ErrorRaiser raiser) { g_raiser.store(raiser); }
+
+int error_code(const std::exception& e) {
+  if (dynamic_cast<const ArgumentError*>(&e) != nullptr) return static_cast<int>(ErrorCode::kArgument);
+  if (dynamic_cast<const GraphStateError*>(&e) != nullptr) return static_cast<int>(ErrorCode::kGraphState);
+  if (dynamic_cast<const DanglingCaptureError*>(&e) != nullptr) return static_cast<int>(ErrorCode::kDanglingCapture);
+  return 0;
 }
 
-void throw_state_error(const char* func, const char* file, uint32_t line,
-                       const std::string& msg) {
-  throw GraphStateError(c10::SourceLocation{func, file, line}, msg);
+namespace detail {
+
+void throw_error(ErrorCode code, const char* func, const char* file, uint32_t line, const std::string& msg) {
+  if (ErrorRaiser raise = g_raiser.load()) raise(code, msg);  // throws
+  const c10::SourceLocation loc{func, file, line};
+  switch (code) {
+    case ErrorCode::kArgument:
+      throw ArgumentError(loc, msg);
+    case ErrorCode::kGraphState:
+      throw GraphStateError(loc, msg);
+    case ErrorCode::kDanglingCapture:
+      throw DanglingCaptureError(loc, msg);
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown dwgraph error code ", static_cast<int>(code));
 }
 
-}  // namespace dwgraph::detail
+}  // namespace detail
+}  // namespace dwgraph

@@ -3,10 +3,18 @@
 //
 // Note [Error types]: user mistakes throw one of the classes below. Each derives from the
 // c10 type torch already translates for Python (c10::ValueError -> ValueError,
-// c10::Error -> RuntimeError), so a dispatcher call through torch.ops still raises a
-// sensible builtin type, and the dwgraph bindings translate them into dwgraph's own
-// Python exceptions (dwgraph.ArgumentError, dwgraph.GraphStateError,
-// dwgraph.DanglingCaptureError). Broken internal invariants use TORCH_INTERNAL_ASSERT.
+// c10::Error -> RuntimeError) and carries a stable ErrorCode. The Python extension maps
+// codes (never message text) to dwgraph's Python classes (dwgraph.ArgumentError,
+// GraphStateError, DanglingCaptureError).
+//
+// An error can reach Python through torch's own bindings instead of dwgraph's: raised
+// inside loss.backward() by a graphed backward node, or inside a captured region by the
+// host graph's recorder, under some torch op's Python binding. Those bindings only know
+// c10 types. So every dwgraph error is thrown through detail::throw_error, which asks the
+// installed ErrorRaiser first: the extension installs one that raises the Python class
+// itself (a pybind11 error_already_set, which torch's bindings and the autograd engine
+// pass through unchanged). Pure C++ users install none and catch the C++ types.
+// Broken internal invariants use TORCH_INTERNAL_ASSERT.
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -16,30 +24,41 @@
 
 namespace dwgraph {
 
+// Stable across releases: the Python extension maps these to exception classes.
+enum class ErrorCode : int { kArgument = 1, kGraphState = 2, kDanglingCapture = 3 };
+
 // A bad argument: wrong shape, dtype, device, layout or value.
 class ArgumentError : public c10::ValueError {
  public:
   using c10::ValueError::ValueError;
+  static constexpr ErrorCode kCode = ErrorCode::kArgument;
 };
 
 // An API used in a state that does not allow it (after reset, backward_dw with nothing
-// queued or before its backward, capture inside capture).
+// queued or before its backward, a replay order that would corrupt pool memory).
 class GraphStateError : public c10::Error {
  public:
   using c10::Error::Error;
+  static constexpr ErrorCode kCode = ErrorCode::kGraphState;
 };
 
 // A graph replay would read or write a storage its owner has released.
 class DanglingCaptureError : public c10::Error {
  public:
   using c10::Error::Error;
+  static constexpr ErrorCode kCode = ErrorCode::kDanglingCapture;
 };
 
+// Raises the error for (code, message); must throw. Installed by the Python extension.
+using ErrorRaiser = void (*)(ErrorCode code, const std::string& message);
+void set_error_raiser(ErrorRaiser raiser);
+
+// The code of a dwgraph error, or 0 when `e` is not one.
+int error_code(const std::exception& e);
+
 namespace detail {
-[[noreturn]] void throw_argument_error(const char* func, const char* file, uint32_t line,
-                                       const std::string& msg);
-[[noreturn]] void throw_state_error(const char* func, const char* file, uint32_t line,
-                                    const std::string& msg);
+[[noreturn]] void throw_error(ErrorCode code, const char* func, const char* file, uint32_t line,
+                              const std::string& msg);
 }  // namespace detail
 
 }  // namespace dwgraph
@@ -47,21 +66,24 @@ namespace detail {
 // DWGRAPH_CHECK_ARG(cond, msg...): a user-facing argument check. The message must name
 // the function, the argument, the expected and the actual value, e.g.
 //   "dwgraph.wgrad_gemm: argument 'out' must have shape [8, 16] (N, K), got [8, 15]".
-#define DWGRAPH_CHECK_ARG(cond, ...)                                                   \
-  do {                                                                                 \
-    if (C10_UNLIKELY(!(cond))) {                                                       \
-      ::dwgraph::detail::throw_argument_error(__func__, __FILE__,                      \
-                                              static_cast<uint32_t>(__LINE__),         \
-                                              ::c10::str(__VA_ARGS__));                \
-    }                                                                                  \
+#define DWGRAPH_CHECK_ARG(cond, ...)                                                       \
+  do {                                                                                     \
+    if (C10_UNLIKELY(!(cond))) {                                                           \
+      ::dwgraph::detail::throw_error(::dwgraph::ErrorCode::kArgument, __func__, __FILE__,  \
+                                     static_cast<uint32_t>(__LINE__), ::c10::str(__VA_ARGS__)); \
+    }                                                                                      \
   } while (0)
 
 // DWGRAPH_CHECK_STATE(cond, msg...): a user-facing state check (GraphStateError).
-#define DWGRAPH_CHECK_STATE(cond, ...)                                                 \
-  do {                                                                                 \
-    if (C10_UNLIKELY(!(cond))) {                                                       \
-      ::dwgraph::detail::throw_state_error(__func__, __FILE__,                         \
-                                           static_cast<uint32_t>(__LINE__),            \
-                                           ::c10::str(__VA_ARGS__));                   \
-    }                                                                                  \
+#define DWGRAPH_CHECK_STATE(cond, ...)                                                       \
+  do {                                                                                       \
+    if (C10_UNLIKELY(!(cond))) {                                                             \
+      ::dwgraph::detail::throw_error(::dwgraph::ErrorCode::kGraphState, __func__, __FILE__,  \
+                                     static_cast<uint32_t>(__LINE__), ::c10::str(__VA_ARGS__)); \
+    }                                                                                        \
   } while (0)
+
+// DWGRAPH_RAISE(code, msg...): an unconditional dwgraph error of `code`.
+#define DWGRAPH_RAISE(code, ...)                                                     \
+  ::dwgraph::detail::throw_error(code, __func__, __FILE__, static_cast<uint32_t>(__LINE__), \
+                                 ::c10::str(__VA_ARGS__))

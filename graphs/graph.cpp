@@ -1,7 +1,10 @@
 #include "graphs/graph.h"
 
 #include "common/check.h"
+#include "graphs/capture_dispatch.h"
 #include "graphs/host_graph.h"
+#include "graphs/ledger_check.h"
+#include "graphs/recorder.h"
 
 #ifdef DWGRAPH_WITH_CUDA
 #include "graphs/cuda_graph.h"
@@ -22,6 +25,103 @@ namespace {
 
 }  // namespace
 
+Graph::Graph(c10::Device device) : device_(device) {}
+
+Graph::~Graph() = default;  // backends call capture_abort()/reset() in their destructors
+
+void Graph::set_name(std::string name) {
+  name_ = std::move(name);
+  if (order_id_ && pool_) pool_->order().set_name(*order_id_, name_);
+}
+
+void Graph::capture_begin(std::shared_ptr<GraphPool> pool) {
+  DWGRAPH_CHECK_STATE(!is_capturing(), "dwgraph graph: capture_begin() while already capturing");
+  DWGRAPH_CHECK_STATE(!captured_, "dwgraph graph: capture_begin() on a graph that holds a capture; reset() it first");
+  pool_ = adopt_pool(std::move(pool));
+  recorder_ = make_recorder();
+  try {
+    begin_backend();
+    recording_ = std::make_unique<detail::ActiveRecording>(recorder_.get(), claim());
+  } catch (...) {
+    capture_abort();
+    throw;
+  }
+}
+
+void Graph::capture_end() {
+  DWGRAPH_CHECK_STATE(is_capturing(), "dwgraph graph: capture_end() without capture_begin()");
+  recording_.reset();
+  try {
+    end_backend();
+    records_ = recorder_->take_records();
+    recorder_.reset();
+    after_capture();
+    order_id_ = pool_->order().add_graph(name_, detail::pool_accesses(ledger_, records_));
+  } catch (...) {
+    capture_abort();
+    throw;
+  }
+  captured_ = true;
+}
+
+void Graph::capture_abort() noexcept {
+  recording_.reset();
+  if (recorder_) abort_backend();
+  recorder_.reset();
+  reset();
+}
+
+void Graph::replay() {
+  DWGRAPH_CHECK_STATE(captured_, "dwgraph graph: replay() of ", name_.empty() ? "a graph" : name_,
+                      " with no capture (", is_capturing() ? "still capturing" : "never captured or reset", ")");
+  detail::check_ledger(ledger_, records_, device_.is_cuda() ? "CUDA graph" : "host graph");
+  pool_->order().check_replay(*order_id_);
+  launch();
+  pool_->order().replayed(*order_id_);
+}
+
+void Graph::reset() noexcept {
+  release_backend();
+  if (order_id_ && pool_) pool_->order().remove_graph(*order_id_);
+  order_id_.reset();
+  records_.clear();
+  ledger_.clear();
+  pool_.reset();
+  captured_ = false;
+}
+
+size_t Graph::num_kernels() const {
+  size_t n = 0;
+  for (const auto& r : records_) n += r.skip_at_replay ? 0 : 1;
+  return n;
+}
+
+std::vector<std::string> Graph::recorded_calls() const { return detail::describe_records(records_); }
+
+std::vector<StorageInfo> Graph::storages() const {
+  std::vector<StorageInfo> out;
+  for (size_t i = 0; i < ledger_.size(); ++i) {
+    const auto& e = ledger_.entry(i);
+    const bool alive = e.ownership == allocator::Ownership::kGraph || ledger_.lock(i).has_value();
+    out.push_back(StorageInfo{e.ownership, e.nbytes, e.role, alive});
+  }
+  return out;
+}
+
+void Graph::set_role(const c10::Storage& storage, const std::string& role, bool persistent) {
+  ledger_.set_role(storage, role, persistent);
+}
+
+bool Graph::writes(const c10::Storage& storage) const {
+  const auto entry = ledger_.find(storage.data());
+  return entry && detail::record_touches(records_, *entry, /*writes_only=*/true);
+}
+
+bool Graph::touches(const c10::Storage& storage) const {
+  const auto entry = ledger_.find(storage.data());
+  return entry && detail::record_touches(records_, *entry, /*writes_only=*/false);
+}
+
 std::shared_ptr<GraphPool> make_pool(c10::Device device) {
   if (device.is_cpu()) return std::make_shared<HostGraphPool>();
 #ifdef DWGRAPH_WITH_CUDA
@@ -30,10 +130,20 @@ std::shared_ptr<GraphPool> make_pool(c10::Device device) {
   unsupported_device("dwgraph.graph_pool_handle", device);
 }
 
-void run_on_side_stream(c10::Device device, const std::function<void()>& fn) {
+std::shared_ptr<GraphPool> pool_from_handle(std::pair<uint64_t, uint64_t> handle) {
 #ifdef DWGRAPH_WITH_CUDA
-  if (device.is_cuda()) {
-    run_on_cuda_side_stream(device, fn);
+  return make_cuda_pool_from_handle(handle);
+#else
+  DWGRAPH_CHECK_ARG(false, "dwgraph: argument 'pool' is a torch CUDA pool handle (", handle.first, ", ", handle.second,
+                    ") but this build has no CUDA sources; host graphs take dwgraph.graphs.graph_pool_handle('cpu')");
+  TORCH_INTERNAL_ASSERT(false);
+#endif
+}
+
+void run_on_capture_stream(const std::shared_ptr<GraphPool>& pool, const std::function<void()>& fn) {
+#ifdef DWGRAPH_WITH_CUDA
+  if (pool->device().is_cuda()) {
+    run_on_cuda_capture_stream(pool, fn);
     return;
   }
 #endif

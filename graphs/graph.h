@@ -2,31 +2,46 @@
 // One Graph interface, two backends (namespace dwgraph::graphs): the CUDA graph
 // (at::cuda::CUDAGraph on a private pool) and the host graph, which follows CUDA graph
 // semantics on CPU (SPEC C6). See docs/graphs.md.
+//
+// Graph owns what both backends share: the recorder of a capture, the ledger (which
+// storages the graph owns, which it only borrows), the check of borrowed storages before
+// every replay (SPEC C7) and the replay order on the pool (graphs/pool_order.h). Backends
+// implement the capture mechanics and the launch.
 
 #include "allocator/host_pool.h"
 #include "allocator/ledger.h"
+#include "graphs/pool_order.h"
 
 #include <c10/core/Device.h>
 #include <c10/core/Storage.h>
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace dwgraph::graphs {
 
-// A private memory pool that several graphs can share. Graphs captured on one pool must
-// be replayed in capture order: a later capture may reuse blocks an earlier one freed.
+namespace detail {
+class Recorder;
+class ActiveRecording;
+struct OpRecord;
+}  // namespace detail
+
+// A private memory pool that several graphs can share. A later capture may reuse blocks
+// an earlier one freed, so the pool also keeps the order its graphs must replay in
+// (Note [Replay order on a shared pool]).
 class GraphPool {
  public:
   virtual ~GraphPool() = default;
   virtual c10::Device device() const = 0;
   virtual allocator::PoolStats stats() const = 0;
-};
+  PoolOrder& order() { return order_; }
 
-// A fresh private pool on `device` (CPU: a host arena; CUDA: a PyTorch private pool).
-std::shared_ptr<GraphPool> make_pool(c10::Device device);
+ private:
+  PoolOrder order_;
+};
 
 struct StorageInfo {
   allocator::Ownership ownership;
@@ -37,36 +52,86 @@ struct StorageInfo {
 
 class Graph {
  public:
-  virtual ~Graph() = default;
-  virtual c10::Device device() const = 0;
+  virtual ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
 
-  // Starts capturing the calling thread's work. `pool` null: a fresh private pool.
-  virtual void capture_begin(std::shared_ptr<GraphPool> pool = nullptr) = 0;
-  virtual void capture_end() = 0;
+  c10::Device device() const { return device_; }
+  // Names the graph in error messages ("forward graph of graphed callable 0 ('Linear')").
+  void set_name(std::string name);
+  const std::string& name() const { return name_; }
+
+  // Starts capturing the region (on CUDA: the work of the capture stream, whichever
+  // thread issues it; on the host: the calling thread's). `pool` null: a fresh pool.
+  void capture_begin(std::shared_ptr<GraphPool> pool = nullptr);
+  void capture_end();
   // Abandons a capture whose region raised: no graph, no pool reference, no capture mode.
-  virtual void capture_abort() = 0;
-  virtual void replay() = 0;
+  void capture_abort() noexcept;
+  // Re-runs the capture. Raises DanglingCaptureError when a borrowed storage was released
+  // and GraphStateError when the pool's replay order forbids it, having run nothing.
+  void replay();
   // Releases what the capture holds (kernels, pool reference, ledger). Never throws.
-  virtual void reset() noexcept = 0;
+  void reset() noexcept;
 
-  virtual bool is_captured() const = 0;
-  virtual bool is_capturing() const = 0;
-  virtual std::shared_ptr<GraphPool> pool() const = 0;
-  // Number of captured kernels (host: dispatcher calls recorded; CUDA: graph nodes).
-  virtual size_t num_kernels() const = 0;
+  bool is_captured() const { return captured_; }
+  bool is_capturing() const { return recorder_ != nullptr; }
+  std::shared_ptr<GraphPool> pool() const { return pool_; }
+  // Number of captured kernels (dispatcher calls replay re-runs).
+  size_t num_kernels() const;
   // The dispatcher calls the capture recorded, in order ("aten::mm", "aten::t [skipped]").
-  virtual std::vector<std::string> recorded_calls() const = 0;
+  std::vector<std::string> recorded_calls() const;
   // The storages the capture touched, with their ownership.
-  virtual std::vector<StorageInfo> storages() const = 0;
+  std::vector<StorageInfo> storages() const;
   // Names a storage for error messages; `persistent` marks parameters and main_grad.
-  virtual void set_role(const c10::Storage& storage, const std::string& role, bool persistent) = 0;
+  void set_role(const c10::Storage& storage, const std::string& role, bool persistent);
+  // True when a kernel of the capture writes (part of) `storage`.
+  bool writes(const c10::Storage& storage) const;
+  // True when a kernel of the capture reads or writes (part of) `storage`.
+  bool touches(const c10::Storage& storage) const;
+
+ protected:
+  explicit Graph(c10::Device device);
+
+  // The backend's pool for `requested` (null: a fresh one); throws for a foreign pool.
+  virtual std::shared_ptr<GraphPool> adopt_pool(std::shared_ptr<GraphPool> requested) = 0;
+  virtual std::unique_ptr<detail::Recorder> make_recorder() = 0;
+  // Which dispatcher calls belong to this capture (Note [Captures are found by stream,
+  // not by thread] in graphs/capture_dispatch.h).
+  virtual std::function<bool()> claim() = 0;
+  virtual void begin_backend() = 0;
+  virtual void end_backend() = 0;            // may throw: the capture is then aborted
+  virtual void abort_backend() noexcept = 0;
+  virtual void after_capture() {}            // records_ are final
+  virtual void launch() = 0;
+  virtual void release_backend() noexcept = 0;
+
+  c10::Device device_;
+  std::shared_ptr<GraphPool> pool_;
+  allocator::Ledger ledger_;
+  std::unique_ptr<detail::Recorder> recorder_;
+  std::vector<detail::OpRecord> records_;
+
+ private:
+  std::unique_ptr<detail::ActiveRecording> recording_;
+  std::string name_;
+  std::optional<PoolOrder::GraphId> order_id_;
+  bool captured_ = false;
 };
+
+// A fresh private pool on `device` (CPU: a host arena; CUDA: a PyTorch private pool).
+std::shared_ptr<GraphPool> make_pool(c10::Device device);
+
+// A pool over an existing PyTorch private pool (torch.cuda.graph_pool_handle(),
+// torch.cuda.MemPool().id) of the current CUDA device, so dwgraph's graphs can share memory
+// with torch's. ArgumentError where CUDA is not built or not available.
+std::shared_ptr<GraphPool> pool_from_handle(std::pair<uint64_t, uint64_t> handle);
 
 // A graph for `device` (the backend follows the device type).
 std::unique_ptr<Graph> make_graph(c10::Device device);
 
-// Runs `fn` on a side stream of `device` that waits for the current stream and is waited
-// for afterwards (CUDA), as warmup before capture must; on CPU it just runs `fn`.
-void run_on_side_stream(c10::Device device, const std::function<void()>& fn);
+// Runs `fn` where warmup before a capture on `pool` must run: on CUDA on the pool's
+// capture stream, which waits for the current stream and is waited for afterwards; on
+// the host it just runs `fn`.
+void run_on_capture_stream(const std::shared_ptr<GraphPool>& pool, const std::function<void()>& fn);
 
 }  // namespace dwgraph::graphs

@@ -1,41 +1,64 @@
 #include "graphs/graphed_step.h"
 
 #include "common/check.h"
+#include "graphs/caller_state.h"
 
 #include <ATen/core/grad_mode.h>
-#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
+#include <chrono>
 #include <sstream>
 
-namespace dwgraph {
-
-struct GraphedStep::Entry {
-  int calls = 0;
-  std::unique_ptr<graphs::Graph> graph;
-  std::vector<at::Tensor> static_inputs;
-  std::vector<at::Tensor> static_outputs;
-  std::vector<graphs::Contribution> contributions;
-  std::vector<at::Tensor> params;
-  std::vector<std::string> names;
-  std::vector<bool> requires_grad;
-  std::vector<void*> param_data;
-  std::vector<void*> main_grad_data;
-  std::vector<std::string> main_grad_names;
-};
-
+namespace dwgraph::graphs {
 namespace {
 
 constexpr const char* kApi = "dwgraph.graphed_step";
 
-std::string tensor_key(const at::Tensor& t) {
-  std::ostringstream os;
-  if (!t.defined()) return "None;";
-  os << t.scalar_type() << t.sizes() << '@' << t.device() << (t.requires_grad() ? "g" : "") << ';';
-  return os.str();
+void append_tensor_key(std::ostringstream& os, const at::Tensor& t) {
+  if (!t.defined()) {
+    os << "None;";
+    return;
+  }
+  os << t.scalar_type() << t.sizes() << t.strides() << '@' << t.device() << (t.requires_grad() ? "g" : "") << ';';
 }
 
 }  // namespace
+
+// What the caller gets back in .grad after a replay (Note [A step's gradients are graph state]).
+enum class GradBack {
+  kUntouched,  // the graph neither reads nor changes it
+  kCopy,       // the step worked in place on the caller's gradient: copy the buffer into it
+  kAssign,     // the step produced a new gradient tensor: the caller gets a clone
+  kClear,      // the step set it to None
+};
+
+struct GradSlot {
+  GradBack back = GradBack::kUntouched;
+  at::Tensor buffer;  // kCopy: the static buffer standing for the caller's .grad; kAssign: the tensor produced
+  std::string name;
+};
+
+struct GraphedStep::Variant {
+  std::string pattern;  // which gradients exist, which parameters require grad, where they live
+  std::unique_ptr<Graph> graph;
+  StaticInputs inputs;
+  std::vector<at::Tensor> static_outputs;
+  std::vector<GradSlot> param_grads;
+  std::vector<size_t> grad_inputs;  // indices of the inputs that require grad
+  std::vector<GradSlot> input_grads;
+  CapturedParameters params;
+  CapturedMainGrads main_grads;
+  Landing landing;  // flags and hooks (the gradients are handed back slot by slot)
+};
+
+struct GraphedStep::Entry {
+  int calls = 0;
+  bool known = false;  // params and modules asked
+  NamedTensors params;
+  std::vector<ModuleSpec> modules;
+  std::map<std::string, std::unique_ptr<Variant>> variants;
+};
 
 GraphedStep::GraphedStep(StepFn step, GraphedStepOptions options)
     : step_(std::move(step)), opts_(std::move(options)), pool_(opts_.pool) {
@@ -46,184 +69,294 @@ GraphedStep::GraphedStep(StepFn step, GraphedStepOptions options)
 
 GraphedStep::~GraphedStep() { reset(); }
 
-size_t GraphedStep::num_graphs() const {
-  size_t n = 0;
-  for (const auto& [key, e] : entries_) n += e->graph ? 1 : 0;
-  return n;
-}
+size_t GraphedStep::num_graphs() const { return lru_.size(); }
 
 void GraphedStep::reset() {
   for (auto& [key, e] : entries_) {
-    if (e->graph) e->graph->reset();
+    for (auto& [pattern, v] : e->variants) {
+      if (v->graph) v->graph->reset();
+    }
   }
   entries_.clear();
   lru_.clear();
   if (!opts_.pool) pool_.reset();
 }
 
+void GraphedStep::evict_until_room() {
+  while (static_cast<int64_t>(lru_.size()) >= opts_.max_graphs) {
+    const auto [key, pattern] = lru_.back();
+    lru_.pop_back();
+    auto& e = *entries_.at(key);
+    auto it = e.variants.find(pattern);
+    if (it == e.variants.end()) continue;
+    if (on_event) on_event("evict", key, it->second->graph.get(), 0.0);
+    if (it->second->graph) it->second->graph->reset();
+    e.variants.erase(it);
+  }
+}
+
 std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& tensors, const std::string& key) {
-  if (device_known_) {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      DWGRAPH_CHECK_ARG(!tensors[i].defined() || tensors[i].device() == device_, kApi, ": tensor argument ", i,
-                        " is on ", tensors[i].device(), " but the step runs on ", device_,
-                        " (its parameters' device); move it there first");
-    }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (!t.defined()) continue;
+    DWGRAPH_CHECK_ARG(!device_known_ || t.device() == device_, kApi, ": tensor argument ", i, " is on ", t.device(),
+                      " but the step runs on ", device_, " (its parameters' device); move it there first");
+    DWGRAPH_CHECK_ARG(!t.requires_grad() || t.is_leaf(), kApi, ": tensor argument ", i,
+                      " requires grad and has autograd history (it is not a leaf); a graphed step cannot "
+                      "backpropagate into the caller's graph. Detach it, or compute it inside the step");
   }
-  std::string full = key + "|";
-  for (const auto& t : tensors) full += tensor_key(t);
+  std::ostringstream os;
+  os << key << '|';
+  for (const auto& t : tensors) append_tensor_key(os, t);
+  const std::string full = os.str();
   auto it = entries_.find(full);
-  if (it == entries_.end()) {
-    // A new key: warmup and capture again, releasing the least recently used graph first.
-    while (static_cast<int64_t>(entries_.size()) >= opts_.max_graphs) {
-      const std::string victim = lru_.back();
-      lru_.pop_back();
-      auto& e = entries_.at(victim);
-      if (e->graph) e->graph->reset();
-      entries_.erase(victim);
-    }
-    it = entries_.emplace(full, std::make_unique<Entry>()).first;
-    lru_.push_front(full);
-  } else {
-    lru_.remove(full);
-    lru_.push_front(full);
-  }
+  if (it == entries_.end()) it = entries_.emplace(full, std::make_unique<Entry>()).first;
   Entry& e = *it->second;
   ++e.calls;
   if (e.calls <= opts_.warmup_iters) return step_(tensors);  // warmup: the real step, eagerly
-  if (!e.graph) return capture(e, tensors);
-  return replay(e, tensors);
-}
-
-std::vector<at::Tensor> GraphedStep::capture(Entry& e, const std::vector<at::Tensor>& tensors) {
-  e.params = opts_.params ? opts_.params() : std::vector<at::Tensor>{};
-  e.names = opts_.param_names ? opts_.param_names() : std::vector<std::string>{};
-  e.names.resize(e.params.size(), "?");
-  if (!e.params.empty()) {
-    device_ = e.params[0].device();
-  } else if (!tensors.empty() && tensors[0].defined()) {
-    device_ = tensors[0].device();
-  }
-  device_known_ = true;
-  for (size_t i = 0; i < e.params.size(); ++i) {
-    DWGRAPH_CHECK_ARG(e.params[i].device() == device_, kApi, ": parameter '", e.names[i], "' is on ",
-                      e.params[i].device(), " but the step's other parameters are on ", device_);
-  }
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    DWGRAPH_CHECK_ARG(!tensors[i].defined() || tensors[i].device() == device_, kApi, ": tensor argument ", i,
-                      " is on ", tensors[i].device(), " but the step runs on ", device_,
-                      " (its parameters' device); move it there first");
-  }
-  e.static_inputs.clear();
-  for (const auto& t : tensors) {
-    e.static_inputs.push_back(t.defined() ? t.detach().clone().requires_grad_(t.requires_grad()) : at::Tensor());
-  }
-  if (!pool_) pool_ = graphs::make_pool(device_);
-  // Every gradient of the step lands in a fresh graph-pool buffer (SPEC C3/C4).
-  std::vector<at::Tensor> caller_grads;
-  for (const auto& p : e.params) {
-    caller_grads.push_back(p.grad());
-    p.mutable_grad() = at::Tensor();
-  }
-  auto restore = [&] {
-    for (size_t i = 0; i < e.params.size(); ++i) e.params[i].mutable_grad() = caller_grads[i];
-    if (opts_.capturing) opts_.capturing(false);
-  };
-  auto graph = graphs::make_graph(device_);
-  for (size_t i = 0; i < e.static_inputs.size(); ++i) {
-    if (e.static_inputs[i].defined()) graph->set_role(e.static_inputs[i].storage(), c10::str("static input ", i), true);
-  }
-  for (size_t i = 0; i < e.params.size(); ++i) {
-    graph->set_role(e.params[i].storage(), c10::str("parameter '", e.names[i], "'"), true);
-  }
-  std::vector<at::Tensor> outs;
-  if (opts_.capturing) opts_.capturing(true);
-  try {
-    graph->capture_begin(pool_);
+  Variant& v = variant_for(e, full, tensors);
+  if (!v.graph) {
     try {
-      outs = step_(e.static_inputs);
+      return capture(e, v, full, tensors);
     } catch (...) {
-      graph->capture_abort();
+      const auto pattern = v.pattern;
+      if (v.graph) lru_.remove(std::make_pair(full, pattern));
+      e.variants.erase(pattern);  // a failed capture leaves nothing behind; the next call retries
       throw;
     }
-    graph->capture_end();
-  } catch (...) {
-    restore();
-    throw;
   }
-  e.contributions.clear();
-  for (size_t i = 0; i < e.params.size(); ++i) {
-    if (e.params[i].grad().defined()) {
-      e.contributions.push_back(graphs::Contribution{e.params[i], e.params[i].grad(), e.names[i]});
-    }
-  }
-  restore();
-  e.static_outputs.clear();
-  for (const auto& o : outs) e.static_outputs.push_back(o.defined() ? o.detach() : at::Tensor());
-  e.requires_grad.clear();
-  e.param_data.clear();
-  for (const auto& p : e.params) {
-    e.requires_grad.push_back(p.requires_grad());
-    e.param_data.push_back(p.data_ptr());
-  }
-  e.main_grad_data.clear();
-  e.main_grad_names = opts_.main_grad_names ? opts_.main_grad_names() : std::vector<std::string>{};
-  if (opts_.main_grads) {
-    for (const auto& mg : opts_.main_grads()) e.main_grad_data.push_back(mg.data_ptr());
-  }
-  e.main_grad_names.resize(e.main_grad_data.size(), "?");
-  e.graph = std::move(graph);
-  ++captures_;
-  // The capture changed nothing the caller sees; this call's step happens by replaying.
-  return replay(e, tensors);
+  const auto id = std::make_pair(full, v.pattern);
+  lru_.remove(id);
+  lru_.push_front(id);
+  return replay(e, v, tensors);
 }
 
-std::vector<at::Tensor> GraphedStep::replay(Entry& e, const std::vector<at::Tensor>& tensors) {
-  for (size_t i = 0; i < e.params.size(); ++i) {
-    DWGRAPH_CHECK_STATE(e.params[i].requires_grad() == e.requires_grad[i], kApi, ": parameter '", e.names[i],
-                        "' ", e.requires_grad[i] ? "no longer requires" : "now requires",
-                        " grad, so the step would give gradients to other parameters than the graph captured; "
-                        "call reset() on the step to capture it again");
-    DWGRAPH_CHECK_STATE(e.params[i].data_ptr() == e.param_data[i], kApi, ": parameter '", e.names[i],
-                        "' was reallocated since capture (its data moved); update parameters in place, or "
-                        "reset() the step");
+namespace {
+
+std::string pattern_of(const NamedTensors& params, const std::vector<at::Tensor>& tensors) {
+  std::ostringstream os;
+  for (const auto& [name, p] : params) {
+    os << (p.grad().defined() ? 'G' : '-') << (p.requires_grad() ? 'R' : '-') << p.data_ptr() << ';';
   }
-  if (opts_.main_grads && !e.main_grad_data.empty()) {
-    const auto mgs = opts_.main_grads();
-    for (size_t i = 0; i < e.main_grad_data.size(); ++i) {
-      DWGRAPH_CHECK_STATE(i < mgs.size() && mgs[i].data_ptr() == e.main_grad_data[i], kApi, ": main_grad of parameter '",
-                          e.main_grad_names[i], "' was replaced or reallocated since capture; the graph accumulates "
-                          "into the captured buffer. Zero it in place instead, or reset() the step");
-    }
+  for (const auto& t : tensors) {
+    if (t.defined() && t.requires_grad()) os << (t.grad().defined() ? 'G' : '-');
   }
-  {
-    const at::NoGradGuard no_grad;
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (tensors[i].defined() && tensors[i].data_ptr() != e.static_inputs[i].data_ptr()) {
-        e.static_inputs[i].copy_(tensors[i]);
+  return os.str();
+}
+
+}  // namespace
+
+GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::string& key, const std::vector<at::Tensor>& tensors) {
+  if (!e.known) {
+    e.params = opts_.params ? opts_.params() : NamedTensors{};
+    e.modules = opts_.modules ? opts_.modules() : std::vector<ModuleSpec>{};
+    e.known = true;
+  }
+  std::string pattern = pattern_of(e.params, tensors);
+  auto it = e.variants.find(pattern);
+  if (it == e.variants.end() || !it->second->graph) {
+    // About to capture: what the step trains may have grown since (a parameter unfrozen).
+    e.params = opts_.params ? opts_.params() : NamedTensors{};
+    e.modules = opts_.modules ? opts_.modules() : std::vector<ModuleSpec>{};
+    pattern = pattern_of(e.params, tensors);
+    it = e.variants.find(pattern);
+  }
+  if (it == e.variants.end()) {
+    it = e.variants.emplace(pattern, std::make_unique<Variant>()).first;
+    it->second->pattern = pattern;
+  }
+  return *it->second;
+}
+
+std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::string& key,
+                                             const std::vector<at::Tensor>& tensors) {
+  const auto start = std::chrono::steady_clock::now();
+  if (!e.params.empty()) {
+    device_ = e.params[0].second.device();
+  } else {
+    for (const auto& t : tensors) {
+      if (t.defined()) {
+        device_ = t.device();
+        break;
       }
     }
   }
-  graphs::check_hand_off(e.contributions, kApi);
-  e.graph->replay();
-  graphs::hand_off(e.contributions);
-  if (opts_.after_hand_off) opts_.after_hand_off();
-  if (opts_.mark_main_grads) opts_.mark_main_grads();
-  return outputs(e);
-}
-
-std::vector<at::Tensor> GraphedStep::outputs(const Entry& e) const {
-  std::vector<at::Tensor> out;
-  for (const auto& o : e.static_outputs) {
-    if (!o.defined()) {
-      out.emplace_back();
-    } else if (o.numel() <= opts_.clone_numel_limit) {
-      out.push_back(o.clone());
-    } else {
-      const at::AutoDispatchBelowADInplaceOrView below;
-      out.push_back(o.view(o.sizes()));
+  device_known_ = true;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  for (const auto& [name, p] : e.params) {
+    DWGRAPH_CHECK_ARG(p.device() == device_, kApi, ": parameter '", name, "' is on ", p.device(),
+                      " but the step's other parameters are on ", device_);
+    names.push_back(name);
+    params.push_back(p);
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    DWGRAPH_CHECK_ARG(!tensors[i].defined() || tensors[i].device() == device_, kApi, ": tensor argument ", i, " is on ",
+                      tensors[i].device(), " but the step runs on ", device_,
+                      " (its parameters' device); move it there first");
+  }
+  evict_until_room();
+  if (!pool_) pool_ = make_pool(device_);
+  v.inputs = StaticInputs(tensors);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].defined() && tensors[i].requires_grad()) v.grad_inputs.push_back(i);
+  }
+  std::vector<FusedParameter> fused;
+  CallerState state;
+  state.device = device_;
+  state.parameter_contents = device_.is_cpu();  // the host backend runs the captured kernels
+  state.parameters = params;
+  if (opts_.buffers) state.buffers = opts_.buffers();
+  for (const auto& m : e.modules) {
+    fused.insert(fused.end(), m.fused.begin(), m.fused.end());
+    if (m.store) state.stores.push_back(m.store);
+  }
+  state.fused = fused;
+  std::vector<at::Tensor> outs;
+  auto graph = make_graph(device_);
+  {
+    const CallerStateGuard guard(std::move(state));
+    // The gradients as this call sees them (Note [A step's gradients are graph state]).
+    auto stand_in = [](const at::Tensor& leaf, bool exists, const at::Tensor& caller_grad, GradSlot& slot) {
+      at::Tensor s;
+      if (exists) {
+        const at::NoGradGuard no_grad;
+        s = at::empty_like(caller_grad);
+        s.copy_(caller_grad);
+      }
+      leaf.mutable_grad() = s;
+      slot.buffer = s;
+    };
+    v.param_grads.resize(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      v.param_grads[i].name = c10::str("parameter '", names[i], "'");
+      stand_in(params[i], params[i].grad().defined(), params[i].grad(), v.param_grads[i]);
+    }
+    v.input_grads.resize(v.grad_inputs.size());
+    for (size_t k = 0; k < v.grad_inputs.size(); ++k) {
+      const size_t i = v.grad_inputs[k];
+      v.input_grads[k].name = c10::str("tensor argument ", i);
+      stand_in(v.inputs.tensors()[i], tensors[i].grad().defined(), tensors[i].grad(), v.input_grads[k]);
+    }
+    graph->set_name(c10::str("graph of the step for key '", key, "'"));
+    for (size_t i = 0; i < v.inputs.tensors().size(); ++i) {
+      if (v.inputs.tensors()[i].defined()) graph->set_role(v.inputs.tensors()[i].storage(), c10::str("static input ", i), true);
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      graph->set_role(params[i].storage(), c10::str("parameter '", names[i], "'"), true);
+      if (v.param_grads[i].buffer.defined()) {
+        graph->set_role(v.param_grads[i].buffer.storage(), c10::str(".grad of parameter '", names[i], "'"), true);
+      }
+    }
+    for (const auto& f : fused) graph->set_role(f.main_grad().storage(), c10::str("main_grad of parameter '", f.name, "'"), true);
+    graph->capture_begin(pool_);
+    try {
+      outs = step_(v.inputs.tensors());
+    } catch (...) {
+      graph->capture_abort();
+      for (size_t k = 0; k < v.grad_inputs.size(); ++k) v.inputs.tensors()[v.grad_inputs[k]].mutable_grad() = at::Tensor();
+      throw;
+    }
+    graph->capture_end();
+    // What the step left in each .grad decides what the caller gets back.
+    auto settle = [&](const at::Tensor& leaf, bool existed, GradSlot& slot) {
+      const at::Tensor f = leaf.grad();
+      const at::Tensor& s = slot.buffer;
+      if (s.defined() && f.defined() && f.unsafeGetTensorImpl() == s.unsafeGetTensorImpl()) {
+        slot.back = graph->touches(s.storage()) ? GradBack::kCopy : GradBack::kUntouched;
+      } else if (!f.defined()) {
+        slot.back = existed ? GradBack::kClear : GradBack::kUntouched;
+        slot.buffer = at::Tensor();
+      } else {
+        DWGRAPH_CHECK_STATE(graph->writes(f.storage()), kApi, ": the step sets the .grad of ", slot.name,
+                            " to a tensor the captured kernels do not produce; assign gradients computed inside "
+                            "the step");
+        slot.back = GradBack::kAssign;
+        slot.buffer = f;
+      }
+      leaf.mutable_grad() = at::Tensor();
+    };
+    for (size_t i = 0; i < params.size(); ++i) settle(params[i], v.param_grads[i].buffer.defined(), v.param_grads[i]);
+    for (size_t k = 0; k < v.grad_inputs.size(); ++k) {
+      settle(v.inputs.tensors()[v.grad_inputs[k]], v.input_grads[k].buffer.defined(), v.input_grads[k]);
     }
   }
+  for (const auto& o : outs) v.static_outputs.push_back(o.defined() ? o.detach() : at::Tensor());
+  v.params = CapturedParameters(names, params);
+  std::vector<FusedParameter> written;
+  for (const auto& f : fused) {
+    if (graph->writes(f.main_grad().storage())) written.push_back(f);
+  }
+  v.main_grads = CapturedMainGrads(written);
+  for (const auto& f : written) {
+    if (f.set_flag) v.landing.mark_flags.push_back([f] { f.set_flag(true); });
+  }
+  for (const auto& m : e.modules) {
+    if (m.run_hooks) v.landing.hooks.push_back(m.run_hooks);
+  }
+  v.graph = std::move(graph);
+  ++captures_;
+  lru_.emplace_front(key, v.pattern);
+  if (on_event) {
+    on_event("capture", key, v.graph.get(),
+             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  // The capture changed nothing the caller sees; this call's step happens by replaying.
+  return replay(e, v, tensors);
+}
+
+std::vector<at::Tensor> GraphedStep::replay(Entry&, Variant& v, const std::vector<at::Tensor>& tensors) {
+  v.params.check(kApi);
+  v.main_grads.check(kApi);
+  v.inputs.check(tensors, kApi);
+  // Every gradient the graph reads must fit its buffer, checked before anything is written.
+  auto check_grad = [](const at::Tensor& caller, const GradSlot& slot) {
+    if (slot.back != GradBack::kCopy) return;
+    DWGRAPH_CHECK_ARG(caller.defined() && caller.scalar_type() == slot.buffer.scalar_type() &&
+                          caller.sizes() == slot.buffer.sizes() && caller.device() == slot.buffer.device(),
+                      kApi, ": .grad of ", slot.name, " is ", describe(caller), " but the graph was captured with ",
+                      describe(slot.buffer), " (no silent cast); reset() the step after changing gradient dtypes");
+  };
+  const auto& params = v.params.tensors();
+  for (size_t i = 0; i < v.param_grads.size(); ++i) check_grad(params[i].grad(), v.param_grads[i]);
+  for (size_t k = 0; k < v.grad_inputs.size(); ++k) check_grad(tensors[v.grad_inputs[k]].grad(), v.input_grads[k]);
+  v.inputs.copy_in(tensors);
+  {
+    const at::NoGradGuard no_grad;
+    for (size_t i = 0; i < v.param_grads.size(); ++i) {
+      if (v.param_grads[i].back == GradBack::kCopy) v.param_grads[i].buffer.copy_(params[i].grad());
+    }
+    for (size_t k = 0; k < v.grad_inputs.size(); ++k) {
+      if (v.input_grads[k].back == GradBack::kCopy) v.input_grads[k].buffer.copy_(tensors[v.grad_inputs[k]].grad());
+    }
+  }
+  v.graph->replay();
+  {
+    const at::NoGradGuard no_grad;
+    auto give_back = [](const at::Tensor& leaf, const GradSlot& slot) {
+      switch (slot.back) {
+        case GradBack::kUntouched:
+          break;
+        case GradBack::kCopy:
+          leaf.grad().copy_(slot.buffer);
+          break;
+        case GradBack::kAssign:
+          leaf.mutable_grad() = slot.buffer.clone();
+          break;
+        case GradBack::kClear:
+          leaf.mutable_grad() = at::Tensor();
+          break;
+      }
+    };
+    for (size_t i = 0; i < v.param_grads.size(); ++i) give_back(params[i], v.param_grads[i]);
+    for (size_t k = 0; k < v.grad_inputs.size(); ++k) give_back(tensors[v.grad_inputs[k]], v.input_grads[k]);
+  }
+  v.landing.land();
+  // Fresh tensors the caller owns, as an eager step returns.
+  std::vector<at::Tensor> out;
+  out.reserve(v.static_outputs.size());
+  for (const auto& o : v.static_outputs) out.push_back(o.defined() ? o.clone() : at::Tensor());
   return out;
 }
 
-}  // namespace dwgraph
+}  // namespace dwgraph::graphs

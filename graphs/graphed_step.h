@@ -1,13 +1,31 @@
 #pragma once
-// A whole training step as graphs (namespace dwgraph): the core of @dwgraph.graphed_step
-// and its C++ form. The first calls for a key run the step eagerly (warmup), the next
-// captures it on a private pool with every parameter's .grad set to None (so the step's
-// gradients land in graph-pool buffers) and replays it, and every later call replays.
-// After each replay the gradients are handed to the caller (SPEC C4) and the delayed
-// hooks run. docs/graphed-step.md.
+// A whole training step as graphs (namespace dwgraph::graphs; also dwgraph::GraphedStep):
+// the core of @dwgraph.graphed_step and its C++ form. docs/graphed-step.md.
+//
+// The first `warmup_iters` calls of a key run the step eagerly; the next captures it on a
+// private pool and replays it; later calls replay. A key is what the graph depends on:
+// the caller's key string (non-tensor arguments, by value) plus every tensor argument's
+// dtype, shape, strides, device and requires_grad.
+//
+// Note [A step's gradients are graph state]: eager code inside a step may read .grad
+// (clip_grad_norm_, a loss scaler's inf check), zero it, step an optimizer, and accumulate
+// into gradients from earlier calls in its own order of additions. So the graph gets the
+// gradients as the step would see them: each key has one variant per pattern of which
+// gradient tensors (parameters' and inputs') exist at the call. In a variant, a gradient
+// that exists is a static buffer the caller's .grad is copied into before each replay;
+// one that does not is None, exactly as eager sees it. After the replay every gradient
+// goes back to the caller as the step left it: copied into the caller's own .grad tensor
+// (same object, as eager's in-place accumulation), a fresh clone of the tensor the step
+// produced, or None. The result is eager's to the bit, whatever the step does with .grad,
+// and the caller still owns every .grad (SPEC C4). A variant is also specific to which
+// parameters require grad and where their memory is: freezing, unfreezing or
+// re-allocating a parameter selects (captures) another variant rather than replaying one
+// that would train the wrong set.
 
 #include "graphs/graph.h"
-#include "graphs/handoff.h"
+#include "graphs/landing.h"
+#include "graphs/module_spec.h"
+#include "graphs/replay_checks.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -18,62 +36,65 @@
 #include <string>
 #include <vector>
 
-namespace dwgraph {
+namespace dwgraph::graphs {
 
 using StepFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
 struct GraphedStepOptions {
   int warmup_iters = 3;
-  std::shared_ptr<graphs::GraphPool> pool;  // null: one private pool for all of the step's graphs
-  int64_t max_graphs = 8;
-  // Returned tensors with at most this many elements (scalars, the loss) are clones;
-  // larger ones are the graph's static outputs, valid until the next call of the step.
-  int64_t clone_numel_limit = 4096;
-  // The trainable parameters the step gives gradients to, asked before each capture
-  // (Python discovers them during warmup). Names are used in messages.
-  std::function<std::vector<at::Tensor>()> params;
-  std::function<std::vector<std::string>()> param_names;
-  // Fused parameters' main_grad buffers: written inside the graph, so they must stay the
-  // same storages (checked at every replay); after each replay they are marked
-  // (grad_added_to_main_grad). Optional.
-  std::function<std::vector<at::Tensor>()> main_grads;
-  std::function<std::vector<std::string>()> main_grad_names;
-  std::function<void()> mark_main_grads;
-  // Delayed hooks, run after each hand-off. Optional.
-  std::function<void()> after_hand_off;
-  // Told true around the capture (Python suppresses wgrad hooks inside it). Optional.
-  std::function<void(bool)> capturing;
+  std::shared_ptr<GraphPool> pool;  // null: one private pool for all of the step's graphs
+  int64_t max_graphs = 8;           // graphs held (one per key and gradient pattern), LRU
+  // The tensors, other than its inputs, that the step gives gradients to (parameters),
+  // asked once per key before its first capture. Python passes the leaves the step's
+  // backward calls reached during the warmup calls.
+  std::function<NamedTensors()> params;
+  // The dwgraph modules the step runs (main_grad, flags, hooks, stores). Optional.
+  std::function<std::vector<ModuleSpec>()> modules;
+  // Module buffers, restored after the capture (BatchNorm statistics). Optional.
+  std::function<std::vector<at::Tensor>()> buffers;
 };
 
 class GraphedStep {
  public:
   GraphedStep(StepFn step, GraphedStepOptions options);
   ~GraphedStep();
+  GraphedStep(const GraphedStep&) = delete;
+  GraphedStep& operator=(const GraphedStep&) = delete;
 
-  // Runs the step for `tensors`; `key` holds what else identifies the graph (non-tensor
-  // arguments); tensor shapes, dtypes and devices are added to it.
+  // Runs the step for `tensors` (undefined tensors allowed); `key` holds what else
+  // identifies the graph (non-tensor arguments, by value). Returns the step's outputs,
+  // fresh tensors the caller owns.
   std::vector<at::Tensor> operator()(const std::vector<at::Tensor>& tensors, const std::string& key = "");
 
-  // Graphs captured and held (keys still warming up hold none).
   size_t num_graphs() const;
   size_t num_captures() const { return captures_; }
+  // Called after each capture and eviction: (what, key, graph) for logs. Optional.
+  std::function<void(const std::string& event, const std::string& key, const Graph* graph, double seconds)> on_event;
   // Releases every graph and the pool.
   void reset();
 
  private:
   struct Entry;
-  std::vector<at::Tensor> capture(Entry& e, const std::vector<at::Tensor>& tensors);
-  std::vector<at::Tensor> replay(Entry& e, const std::vector<at::Tensor>& tensors);
-  std::vector<at::Tensor> outputs(const Entry& e) const;
+  struct Variant;
+  Variant& variant_for(Entry& e, const std::string& key, const std::vector<at::Tensor>& tensors);
+  std::vector<at::Tensor> capture(Entry& e, Variant& v, const std::string& key, const std::vector<at::Tensor>& tensors);
+  std::vector<at::Tensor> replay(Entry& e, Variant& v, const std::vector<at::Tensor>& tensors);
+  void evict_until_room();
 
   StepFn step_;
   GraphedStepOptions opts_;
-  std::shared_ptr<graphs::GraphPool> pool_;
-  std::list<std::string> lru_;  // most recent first
+  std::shared_ptr<GraphPool> pool_;
   std::map<std::string, std::unique_ptr<Entry>> entries_;
+  std::list<std::pair<std::string, std::string>> lru_;  // captured (key, variant), most recent first
   size_t captures_ = 0;
   c10::Device device_ = c10::Device(c10::kCPU);
   bool device_known_ = false;
 };
 
+}  // namespace dwgraph::graphs
+
+namespace dwgraph {
+using graphs::GraphedStep;
+using graphs::GraphedStepOptions;
+using graphs::StepFn;
 }  // namespace dwgraph

@@ -1,6 +1,7 @@
 #include "graphs/host_graph.h"
 
 #include "common/check.h"
+#include "graphs/capture_dispatch.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -75,52 +76,44 @@ std::optional<c10::OperatorHandle> out_overload(const c10::OperatorHandle& op) {
 }  // namespace
 
 HostGraph::~HostGraph() {
-  if (is_capturing()) {
-    capture_abort();
-  }
+  if (is_capturing()) capture_abort();
   reset();
 }
 
-void HostGraph::capture_begin(std::shared_ptr<GraphPool> pool) {
-  DWGRAPH_CHECK_STATE(!is_capturing(), "dwgraph host graph: capture_begin() while already capturing");
-  DWGRAPH_CHECK_STATE(!captured_, "dwgraph host graph: capture_begin() on a graph that holds a capture; "
-                                  "reset() it first");
-  DWGRAPH_CHECK_STATE(detail::current_recorder() == nullptr,
-                      "dwgraph host graph: capture_begin() while this thread captures another graph");
-  if (pool) {
-    auto host = std::dynamic_pointer_cast<HostGraphPool>(pool);
-    DWGRAPH_CHECK_ARG(host != nullptr, "dwgraph host graph: argument 'pool' must be a host (cpu) pool, got a ",
-                      pool->device(), " pool");
-    pool_ = std::move(host);
-  } else {
-    pool_ = std::make_shared<HostGraphPool>();
-  }
-  auto hp = pool_->host_pool();
-  recorder_ = std::make_unique<detail::Recorder>(
+std::shared_ptr<GraphPool> HostGraph::adopt_pool(std::shared_ptr<GraphPool> requested) {
+  if (!requested) return std::make_shared<HostGraphPool>();
+  DWGRAPH_CHECK_ARG(std::dynamic_pointer_cast<HostGraphPool>(requested) != nullptr,
+                    "dwgraph host graph: argument 'pool' must be a host (cpu) pool, got a ", requested->device(),
+                    " pool");
+  return requested;
+}
+
+std::unique_ptr<detail::Recorder> HostGraph::make_recorder() {
+  auto hp = static_cast<HostGraphPool&>(*pool_).host_pool();
+  return std::make_unique<detail::Recorder>(
       ledger_, [hp](const void* p) { return hp->owns(p); }, /*execute=*/true,
       [hp](const void* p) { return hp->allocation_serial(p); }, hp->stats().num_allocations);
-  alloc_guard_ = std::make_unique<allocator::CaptureAllocationGuard>(hp);
-  record_guard_ = std::make_unique<detail::RecordingGuard>(recorder_.get());
 }
 
-void HostGraph::end_capture_mode() {
-  record_guard_.reset();
+std::function<bool()> HostGraph::claim() { return detail::claim_this_thread(); }
+
+void HostGraph::begin_backend() {
+  DWGRAPH_CHECK_STATE(!detail::this_thread_records(),
+                      "dwgraph host graph: capture_begin() while this thread captures another graph");
+  alloc_guard_ = std::make_unique<allocator::CaptureAllocationGuard>(static_cast<HostGraphPool&>(*pool_).host_pool());
+}
+
+void HostGraph::end_backend() {
   alloc_guard_.reset();
-  if (recorder_) recorder_->restore_caller_writes();
+  recorder_->restore_caller_writes();
 }
 
-void HostGraph::capture_abort() {
-  end_capture_mode();
-  recorder_.reset();
-  reset();
+void HostGraph::abort_backend() noexcept {
+  alloc_guard_.reset();
+  recorder_->restore_caller_writes();
 }
 
-void HostGraph::capture_end() {
-  DWGRAPH_CHECK_STATE(is_capturing(), "dwgraph host graph: capture_end() without capture_begin()");
-  end_capture_mode();
-  records_ = recorder_->take_records();
-  recorder_.reset();
-
+void HostGraph::after_capture() {
   // Non-owning views of the captured memory (see raw_storages_).
   raw_storages_.clear();
   for (size_t i = 0; i < ledger_.size(); ++i) {
@@ -169,7 +162,6 @@ void HostGraph::capture_end() {
     replay_args_.push_back(std::move(args));
     replay_outputs_.push_back(std::move(outs));
   }
-  captured_ = true;
 }
 
 at::Tensor HostGraph::rebuild(const detail::TensorSlot& s) const {
@@ -203,10 +195,7 @@ c10::IValue HostGraph::rebuild(const detail::ValueSlot& s) const {
   return c10::IValue();
 }
 
-void HostGraph::replay() {
-  DWGRAPH_CHECK_STATE(captured_, "dwgraph host graph: replay() on a graph with no capture (",
-                      is_capturing() ? "still capturing" : "never captured or reset", ")");
-  detail::check_ledger(ledger_, records_, "host graph");
+void HostGraph::launch() {
   // Below autograd: the recorded calls are kernels, their autograd was recorded too.
   const at::AutoDispatchBelowADInplaceOrView below;
   const at::NoGradGuard no_grad;
@@ -274,36 +263,12 @@ void HostGraph::fall_back_to_functional(size_t r) {
   out_targets_[r].clear();
 }
 
-void HostGraph::reset() noexcept {
-  records_.clear();
+void HostGraph::release_backend() noexcept {
   replay_args_.clear();
   replay_outputs_.clear();
   replay_ops_.clear();
   out_targets_.clear();
   raw_storages_.clear();
-  ledger_.clear();
-  pool_.reset();
-  captured_ = false;
-}
-
-size_t HostGraph::num_kernels() const {
-  size_t n = 0;
-  for (const auto& r : records_) n += r.skip_at_replay ? 0 : 1;
-  return n;
-}
-
-std::vector<StorageInfo> HostGraph::storages() const {
-  std::vector<StorageInfo> out;
-  for (size_t i = 0; i < ledger_.size(); ++i) {
-    const auto& e = ledger_.entry(i);
-    const bool alive = e.ownership == allocator::Ownership::kGraph || ledger_.lock(i).has_value();
-    out.push_back(StorageInfo{e.ownership, e.nbytes, e.role, alive});
-  }
-  return out;
-}
-
-void HostGraph::set_role(const c10::Storage& storage, const std::string& role, bool persistent) {
-  ledger_.set_role(storage, role, persistent);
 }
 
 }  // namespace dwgraph::graphs

@@ -1,10 +1,13 @@
 #pragma once
-// The capture/replay manager (SPEC C3, C4, C7): make_graphed_callables with forward,
-// backward and backward-dw graphs, the gradient hand-off and the delayed hooks.
-// docs/memory-contract.md says who owns which buffer, when, and why
-// zero_grad(set_to_none=True) between replays is safe.
+// The capture/replay manager (namespace dwgraph::graphs; the names are also in dwgraph::),
+// SPEC C3, C4, C7, C8: make_graphed_callables with forward, backward and backward-dw
+// graphs, the gradient hand-off and the delayed hooks. docs/memory-contract.md says who
+// owns which buffer, when, and why zero_grad(set_to_none=True) between replays is safe.
 
 #include "graphs/graph.h"
+#include "graphs/module_spec.h"
+#include "graphs/replay_checks.h"
+#include "graphs/schedule.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -14,59 +17,42 @@
 #include <string>
 #include <vector>
 
-namespace dwgraph {
+namespace dwgraph::graphs {
 
-// A module whose weight gradients are deferred to backward_dw(): dwgraph's own, or any
-// other (TransformerEngine's) described by these functions.
-struct DeferredWgradModuleSpec {
-  std::string name;
-  std::function<bool()> need_backward_dw;
-  // Runs the oldest queued unit. For dwgraph modules it does not run the hooks (the
-  // manager runs them after the hand-off); `run_hooks` is empty when it does.
-  std::function<void()> backward_dw;
-  std::function<void()> run_hooks;
-  // Parameters whose gradient lands in .grad during backward_dw().
-  std::vector<at::Tensor> deferred_parameters;
-  std::vector<std::string> deferred_parameter_names;
-  // Fused parameters: their main_grad (persistent, written in the graph) and what marks
-  // an accumulation (grad_added_to_main_grad).
-  std::vector<at::Tensor> fused_parameters;
-  std::vector<std::string> fused_parameter_names;
-  std::function<at::Tensor(size_t)> main_grad;
-  std::function<void(size_t)> mark_main_grad_accumulated;
-  // True when deferred_parameters are exactly the parameters backward_dw() lands (dwgraph
-  // modules); false for other modules, whose parameters may get their gradient in the main
-  // backward instead: they also stay targets of the backward graph.
-  bool exact_deferred = true;
-  // Keep consumed units alive during capture (WgradStore::set_retain_consumed); optional.
-  std::function<void(bool)> retain_consumed;
-  std::function<void()> release_consumed;
-};
-
-// What the manager graphs: a forward function over tensors plus its parameters and its
-// deferred-wgrad modules.
+// What the manager graphs: a forward function over tensors plus its parameters and the
+// modules whose gradients it lands or whose hooks it runs.
 struct GraphableCallable {
   std::string name;
   std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
-  std::vector<at::Tensor> parameters;  // every trainable parameter the forward uses
+  // Every parameter the forward uses, frozen ones too: requires_grad is checked at replay.
+  std::vector<at::Tensor> parameters;
   std::vector<std::string> parameter_names;
-  std::vector<DeferredWgradModuleSpec> deferred_modules;
-  std::function<bool()> is_training;   // optional: replay only in the mode captured
-  // Optional: run once at the end of each backward that replays this callable's backward
-  // graph, after autograd has accumulated its gradients (hooks of non-deferred modules).
-  std::function<void()> after_backward;
-  // Optional: module buffers, whose contents warmup and capture must leave unchanged.
+  // Optional: the parameters the callable has now, by name (a replaced parameter or
+  // submodule is refused at replay), and when that may have changed (see
+  // CapturedParameters; without it the list is asked at every call).
+  std::function<NamedTensors()> current_parameters;
+  std::function<uint64_t()> parameters_version;
+  // dwgraph modules (deferring or not: hooks, main_grad) and other modules with
+  // backward_dw()/need_backward_dw() found in the callable.
+  std::vector<ModuleSpec> modules;
+  std::function<bool()> is_training;  // optional: replay only in the mode captured
+  // Optional: run before (after=false) and after (after=true) each forward ("forward") and
+  // backward ("backward") of warmup and capture, outside the captured region, never
+  // replayed (TransformerEngine's capture_time_hooks).
+  std::function<void(const std::string& phase, bool after)> capture_time_hook;
+  // Module buffers: warmup and capture leave their contents unchanged.
   std::vector<at::Tensor> buffers;
+  std::shared_ptr<void> keep_alive;  // held while the graphed callables exist
 };
 
 struct GraphedCallableOptions {
   int num_warmup_iters = 3;
   bool allow_unused_input = false;
-  // Pipeline schedule (TransformerEngine's _order): +c forward of chunk c (1-based) for
-  // its next microbatch, -c its backward, -(c + 0.5) its backward-dw.
+  // Pipeline schedule: TransformerEngine's _order (graphs/schedule.h), or a Schedule.
   std::optional<std::vector<double>> order;
   std::optional<std::vector<int64_t>> num_layers_per_chunk;
-  std::shared_ptr<graphs::GraphPool> pool;
+  std::optional<Schedule> schedule;
+  std::shared_ptr<GraphPool> pool;
   bool retain_graph_in_backward = false;
   // Test-only: capture backward-dw with the caller's .grad in place and skip the
   // hand-off, i.e. the unfixed behaviour whose hazard the ledger must catch.
@@ -75,35 +61,37 @@ struct GraphedCallableOptions {
 
 class GraphManager;
 
-// Pool statistics and contribution bytes of a set of graphed callables.
+// Pool statistics and bytes of a set of graphed callables.
 struct GraphedStats {
   allocator::PoolStats pool;
   int64_t contribution_bytes = 0;  // distinct contribution buffers (microbatches share them)
-  int64_t static_bytes = 0;  // static inputs, outputs, grad outputs and grad inputs
+  int64_t static_bytes = 0;        // static inputs, outputs, grad outputs and grad inputs
   size_t num_graphs = 0;
+  size_t num_kernels = 0;
 };
 
-// One graphed (module, microbatch) slot. operator() replays its forward graph and
+// One graphed (callable, microbatch) slot. operator() replays its forward graph and
 // returns outputs connected to autograd, whose backward replays its backward graph;
 // backward_dw() replays its backward-dw graph, hands the contributions to .grad and runs
 // the delayed hooks.
 class GraphedCallable {
  public:
   std::vector<at::Tensor> operator()(const std::vector<at::Tensor>& inputs);
+  // False when the callable is in a training mode the graphs were not captured in: then
+  // operator() runs it eagerly.
+  bool replays() const;
   void backward_dw();
   bool need_backward_dw() const;
   // Releases every graph, pool reference and contribution of the whole set; any later
   // call raises GraphStateError.
   void reset();
-  // Bytes held by this slot's contribution buffers.
-  int64_t contribution_bytes() const;
+  int64_t contribution_bytes() const;  // this slot's contribution buffers
   size_t index() const { return index_; }
+  size_t callable_index() const;       // which of the callables this slot runs
   const std::string& name() const;
+  GraphedStats stats() const;          // of the whole set
 
  private:
-  friend class GraphManager;
-
-  friend GraphedStats graphed_stats(const GraphedCallable&);
   friend std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
       std::vector<GraphableCallable>, const std::vector<std::vector<at::Tensor>>&, GraphedCallableOptions);
   GraphedCallable(std::shared_ptr<GraphManager> m, size_t index) : manager_(std::move(m)), index_(index) {}
@@ -111,13 +99,23 @@ class GraphedCallable {
   size_t index_;
 };
 
-// Captures every callable (sequential schedule: forwards in order, backwards in reverse,
-// then the backward-dw graphs; pipeline: in `order`) on one private pool.
-// `sample_args[i]` are callable i's sample inputs (their device picks the backend).
+// Captures every callable on one private pool, in the schedule's order. `sample_args[s]`
+// are slot s's sample inputs (their device picks the backend). Returns one graphed
+// callable per slot.
 std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
     std::vector<GraphableCallable> callables, const std::vector<std::vector<at::Tensor>>& sample_args,
     GraphedCallableOptions options = {});
 
-GraphedStats graphed_stats(const GraphedCallable& any_of_the_set);
+inline GraphedStats graphed_stats(const GraphedCallable& any_of_the_set) { return any_of_the_set.stats(); }
 
+}  // namespace dwgraph::graphs
+
+namespace dwgraph {
+using graphs::GraphableCallable;
+using graphs::GraphedCallable;
+using graphs::GraphedCallableOptions;
+using graphs::GraphedStats;
+using graphs::graphed_stats;
+using graphs::make_graphed_callables;
+using graphs::ModuleSpec;
 }  // namespace dwgraph

@@ -1,9 +1,9 @@
 #include "graphs/recorder.h"
 
-#include "allocator/capture_allocator.h"
+#include "graphs/capture_dispatch.h"
 #include "common/check.h"
 
-#include <torch/library.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -13,10 +13,6 @@
 
 namespace dwgraph::graphs::detail {
 namespace {
-
-constexpr auto kModeKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
-
-thread_local Recorder* tls_recorder = nullptr;
 
 bool is_write(const c10::Argument& a) {
   const auto* info = a.alias_info();
@@ -46,36 +42,7 @@ bool is_allocation(const c10::OperatorName& name) {
   return kAlloc.count(name.name) > 0;
 }
 
-void capture_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  Recorder* rec = tls_recorder;
-  if (rec == nullptr) {
-    // Not ours (another thread inherited the key): just run the call.
-    const c10::impl::ExcludeDispatchKeyGuard guard(kModeKey);
-    op.redispatchBoxed(ks.remove(kModeKey), stack);
-    return;
-  }
-  if (rec->depth() > 0 && c10::impl::tls_is_dispatch_keyset_excluded(c10::autograd_dispatch_keyset)) {
-    // Inside a kernel, below autograd: part of the call being recorded, not a call of its own.
-    const c10::impl::ExcludeDispatchKeyGuard guard(kModeKey);
-    op.redispatchBoxed(ks.remove(kModeKey), stack);
-    return;
-  }
-  rec->on_call(op, ks, stack);
-}
-
 }  // namespace
-
-TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
-  m.fallback(torch::CppFunction::makeFromBoxedFunction<&capture_fallback>());
-}
-
-Recorder* current_recorder() { return tls_recorder; }
-
-RecordingGuard::RecordingGuard(Recorder* rec) : previous_(tls_recorder), include_(kModeKey) {
-  tls_recorder = rec;
-}
-
-RecordingGuard::~RecordingGuard() { tls_recorder = previous_; }
 
 Recorder::Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> owned, bool execute,
                    std::function<int64_t(const void*)> serial, int64_t first_serial)
@@ -132,7 +99,8 @@ void Recorder::snapshot_if_caller(const TensorSlot& s, const at::Tensor& t) {
   snapshots_.emplace(s.entry, std::make_pair(st, std::move(bytes)));
 }
 
-void Recorder::on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                       const std::function<void()>& redispatch) {
   const auto& schema = op.schema();
   DWGRAPH_CHECK_STATE(!reads_value_on_host(schema.operator_name()), "dwgraph graph capture: ",
                       schema.operator_name().name,
@@ -144,7 +112,7 @@ void Recorder::on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
   refuse_data_dependent(schema, *stack, base);
 
   // Our own bookkeeping below must not be recorded.
-  std::optional<c10::impl::ExcludeDispatchKeyGuard> exclude(std::in_place, kModeKey);
+  std::optional<c10::impl::ExcludeDispatchKeyGuard> exclude(std::in_place, kCaptureModeKey);
   OpRecord rec{op, {}, {}, false, {}};
   rec.args.reserve(nargs);
   std::unordered_set<const void*> input_data;
@@ -182,15 +150,8 @@ void Recorder::on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, to
   // follow the capture's routing (the pool on the host graph).
   const size_t first_child = records_.size();
   exclude.reset();
-  ++depth_;
-  try {
-    op.redispatchBoxed(ks.remove(kModeKey), stack);
-  } catch (...) {
-    --depth_;
-    throw;
-  }
-  --depth_;
-  exclude.emplace(kModeKey);
+  run_recorded_call(redispatch);
+  exclude.emplace(kCaptureModeKey);
 
   bool any_fresh = false;
   bool any_write = std::any_of(rec.args.begin(), rec.args.end(), [](const ValueSlot& s) { return s.written; });
@@ -314,47 +275,6 @@ void Recorder::refuse_data_dependent(const c10::FunctionSchema& schema, const to
                           "nonzero, with a data-dependent shape), which a CUDA graph cannot capture; use "
                           "torch.where or masked_fill, or move it out of the captured region");
     }
-  }
-}
-
-std::vector<std::string> describe_records(const std::vector<OpRecord>& records) {
-  std::vector<std::string> out;
-  for (const auto& r : records) {
-    const auto& name = r.op.schema().operator_name();
-    std::string s = name.name + (name.overload_name.empty() ? "" : "." + name.overload_name);
-    if (r.skip_at_replay) s += " [skipped]";
-    if (!r.constants.empty()) s += " [" + std::to_string(r.constants.size()) + " restored constant(s)]";
-    out.push_back(std::move(s));
-  }
-  return out;
-}
-
-void check_ledger(const allocator::Ledger& ledger, const std::vector<OpRecord>& records,
-                  const char* backend) {
-  for (size_t i = 0; i < ledger.size(); ++i) {
-    const auto& e = ledger.entry(i);
-    if (e.ownership == allocator::Ownership::kGraph || ledger.lock(i).has_value()) continue;
-    std::string what = c10::str("a ", e.nbytes, "-byte storage");
-    for (size_t r = 0; r < records.size() && what.front() == 'a'; ++r) {
-      const auto& rec = records[r];
-      for (size_t a = 0; a < rec.args.size(); ++a) {
-        for (const auto& t : rec.args[a].tensors) {
-          if (!t.defined || t.no_memory || t.entry != i) continue;
-          what = c10::str("kernel ", rec.op.schema().operator_name(), " (call ", r + 1, " of ", records.size(),
-                          ") argument '", rec.op.schema().arguments()[a].name(), "', a ", t.dtype,
-                          " tensor of shape ", c10::IntArrayRef(t.sizes));
-          break;
-        }
-        if (what.front() != 'a') break;
-      }
-    }
-    throw DanglingCaptureError(
-        c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-        c10::str("dwgraph ", backend, " replay: ", what, " (", allocator::to_string(e.ownership),
-                 e.role.empty() ? std::string() : ", " + e.role,
-                 ") lives in a storage its owner released (or reallocated) after capture; the graph "
-                 "would write into memory that may belong to someone else, so nothing was run. Keep the "
-                 "tensor alive while the graph can replay, or reset() the graph."));
   }
 }
 

@@ -1,20 +1,16 @@
 #pragma once
-// Records the dispatcher calls of a capture region (dwgraph::graphs::detail).
+// Records the dispatcher calls of a capture region (dwgraph::graphs::detail): the capture
+// policy. capture_dispatch.h says how calls reach it; ledger_check.h what is checked of the
+// records at replay.
 //
-// Note [How the host graph sees kernels]: a boxed fallback is registered for the mode
-// dispatch key TESTING_ONLY_GenericMode, which sits above autograd, the Python key and
-// every backend key. While a capture is active the capturing thread includes that key in
-// its thread-local dispatch set (autograd's worker state inherits it), so every
-// top-level dispatcher call of the region, from C++ or Python, forward or backward,
-// ATen or torch.ops.dwgraph, reaches the fallback first. The fallback records the
-// operator and its arguments (tensors as storage + geometry), redispatches with the key
-// and records which outputs are fresh and which alias an input. Calls made by a recorded
-// call's autograd layer (autograd saving a clone of self before an in-place op, the pieces
-// a CompositeImplicitAutograd operator such as layer_norm decomposes into, whose
+// Each recorded call keeps its operator and its arguments (tensors as storage + geometry)
+// and which outputs are fresh and which alias an input. Calls made by a recorded call's
+// autograd layer (autograd saving a clone of self before an in-place op, the pieces a
+// CompositeImplicitAutograd operator such as layer_norm decomposes into, whose
 // intermediates autograd saves) are recorded too, before it; calls made inside its
 // kernels, below autograd, are not. A call whose writes are all made by its recorded
-// children is not re-run. RecordFunction observers were rejected:
-// they miss inputs of several ops and never see autograd's backward kernels.
+// children is not re-run. RecordFunction observers were rejected: they miss inputs of
+// several ops and never see autograd's backward kernels.
 //
 // The same recorder fills the ledger of a CUDA capture (which CUDA replays natively).
 
@@ -22,7 +18,6 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <functional>
 #include <map>
@@ -79,9 +74,8 @@ class Recorder {
   // which CUDA bakes into the kernels' arguments).
   void only_device(c10::DeviceType type) { device_type_ = type; }
 
-  void on_call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
-  // How many recorded calls are in progress on this thread (1 inside a recorded call).
-  int depth() const { return depth_; }
+  // Records `op` with the arguments on `stack`; `redispatch` runs the call itself.
+  void on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::function<void()>& redispatch);
 
   // Puts back the pre-capture contents of non-owned storages the capture wrote.
   void restore_caller_writes();
@@ -109,31 +103,6 @@ class Recorder {
   std::map<size_t, std::pair<c10::Storage, std::vector<uint8_t>>> snapshots_;
   // Per ledger entry: the allocation serial of the block when a recorded kernel wrote it.
   std::vector<int64_t> defined_;
-  int depth_ = 0;
 };
-
-// Names of the records, "[skipped]" marking those replay does not re-run.
-std::vector<std::string> describe_records(const std::vector<OpRecord>& records);
-
-// Raises DanglingCaptureError, naming the first recorded call that touches it, when a
-// storage the graph does not own has been released (or reallocated) by its owner.
-void check_ledger(const allocator::Ledger& ledger, const std::vector<OpRecord>& records,
-                  const char* backend);
-
-// While alive, the calling thread's dispatcher calls are recorded by `rec`.
-class RecordingGuard {
- public:
-  explicit RecordingGuard(Recorder* rec);
-  ~RecordingGuard();
-  RecordingGuard(const RecordingGuard&) = delete;
-  RecordingGuard& operator=(const RecordingGuard&) = delete;
-
- private:
-  Recorder* previous_;
-  c10::impl::IncludeDispatchKeyGuard include_;
-};
-
-// The recorder of the calling thread, or null.
-Recorder* current_recorder();
 
 }  // namespace dwgraph::graphs::detail

@@ -38,6 +38,11 @@ void DeferredWgradModule::backward_dw() {
                       ".backward_dw(): delay_wgrad_compute is false, so no weight-gradient work "
                       "is ever queued");
   store_->run_oldest(display_name_);
+  run_wgrad_hooks();
+}
+
+void DeferredWgradModule::run_wgrad_hooks() {
+  if (store_->hooks_suppressed()) return;
   for (auto& h : hooks_) h(*this);
 }
 
@@ -80,52 +85,48 @@ void DeferredWgradModule::allocate_main_grads(const std::vector<std::string>& we
   }
 }
 
-DeferredWgradModuleSpec DeferredWgradModule::wgrad_spec(const std::string& name) {
-  DeferredWgradModuleSpec spec;
-  spec.name = name.empty() ? display_name_ : name;
-  spec.need_backward_dw = [this] { return need_backward_dw(); };
-  spec.backward_dw = [this] {
-    DWGRAPH_CHECK_STATE(opts_.delay_wgrad_compute, display_name_, ".backward_dw(): delay_wgrad_compute is false");
-    store_->run_oldest(display_name_);
-  };
-  spec.run_hooks = [this] {
-    for (auto& h : hooks_) h(*this);
-  };
-  const std::string prefix = name.empty() ? "" : name + ".";
+graphs::ModuleSpec DeferredWgradModule::wgrad_spec(const std::string& name, std::shared_ptr<torch::nn::Module> self) {
+  TORCH_INTERNAL_ASSERT(self.get() == this);
+  graphs::DwgraphModuleInfo info;
+  info.name = name;
+  info.display_name = display_name_;
+  info.store = store_;
+  info.delay_wgrad_compute = opts_.delay_wgrad_compute;
+  info.fuse_wgrad_accumulation = opts_.fuse_wgrad_accumulation;
   for (const auto& item : named_parameters(/*recurse=*/false)) {
-    if (item.key().rfind("layer_norm", 0) == 0) continue;  // LayerNorm gets its gradient in the main backward
-    const bool is_weight = main_grads_.count(item.key()) > 0 || item.key().find("weight") != std::string::npos;
-    if (opts_.fuse_wgrad_accumulation && is_weight) {
-      spec.fused_parameters.push_back(item.value());
-      spec.fused_parameter_names.push_back(prefix + item.key());
-    } else if (opts_.delay_wgrad_compute) {
-      spec.deferred_parameters.push_back(item.value());
-      spec.deferred_parameter_names.push_back(prefix + item.key());
-    }
+    info.parameter_names.push_back(item.key());
+    info.parameters.push_back(item.value());
   }
-  std::vector<std::string> fused = spec.fused_parameter_names;
-  spec.main_grad = [this, fused, prefix](size_t i) { return main_grad(fused.at(i).substr(prefix.size())); };
-  spec.retain_consumed = [store = store_](bool on) { store->set_retain_consumed(on); };
-  spec.release_consumed = [store = store_] { store->release_consumed(); };
-  return spec;
+  // `this` stays valid: the spec holds the module (keep_alive).
+  info.run_hooks = [this] { run_wgrad_hooks(); };
+  info.main_grad = [this](const std::string& param) { return main_grad(param); };
+  info.keep_alive = std::move(self);
+  return graphs::dwgraph_module_spec(info);
 }
 
-GraphableCallable graphable(const std::string& name, std::shared_ptr<torch::nn::Module> root,
-                            std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward) {
-  GraphableCallable c;
+graphs::GraphableCallable graphable(const std::string& name, std::shared_ptr<torch::nn::Module> root,
+                                    std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward) {
+  graphs::GraphableCallable c;
   c.name = name;
   c.forward = std::move(forward);
   for (const auto& item : root->named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;
     c.parameters.push_back(item.value());
     c.parameter_names.push_back(item.key());
   }
+  // A replaced child module or parameter is refused at replay (C++ has no registration
+  // hooks, so the list is asked at every call; it is a walk over the module tree).
+  c.current_parameters = [root] {
+    graphs::NamedTensors out;
+    for (const auto& item : root->named_parameters(/*recurse=*/true)) out.emplace_back(item.key(), item.value());
+    return out;
+  };
   for (const auto& b : root->buffers(/*recurse=*/true)) c.buffers.push_back(b);
   c.is_training = [root] { return root->is_training(); };
   for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     auto* m = dynamic_cast<DeferredWgradModule*>(item.value().get());
-    if (m != nullptr && m->need_backward_dw()) c.deferred_modules.push_back(m->wgrad_spec(item.key()));
+    if (m != nullptr) c.modules.push_back(m->wgrad_spec(item.key(), item.value()));
   }
+  c.keep_alive = std::move(root);
   return c;
 }
 

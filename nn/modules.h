@@ -30,14 +30,15 @@ class DeferredWgradModule : public torch::nn::Module {
   // Runs the oldest queued unit of weight-gradient work, then the hooks.
   void backward_dw();
   void register_wgrad_hook(Hook fn) { hooks_.push_back(std::move(fn)); }
+  // Runs the hooks, unless graph warmup or capture suppresses them.
+  void run_wgrad_hooks();
   size_t num_queued_wgrad_units() const { return store_->num_units(); }
   // The fused-accumulation buffer of parameter `name` (FP32, owned by the caller).
   at::Tensor& main_grad(const std::string& name);
   const DeferredOptions& options() const { return opts_; }
-  // What make_graphed_callables needs to capture and hand off this module's deferred
-  // weight gradients (hooks run by the manager after the hand-off). The module must
-  // outlive the graphed callables built from the spec.
-  DeferredWgradModuleSpec wgrad_spec(const std::string& name);
+  // What make_graphed_callables needs to capture and hand off this module's weight
+  // gradients and run its hooks; `self` (this module) is held by the spec.
+  graphs::ModuleSpec wgrad_spec(const std::string& name, std::shared_ptr<torch::nn::Module> self);
 
  protected:
   DeferredWgradModule(std::string display_name, DeferredOptions opts);
@@ -79,9 +80,10 @@ class LayerNormMLP : public DeferredWgradModule {
   double eps;
 };
 
-// A callable for make_graphed_callables: `forward` over tensors, the trainable
-// parameters of `root` and every DeferredWgradModule among its modules.
-GraphableCallable graphable(const std::string& name, std::shared_ptr<torch::nn::Module> root,
+// A callable for make_graphed_callables: `forward` over tensors, the parameters of `root`
+// (checked at every replay against what root holds then) and every DeferredWgradModule
+// among its modules. The callable holds `root`.
+graphs::GraphableCallable graphable(const std::string& name, std::shared_ptr<torch::nn::Module> root,
                             std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward);
 
 }  // namespace dwgraph::nn

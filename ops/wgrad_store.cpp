@@ -57,6 +57,42 @@ size_t WgradStore::num_units() const {
   return units_.size();
 }
 
+std::unique_ptr<WgradStore::Stash> WgradStore::take_queued() {
+  auto stash = std::make_unique<Stash>();
+  const std::lock_guard<std::mutex> lock(mu_);
+  stash->units.swap(units_);
+  stash->consumed.swap(consumed_);
+  stash->retain_consumed = retain_consumed_;
+  return stash;
+}
+
+void WgradStore::restore_queued(std::unique_ptr<Stash> stash) {
+  std::deque<Unit> drop_units;
+  std::vector<Unit> drop_consumed;
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    drop_units.swap(units_);
+    drop_consumed.swap(consumed_);
+    if (stash) {
+      units_.swap(stash->units);
+      consumed_.swap(stash->consumed);
+      retain_consumed_ = stash->retain_consumed;
+    }
+  }
+  // The dropped closures free their tensors outside the lock.
+}
+
+void WgradStore::suppress_hooks(bool on) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  hooks_suppressed_ += on ? 1 : -1;
+  if (hooks_suppressed_ < 0) hooks_suppressed_ = 0;
+}
+
+bool WgradStore::hooks_suppressed() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return hooks_suppressed_ > 0;
+}
+
 void WgradStore::clear() {
   const std::lock_guard<std::mutex> lock(mu_);
   units_.clear();

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -44,6 +45,19 @@ class WgradStore {
   // Drops every queued unit without running it.
   void clear();
 
+  // Graph capture must not run (or lose) work the caller queued before it, nor leave
+  // work of its own behind: it takes the queued units out first and puts them back, in
+  // front of nothing, once it is over (graphs/caller_state.h).
+  struct Stash;
+  std::unique_ptr<Stash> take_queued();
+  // Drops what was queued or retained since take_queued() and restores the stash.
+  void restore_queued(std::unique_ptr<Stash> stash);
+
+  // While suppressed (a counter: nested captures), the module's wgrad hooks must not run:
+  // warmup and capture of graphs are not training steps.
+  void suppress_hooks(bool on);
+  bool hooks_suppressed() const;
+
  private:
   struct Unit {
     uint64_t id;
@@ -55,6 +69,14 @@ class WgradStore {
   std::vector<Unit> consumed_;
   bool retain_consumed_ = false;
   uint64_t next_id_ = 1;
+  int hooks_suppressed_ = 0;
+
+ public:
+  struct Stash {
+    std::deque<Unit> units;
+    std::vector<Unit> consumed;
+    bool retain_consumed = false;
+  };
 };
 
 }  // namespace dwgraph::ops

@@ -5,7 +5,7 @@
 //     same tensors (target: at most 1.1x).
 // Prints a markdown table; `--quick` runs fewer iterations.
 #include "graphs/graph.h"
-#include "graphs/handoff.h"
+#include "graphs/landing.h"
 #include "graphs/manager.h"
 
 #include <ATen/ATen.h>
@@ -65,7 +65,8 @@ int main(int argc, char** argv) {
   }
   std::printf("\n| hand-off of | bare add_ us | hand_off us | hand_off / add_ |\n|---|---:|---:|---:|\n");
   for (int64_t n : {int64_t{1} << 10, int64_t{1} << 20}) {
-    std::vector<dwgraph::graphs::Contribution> contribs;
+    dwgraph::graphs::Landing landing;
+    auto& contribs = landing.contributions;
     std::vector<at::Tensor> grads, bufs;
     for (int i = 0; i < 8; ++i) {
       auto p = at::randn({n});
@@ -79,8 +80,8 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < grads.size(); ++i) grads[i].add_(bufs[i]);
     }, iters / 10 + 1, samples);
     const double ho = median_us([&] {
-      dwgraph::graphs::check_hand_off(contribs, "bench");
-      dwgraph::graphs::hand_off(contribs);
+      landing.check("bench");
+      landing.land();
     }, iters / 10 + 1, samples);
     std::printf("| 8 params x %lld floats (add path) | %.2f | %.2f | %.2f |\n", static_cast<long long>(n), bare, ho,
                 ho / bare);

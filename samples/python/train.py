@@ -81,7 +81,7 @@ def main():
                    (torch.randn(args.batch, hidden, device=device, requires_grad=True),))
         graphed = dwgraph.make_graphed_callables(tuple(graphed_model), samples)
         graphed_compute = lambda x, t: gradients(graphed, x, t)  # noqa: E731
-        report = graphed[0]
+        report = dwgraph.graphed_handle(graphed[0])
         mode = "make_graphed_callables"
 
     opt_e = torch.optim.SGD(eager.parameters(), lr=args.lr)

@@ -52,8 +52,10 @@ TEST_CASE("GraphedStep (C++): graphed training equals eager, bitwise", "[graphed
   }
   dwgraph::GraphedStepOptions opts;
   opts.warmup_iters = 2;
-  opts.params = [&] { return graphed.params(); };
-  opts.param_names = [] { return std::vector<std::string>{"a.weight", "a.bias", "w", "b"}; };
+  opts.params = [&] {
+    const auto p = graphed.params();
+    return dwgraph::graphs::NamedTensors{{"a.weight", p[0]}, {"a.bias", p[1]}, {"w", p[2]}, {"b", p[3]}};
+  };
   dwgraph::GraphedStep step(
       [&](const std::vector<at::Tensor>& t) { return std::vector<at::Tensor>{graphed.step(t[0], t[1])}; }, opts);
   for (int i = 0; i < 8; ++i) {

@@ -421,7 +421,7 @@ def test_call_after_reset_raises():
     with pytest.raises(dwgraph.GraphStateError) as err:
         g(torch.randn(ROWS, HIDDEN, requires_grad=True))
     assert "reset" in str(err.value)
-    assert g.stats()["contribution_bytes"] == 0
+    assert dwgraph.graphed_handle(g).stats()["contribution_bytes"] == 0
 
 
 def test_reallocated_parameter_raises():

@@ -623,10 +623,11 @@ def test_two_graphs_on_one_pool_replay_correctly_in_capture_order():
         assert torch.equal(out2, torch.add(torch.mm(ys, w), a_ref, alpha=0.5))
 
 
-def test_out_of_order_replay_on_a_shared_pool_corrupts_a_graph_output():
-    """(c) The documented CUDA-graph hazard, reproduced on the host (SPEC C6): graphs that
-    share a pool must replay in capture order, because a later capture may reuse memory an
-    earlier one freed.
+@pytest.mark.parametrize("checks", [True, False], ids=["refused", "negative_control"])
+def test_out_of_order_replay_on_a_shared_pool(checks):
+    """(c) The CUDA-graph hazard, reproduced on the host (SPEC C6), and refused (SPEC C8):
+    graphs that share a pool must replay in an order whose memory reuse matches the capture,
+    because a later capture may reuse memory an earlier one freed.
 
     Three captures on one pool, like a forward, its backward and the next forward of a
     pipeline (each graph rewrites all the memory it writes, so the hazard needs a tensor
@@ -637,10 +638,14 @@ def test_out_of_order_replay_on_a_shared_pool_corrupts_a_graph_output():
       * ``g_next`` allocates ``t = y * three`` of the same size: best fit hands it exactly
         ``h``'s block (asserted), and ``t`` lives there at every replay.
     In capture order (g_fwd, g_bwd, g_next) ``out == 2x + 1``. Out of order (g_fwd, g_next,
-    g_bwd) ``g_bwd`` reads ``h``'s block after ``g_next`` overwrote it with ``3y``, so its
-    output is deterministically ``3y + 1``: corrupted, with no error raised.
+    g_bwd) ``g_bwd`` would read ``h``'s block after ``g_next`` overwrote it with ``3y``: the
+    pool refuses ``g_next`` before it runs (it would destroy data ``g_bwd`` still needs), and
+    ``g_bwd`` replayed after ``g_next`` without a new ``g_fwd`` (its data overwritten).
+    The negative control turns the checks off: ``g_bwd``'s output is then deterministically
+    ``3y + 1``, corrupted with no error, as on CUDA without dwgraph.
     """
     pool = graph_pool_handle("cpu")
+    pool._set_order_checks(checks)
     n = 4096
     x, y = torch.randn(n), torch.randn(n)
     two, three, one = torch.tensor(2.0), torch.tensor(3.0), torch.tensor(1.0)
@@ -672,6 +677,17 @@ def test_out_of_order_replay_on_a_shared_pool_corrupts_a_graph_output():
     x.copy_(torch.randn(n))
     y.copy_(torch.randn(n))
     g_fwd.replay()
+    if checks:
+        before = out_next.clone()
+        with pytest.raises(dwgraph.GraphStateError, match=r"would overwrite pool memory .* has not replayed yet"):
+            g_next.replay()
+        assert torch.equal(out_next, before), "the refused replay ran"
+        g_bwd.replay()  # the capture order goes on: correct
+        assert torch.equal(out, x * 2.0 + 1.0)
+        g_next.replay()
+        with pytest.raises(dwgraph.GraphStateError, match=r"would read .* has overwritten them"):
+            g_bwd.replay()  # h was overwritten by g_next since g_fwd wrote it
+        return
     g_next.replay()
     g_bwd.replay()
     correct = x * 2.0 + 1.0

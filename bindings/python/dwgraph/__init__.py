@@ -11,10 +11,20 @@ from . import _C
 from . import ops
 from . import nn
 from . import graphs
-from .graphed import GraphedCallable, make_graphed_callables
+from .graphed import GraphedCallable, graphed_handle, make_graphed_callables
 from .step import GraphedStep, graphed_step
 
 __version__ = _C.version()
+
+
+def _bump_registration_version(*_args):
+    # A parameter or submodule (re)registered anywhere: graphed callables re-check, at
+    # their next call, that their module still holds the parameters they captured.
+    _C.graphs.bump_registration_version()
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_bump_registration_version)
+torch.nn.modules.module.register_module_module_registration_hook(_bump_registration_version)
 
 
 def cuda_built() -> bool:
@@ -36,6 +46,7 @@ __all__ = [
     "graphs",
     "make_graphed_callables",
     "GraphedCallable",
+    "graphed_handle",
     "graphed_step",
     "GraphedStep",
     "DwgraphError",

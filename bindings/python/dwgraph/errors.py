@@ -1,8 +1,10 @@
 """dwgraph's exception types.
 
 Every error dwgraph raises on purpose derives from :class:`DwgraphError` (a
-``RuntimeError``); the C++ library throws the matching C++ types (``common/check.h``) and
-the extension translates them.
+``RuntimeError``). The C++ core raises them by a stable error code (``common/check.h``,
+Note [Error types]) which the extension maps to these classes, so they keep their type
+wherever they surface: inside ``loss.backward()``, inside a captured region under a torch
+op, or from dwgraph's own calls.
 """
 
 
@@ -24,25 +26,6 @@ class GraphStateError(DwgraphError):
 
 class DanglingCaptureError(DwgraphError):
     """A graph replay would touch a storage that its owner has released."""
-
-
-def _translated(exc: BaseException):
-    """dwgraph's own error for an exception that reached Python through one of torch's
-    bindings (which only know RuntimeError/ValueError), or None when it is not ours.
-
-    A dwgraph error raised inside a captured region (e.g. by the host graph when the region
-    calls ``.item()``) passes through torch's binding of that call, which keeps the message
-    but not the type. The messages carry a stable prefix, which this maps back."""
-    if isinstance(exc, DwgraphError):
-        return None
-    msg = str(exc)
-    if isinstance(exc, RuntimeError) and msg.startswith("dwgraph graph capture:"):
-        return GraphStateError(msg)
-    if isinstance(exc, RuntimeError) and "lives in a storage its owner released" in msg:
-        return DanglingCaptureError(msg)
-    if isinstance(exc, ValueError) and msg.startswith("dwgraph"):
-        return ArgumentError(msg)
-    return None
 
 
 __all__ = ["DwgraphError", "ArgumentError", "GraphStateError", "DanglingCaptureError"]

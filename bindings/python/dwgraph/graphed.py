@@ -1,5 +1,5 @@
 """``dwgraph.make_graphed_callables``: capture and replay training steps with deferred
-weight gradients (SPEC C3, C4, C7).
+weight gradients (SPEC C3, C4, C7, C8).
 
 Each callable gets a forward graph, a backward graph and, when any of its modules defers
 its weight gradients, a backward-dw graph, all on one private pool. After every
@@ -7,108 +7,201 @@ its weight gradients, a backward-dw graph, all on one private pool. After every
 it is ``None``, added otherwise) before the delayed hooks run, so
 ``optimizer.zero_grad(set_to_none=True)`` between steps is always safe. See
 docs/memory-contract.md.
+
+The C++ core (``dwgraph._C.graphs``) decides everything about schedules, slots, states,
+checks and landings; this module only describes ``torch.nn.Module`` objects to it and
+turns pytrees into the flat tensor lists it works on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from . import _C
-from .errors import _translated
-from .graphs import GraphPool
+from .errors import ArgumentError
 
-__all__ = ["make_graphed_callables", "GraphedCallable"]
+__all__ = ["make_graphed_callables", "GraphedCallable", "graphed_handle"]
 
-_MISSING = object()
+_UNSET = object()
+_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+_CAPTURE_TIME_HOOK_NAMES = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
 
 
+# -- describing modules to the core ----------------------------------------------------------
 def _is_dwgraph_module(m) -> bool:
     from .nn import _DeferredWgradModule
 
     return isinstance(m, _DeferredWgradModule)
 
 
-def _deferred_module_spec(name: str, sub: torch.nn.Module) -> Dict[str, Any]:
-    if _is_dwgraph_module(sub):
-        deferred, fused = sub._deferred_parameters(), sub._fused_parameters()
-        store = sub._wgrad_store
-        extra = dict(backward_dw=sub._backward_dw_without_hooks, run_hooks=sub._run_wgrad_hooks,
-                     retain_consumed=store.set_retain_consumed, release_consumed=store.release_consumed)
-    else:
-        # Any other module with backward_dw()/need_backward_dw() (TransformerEngine's): its
-        # backward_dw runs its own hooks; weights with main_grad under
-        # fuse_wgrad_accumulation accumulate there, every other trainable parameter lands
-        # in .grad (in backward_dw or in the main backward: exact_deferred=False).
-        fusing = bool(getattr(sub, "fuse_wgrad_accumulation", False))
-        named = [(n, p) for n, p in sub.named_parameters() if p.requires_grad]
-        fused = [(n, p) for n, p in named if fusing and hasattr(p, "main_grad")]
-        deferred = [(n, p) for n, p in named if not (fusing and hasattr(p, "main_grad"))]
-        extra = dict(backward_dw=sub.backward_dw, exact_deferred=False)
-    fused_params = [p for _, p in fused]
-    qualified = lambda pairs: [f"{name}.{n}" if name else n for n, _ in pairs]  # noqa: E731
-    return dict(
-        name=name or type(sub).__name__,
-        need_backward_dw=sub.need_backward_dw,
-        deferred_parameters=[p for _, p in deferred],
-        deferred_parameter_names=qualified(deferred),
-        fused_parameters=fused_params,
-        fused_parameter_names=qualified(fused),
-        main_grad=lambda i: fused_params[i].main_grad,
-        mark_main_grad_accumulated=lambda i: setattr(fused_params[i], "grad_added_to_main_grad", True),
-        **extra,
-    )
+def _flag_accessors(param: torch.Tensor):
+    def get():
+        return param.__dict__.get("grad_added_to_main_grad")
+
+    def set_(value):
+        if value is None:
+            param.__dict__.pop("grad_added_to_main_grad", None)
+        else:
+            param.grad_added_to_main_grad = value
+
+    return get, set_
 
 
-def _dwgraph_modules(module: torch.nn.Module):
-    return [m for m in module.modules() if _is_dwgraph_module(m)]
+def _dwgraph_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
+    info = _C.graphs.DwgraphModuleInfo()
+    info.name = name
+    info.display_name = module._display_name()
+    info.store = module._wgrad_store
+    info.delay_wgrad_compute = module.delay_wgrad_compute
+    info.fuse_wgrad_accumulation = module.fuse_wgrad_accumulation
+    named = list(module.named_parameters(recurse=False))
+    info.parameter_names = [n for n, _ in named]
+    info.parameters = [p for _, p in named]
+    info.run_hooks = module._run_wgrad_hooks
+    info.main_grad = lambda n: getattr(module, n).main_grad
+    info.get_flag = lambda n: _flag_accessors(getattr(module, n))[0]()
+    info.set_flag = lambda n, v: _flag_accessors(getattr(module, n))[1](v)
+    return _C.graphs.dwgraph_module_spec(info)
 
 
-def _after_backward(module: torch.nn.Module):
-    """Hooks of the dwgraph modules without deferral: run at the end of each backward."""
-    eager = [m for m in _dwgraph_modules(module) if not m.delay_wgrad_compute]
-    if not eager:
-        return None
+def _foreign_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
+    # Another library's module with backward_dw()/need_backward_dw() (TransformerEngine's):
+    # its backward_dw runs its own hooks; weights with main_grad under
+    # fuse_wgrad_accumulation accumulate there, every other trainable parameter may land in
+    # .grad in backward_dw.
+    spec = _C.graphs.ModuleSpec()
+    spec.name = name or type(module).__name__
+    spec.defers = bool(module.need_backward_dw())
+    spec.backward_dw = module.backward_dw
+    fusing = bool(getattr(module, "fuse_wgrad_accumulation", False))
+    deferred, fused = [], []
+    for n, p in module.named_parameters():
+        qualified = f"{name}.{n}" if name else n
+        if fusing and hasattr(p, "main_grad"):
+            f = _C.graphs.FusedParameter()
+            f.name, f.param = qualified, p
+            f.main_grad = lambda p=p: p.main_grad
+            f.get_flag, f.set_flag = _flag_accessors(p)
+            fused.append(f)
+        else:
+            deferred.append((qualified, p))
+    spec.deferred_names = [n for n, _ in deferred]
+    spec.deferred = [p for _, p in deferred]
+    spec.fused = fused
+    return spec
 
-    def run():
-        for m in eager:
-            m._run_wgrad_hooks()
 
-    return run
-
-
-def _deferred_modules(module: torch.nn.Module) -> List[Dict[str, Any]]:
-    found, covered = [], set()
+def _module_specs(module: torch.nn.Module) -> list:
+    specs, covered = [], []
     for name, sub in module.named_modules():
         if any(name.startswith(c + ".") for c in covered):
-            continue  # inside a deferred module: its backward_dw covers it
-        if callable(getattr(sub, "backward_dw", None)) and callable(getattr(sub, "need_backward_dw", None)):
-            if sub.need_backward_dw():
-                found.append(_deferred_module_spec(name, sub))
-                covered.add(name)
-    return found
+            continue  # inside another library's deferring module: its backward_dw covers it
+        if _is_dwgraph_module(sub):
+            specs.append(_dwgraph_module_spec(name, sub))
+        elif callable(getattr(sub, "backward_dw", None)) and callable(getattr(sub, "need_backward_dw", None)):
+            spec = _foreign_module_spec(name, sub)
+            if spec.defers:
+                specs.append(spec)
+                covered.append(name)
+    return specs
 
 
+def _refuse_hooks(index: int, module: torch.nn.Module) -> None:
+    """Hooks present at capture would run inside the captured region and never at replay."""
+    for name, sub in module.named_modules():
+        for kind in _HOOK_KINDS:
+            if getattr(sub, kind, None):
+                raise ArgumentError(
+                    f"dwgraph.make_graphed_callables: module {index} ('{type(module).__name__}') has "
+                    f"{kind[1:].replace('_', ' ')} registered on {'itself' if not name else repr(name)}; they would "
+                    "run during capture and never at replay. Register hooks after make_graphed_callables (they "
+                    "then run around each replay), or pass capture-time hooks with capture_time_hooks=")
+    for kind in _GLOBAL_HOOKS:
+        if getattr(torch.nn.modules.module, kind, None):
+            raise ArgumentError(
+                f"dwgraph.make_graphed_callables: global module {kind[8:].replace('_', ' ')} are registered "
+                "(torch.nn.modules.module.register_module_*_hook); they would run during capture and never at "
+                "replay. Remove them while capturing")
+    for name, buf in module.named_buffers():
+        if buf.requires_grad:
+            raise ArgumentError(
+                f"dwgraph.make_graphed_callables: buffer '{name}' of module {index} requires grad; only parameters "
+                "may be trainable (a buffer's gradient would not be handed to anyone)")
+
+
+def _refuse_autocast_cache() -> None:
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
+            raise ArgumentError(
+                f"dwgraph.make_graphed_callables: capture under torch.autocast('{device_type}') with the autocast "
+                "weight cache enabled; the cache keeps cast weights from before the capture, which the graphs would "
+                "read after autocast frees them. Use torch.autocast(..., cache_enabled=False) around the capture")
+
+
+# -- pytrees --------------------------------------------------------------------------------
+class _Signature:
+    """The structure of a call or a return: a pytree spec with its non-tensor leaves. The
+    tensors are what the graphs see; everything else is baked in at capture."""
+
+    def __init__(self, tree):
+        leaves, self.spec = pytree.tree_flatten(tree)
+        self.is_tensor = [isinstance(l, torch.Tensor) for l in leaves]
+        self.constants = [None if t else l for t, l in zip(self.is_tensor, leaves)]
+
+    @staticmethod
+    def tensors_of(tree) -> List[torch.Tensor]:
+        return [l for l in pytree.tree_leaves(tree) if isinstance(l, torch.Tensor)]
+
+    def matches(self, other: "_Signature") -> bool:
+        if self.spec != other.spec or self.is_tensor != other.is_tensor:
+            return False
+        return all(_same_constant(a, b) for a, b, t in zip(self.constants, other.constants, self.is_tensor) if not t)
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]):
+        it = iter(tensors)
+        return pytree.tree_unflatten([next(it) if t else c for t, c in zip(self.is_tensor, self.constants)], self.spec)
+
+
+def _same_constant(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 (an object without a usable ==)
+        return a is b
+
+
+# -- the callables --------------------------------------------------------------------------
 class GraphedCallable:
-    """One graphed (module, microbatch) slot: call it like the module; after the backward,
-    ``backward_dw()`` replays the weight-gradient graph and hands the gradients over."""
+    """One graphed (callable, microbatch) slot. Call it like the callable; after the
+    backward, ``backward_dw()`` replays the weight-gradient graph and hands the gradients
+    over. In the sequential schedule each graphed module carries one as
+    ``module.dwgraph_graphed`` (see :func:`graphed_handle`)."""
 
-    def __init__(self, native, module, kwarg_names: Sequence[str], structure: Dict[str, Any]):
+    def __init__(self, native, target, forward: Callable, in_sig: "_Signature", out_sig: Dict[str, Any]):
         self._native = native
-        self.module = module
-        self._kwarg_names = list(kwarg_names)
-        self._structure = structure
+        self.module = target
+        self._forward = forward
+        self._in_sig = in_sig
+        self._out = out_sig
 
     def __call__(self, *args, **kwargs):
-        tensors = list(args) + [kwargs.pop(k) for k in self._kwarg_names if k in kwargs]
-        if kwargs:
-            raise TypeError(f"graphed {type(self.module).__name__}: unexpected keyword arguments {sorted(kwargs)}; "
-                            f"only the sample kwargs {self._kwarg_names} can be passed")
-        outs = self._native(tensors)
-        return outs[0] if self._structure.get("single", True) else tuple(outs)
-
-    forward = __call__
+        if not self._native.replays():
+            return self._forward(*args, **kwargs)  # a mode the graphs were not captured in
+        sig = _Signature((args, kwargs))
+        if not sig.matches(self._in_sig):
+            raise ArgumentError(
+                f"graphed {self._native.name}: the arguments must have the structure and non-tensor values of the "
+                f"sample arguments (the graphs bake them in); got {sig.spec} with constants "
+                f"{[c for c, t in zip(sig.constants, sig.is_tensor) if not t]}, captured {self._in_sig.spec} with "
+                f"{[c for c, t in zip(self._in_sig.constants, self._in_sig.is_tensor) if not t]}")
+        outs = self._native(_Signature.tensors_of((args, kwargs)))
+        return self._out["sig"].rebuild(outs)
 
     def backward_dw(self) -> None:
         self._native.backward_dw()
@@ -124,11 +217,63 @@ class GraphedCallable:
         return self._native.contribution_bytes()
 
     def stats(self) -> Dict[str, int]:
-        """Pool bytes, contribution bytes and static-buffer bytes of the whole set."""
+        """Pool bytes, contribution bytes, static-buffer bytes and graph counts of the whole set."""
         return self._native.stats()
 
+    @property
+    def slot(self) -> int:
+        return self._native.index
+
     def __repr__(self) -> str:
-        return f"GraphedCallable({self.module!r})"
+        return f"GraphedCallable(slot {self._native.index}: {self._native.name})"
+
+
+def graphed_handle(obj) -> GraphedCallable:
+    """The :class:`GraphedCallable` of a graphed module (or the object itself)."""
+    if isinstance(obj, GraphedCallable):
+        return obj
+    handle = getattr(obj, "dwgraph_graphed", None)
+    if not isinstance(handle, GraphedCallable):
+        raise ArgumentError(f"dwgraph.graphed_handle: {type(obj).__name__} was not returned by make_graphed_callables")
+    return handle
+
+
+def _install_on_module(module: torch.nn.Module, handle: GraphedCallable) -> None:
+    # As torch and TransformerEngine do: the same module object, its forward replaced, so it
+    # stays in Sequential/ModuleList and keeps parameters(), train()/eval() and state_dict().
+    module.forward = handle
+    module.dwgraph_graphed = handle
+    module.backward_dw = handle.backward_dw
+    module.need_backward_dw = handle.need_backward_dw
+    if not hasattr(type(module), "reset"):
+        module.reset = handle.reset
+
+
+def _canonical_capture_time_hooks(hooks, n: int):
+    if hooks is None:
+        return [dict() for _ in range(n)]
+    if len(hooks) != n:
+        raise ArgumentError(f"dwgraph.make_graphed_callables: argument 'capture_time_hooks' has {len(hooks)} entries "
+                            f"but there are {n} callables")
+    out = []
+    for i, h in enumerate(hooks):
+        h = dict(h or {})
+        unknown = set(h) - set(_CAPTURE_TIME_HOOK_NAMES)
+        if unknown:
+            raise ArgumentError(f"dwgraph.make_graphed_callables: capture_time_hooks[{i}] has unknown keys "
+                                f"{sorted(unknown)}; expected some of {list(_CAPTURE_TIME_HOOK_NAMES)}")
+        out.append({k: list(dict(h.get(k) or {}).values()) for k in _CAPTURE_TIME_HOOK_NAMES})
+    return out
+
+
+def _resolve_pool(pool):
+    if pool is None or isinstance(pool, _C.graphs.GraphPool):
+        return pool
+    handle = getattr(pool, "id", pool)  # torch.cuda.MemPool has .id
+    if isinstance(handle, tuple) and len(handle) == 2 and all(isinstance(v, int) for v in handle):
+        return _C.graphs.graph_pool_from_handle(handle)
+    raise ArgumentError("dwgraph.make_graphed_callables: argument 'pool' must be a dwgraph.graphs.graph_pool_handle(), "
+                        f"a torch.cuda.graph_pool_handle() or a torch.cuda.MemPool, got {type(pool).__name__}")
 
 
 def make_graphed_callables(
@@ -140,116 +285,152 @@ def make_graphed_callables(
     sample_kwargs=None,
     order: Optional[Sequence[float]] = None,
     num_layers_per_chunk: Optional[Sequence[int]] = None,
-    pool: Optional[GraphPool] = None,
+    pool=None,
     retain_graph_in_backward: bool = False,
+    capture_time_hooks: Optional[Sequence[Optional[Dict[str, Dict]]]] = None,
+    _order: Optional[Sequence[float]] = None,
+    _num_layers_per_chunk: Optional[Sequence[int]] = None,
     _unsafe_capture_with_caller_grad: bool = False,
 ):
-    """Graphs ``modules`` (one module or a tuple) on the device of ``sample_args``.
+    """Graphs ``modules`` (one module or callable, or a tuple of them) on the device of
+    ``sample_args``. Inputs and outputs may be arbitrary pytrees; tensors are the graphs'
+    inputs and outputs, everything else is fixed at capture.
 
-    Sequential schedule (``order=None``): ``sample_args[i]`` is the tuple of tensors for
-    module ``i``; one graphed callable per module is returned (the same structure).
+    Sequential schedule (``order=None``): ``sample_args[i]`` is the tuple of arguments of
+    callable ``i``. Modules come back as the same objects with their ``forward`` replaced
+    (plus ``backward_dw``, ``need_backward_dw`` and ``dwgraph_graphed``); plain callables as
+    :class:`GraphedCallable`.
+
     Pipeline schedule: ``order`` as TransformerEngine's ``_order`` (``+c`` forward of chunk
     ``c`` for its next microbatch, ``-c`` its backward, ``-(c + 0.5)`` its backward-dw,
     chunks from 1); ``modules`` are the layers of all chunks in order
     (``num_layers_per_chunk`` each), ``sample_args`` holds one tuple per (chunk,
-    microbatch, layer) slot in that nesting, and one callable per slot is returned.
+    microbatch, layer) slot in that nesting, and one :class:`GraphedCallable` per slot is
+    returned.
+
+    TransformerEngine spellings ``_order`` and ``_num_layers_per_chunk`` are accepted;
+    ``pool`` may be a dwgraph pool, a ``torch.cuda.graph_pool_handle()`` or a
+    ``torch.cuda.MemPool``; ``capture_time_hooks[i]`` (TransformerEngine's meaning) maps
+    ``"forward_pre_hooks"``, ``"forward_hooks"``, ``"backward_pre_hooks"`` and
+    ``"backward_hooks"`` to dicts of ``fn(module)``, run around warmup and capture, outside
+    the captured region, never replayed.
 
     ``_unsafe_capture_with_caller_grad`` is for tests only: it captures backward-dw with
     the caller's ``.grad`` in place and skips the hand-off (the unfixed hazard).
     """
-    single = isinstance(modules, torch.nn.Module) or callable(modules) and not isinstance(modules, (tuple, list))
+    for alias, value, name in ((_order, order, "order"), (_num_layers_per_chunk, num_layers_per_chunk,
+                                                          "num_layers_per_chunk")):
+        if alias is not None and value is not None:
+            raise ArgumentError(f"dwgraph.make_graphed_callables: pass '{name}' or '_{name}', not both")
+    order = order if order is not None else _order
+    num_layers_per_chunk = num_layers_per_chunk if num_layers_per_chunk is not None else _num_layers_per_chunk
+
+    single = not isinstance(modules, (tuple, list))
     if single:
-        modules = (modules,)
-        sample_args = (sample_args,)
+        modules, sample_args = (modules,), (sample_args,)
+        if sample_kwargs is not None:
+            sample_kwargs = (sample_kwargs,)
     modules = tuple(modules)
+    for i, m in enumerate(modules):
+        if not callable(m):
+            raise ArgumentError(f"dwgraph.make_graphed_callables: modules[{i}] must be a torch.nn.Module or a "
+                                f"callable, got {type(m).__name__}")
+    if order is None:
+        schedule = _C.graphs.Schedule.sequential(len(modules))
+        if len({id(m) for m in modules}) != len(modules):
+            raise ArgumentError("dwgraph.make_graphed_callables: the same module appears twice; each callable of the "
+                                "sequential schedule gets one slot (use 'order' for one slot per microbatch)")
+    else:
+        schedule = _C.graphs.Schedule.pipeline(order, None if num_layers_per_chunk is None else
+                                               [int(n) for n in num_layers_per_chunk], len(modules))
+    num_slots = schedule.num_slots
     sample_args = tuple(tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in sample_args)
+    if len(sample_args) != num_slots:
+        raise ArgumentError(f"dwgraph.make_graphed_callables: argument 'sample_args' must hold one entry per "
+                            f"{'slot' if order is not None else 'callable'} ({num_slots}), got {len(sample_args)}")
     if sample_kwargs is None:
-        sample_kwargs = tuple({} for _ in sample_args)
-    elif isinstance(sample_kwargs, dict):
-        sample_kwargs = (sample_kwargs,)
-    slots_per_module = len(sample_args) // max(len(modules), 1)
-    structures = [dict() for _ in modules]
-    kwarg_names: List[List[str]] = []
-    specs = []
-    for i, module in enumerate(modules):
-        kw = sample_kwargs[i] if i < len(sample_kwargs) else {}
-        names = [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
-        fixed = {k: v for k, v in kw.items() if not isinstance(v, torch.Tensor)}
-        kwarg_names.append(names)
-        n_args = len(sample_args[i]) if i < len(sample_args) else 0
+        sample_kwargs = tuple({} for _ in range(num_slots))
+    if len(sample_kwargs) != num_slots:
+        raise ArgumentError(f"dwgraph.make_graphed_callables: argument 'sample_kwargs' must hold one dict per "
+                            f"{'slot' if order is not None else 'callable'} ({num_slots}), got {len(sample_kwargs)}")
+    hooks = _canonical_capture_time_hooks(capture_time_hooks, len(modules))
+    _refuse_autocast_cache()
 
-        def forward(tensors, module=module, names=tuple(names), fixed=fixed, n_args=n_args, st=structures[i]):
-            kwargs = dict(fixed)
-            kwargs.update(zip(names, tensors[n_args:]))
-            out = module(*tensors[:n_args], **kwargs)
-            if isinstance(out, torch.Tensor):
-                st["single"] = True
-                return [out]
-            st["single"] = False
-            return list(out)
-
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad] if isinstance(module, torch.nn.Module) else []
-        specs.append(dict(
-            name=type(module).__name__,
-            forward=forward,
-            parameters=[p for _, p in named],
-            parameter_names=[n for n, _ in named],
-            buffers=list(module.buffers()) if isinstance(module, torch.nn.Module) else [],
-            is_training=(lambda module=module: module.training) if isinstance(module, torch.nn.Module) else None,
-            deferred_modules=_deferred_modules(module) if isinstance(module, torch.nn.Module) else [],
-            after_backward=_after_backward(module) if isinstance(module, torch.nn.Module) else None,
-        ))
-    # Flatten kwargs tensors after the positional ones, per slot.
+    # One input signature per callable, the same for each of its slots.
+    in_sigs: List[Optional[_Signature]] = [None] * len(modules)
     flat_args = []
-    for s, args in enumerate(sample_args):
-        mod_index = s if order is None else _module_of_slot(s, len(modules), order, num_layers_per_chunk)
-        kw = sample_kwargs[mod_index] if mod_index < len(sample_kwargs) else {}
-        flat_args.append(list(args) + [kw[k] for k in kwarg_names[mod_index]])
-    # Warmup and capture leave no trace: hooks do not run, flags are put back.
-    dw_modules = [m for mod in modules if isinstance(mod, torch.nn.Module) for m in _dwgraph_modules(mod)]
-    flags = [(p, p.__dict__.get("grad_added_to_main_grad", _MISSING))
-             for m in dw_modules for _, p in m._fused_parameters()]
-    for m in dw_modules:
-        m._suppress_wgrad_hooks = True
-    try:
-        natives = _C.graphs.make_graphed_callables(
-            specs, flat_args, num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input,
-            order=None if order is None else [float(o) for o in order],
-            num_layers_per_chunk=None if num_layers_per_chunk is None else [int(n) for n in num_layers_per_chunk],
-            pool=pool, retain_graph_in_backward=retain_graph_in_backward,
-            unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
-    except (RuntimeError, ValueError) as e:
-        ours = _translated(e)
-        if ours is None:
-            raise
-        raise ours from e
-    finally:
-        for m in dw_modules:
-            m._suppress_wgrad_hooks = False
-        for p, value in flags:
-            if value is _MISSING:
-                p.__dict__.pop("grad_added_to_main_grad", None)
-            else:
-                p.grad_added_to_main_grad = value
-    out = []
+    for s in range(num_slots):
+        c = schedule.callable_of_slot(s)
+        sig = _Signature((sample_args[s], dict(sample_kwargs[s] or {})))
+        if in_sigs[c] is None:
+            in_sigs[c] = sig
+        elif not sig.matches(in_sigs[c]):
+            raise ArgumentError(f"dwgraph.make_graphed_callables: the sample arguments of slot {s} have another "
+                                f"structure or other non-tensor values than the first slot of callable {c}")
+        flat_args.append(_Signature.tensors_of((sample_args[s], dict(sample_kwargs[s] or {}))))
+
+    specs, forwards, out_sigs = [], [], []
+    for i, module in enumerate(modules):
+        is_module = isinstance(module, torch.nn.Module)
+        if is_module:
+            _refuse_hooks(i, module)
+        forward = module.forward if is_module else module  # hooks of the module itself run around replays
+        out_sig: Dict[str, Any] = {}
+
+        def run(tensors, forward=forward, in_sig=in_sigs[i], out_sig=out_sig, i=i, module=module):
+            args, kwargs = in_sig.rebuild(tensors)
+            out = forward(*args, **kwargs)
+            sig = _Signature(out)
+            if "sig" not in out_sig:
+                out_sig["sig"] = sig
+            elif not sig.matches(out_sig["sig"]):
+                raise ArgumentError(f"dwgraph.make_graphed_callables: callable {i} returned another output structure "
+                                    "than in its earlier calls; graphs need a fixed structure")
+            return _Signature.tensors_of(out)
+
+        spec = _C.graphs.GraphableCallable()
+        spec.name = type(module).__name__ if is_module else getattr(module, "__name__", type(module).__name__)
+        spec.forward = run
+        if is_module:
+            named = list(module.named_parameters())
+            spec.parameters = [p for _, p in named]
+            spec.parameter_names = [n for n, _ in named]
+            spec.current_parameters = lambda module=module: list(module.named_parameters())
+            spec.parameters_version = _C.graphs.registration_version
+            spec.modules = _module_specs(module)
+            spec.buffers = list(module.buffers())
+            spec.is_training = lambda module=module: module.training
+        h = hooks[i]
+        if any(h.values()):
+            def capture_time_hook(phase: str, after: bool, h=h, module=module):
+                kind = {("forward", False): "forward_pre_hooks", ("forward", True): "forward_hooks",
+                        ("backward", False): "backward_pre_hooks", ("backward", True): "backward_hooks"}.get((phase, after))
+                for fn in h.get(kind, ()):
+                    if fn(module) is not None:
+                        raise ArgumentError(f"dwgraph.make_graphed_callables: capture_time_hooks {kind} must not "
+                                            "return a value")
+
+            spec.capture_time_hook = capture_time_hook
+        specs.append(spec)
+        forwards.append(forward)
+        out_sigs.append(out_sig)
+
+    natives = _C.graphs.make_graphed_callables(
+        specs, flat_args, num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input,
+        schedule=schedule, pool=_resolve_pool(pool), retain_graph_in_backward=retain_graph_in_backward,
+        unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
+
+    handles = []
     for native in natives:
-        mod_index = native.index if order is None else _module_of_slot(native.index, len(modules), order, num_layers_per_chunk)
-        out.append(GraphedCallable(native, modules[mod_index], kwarg_names[mod_index], structures[mod_index]))
-    del slots_per_module
-    return out[0] if single and order is None else tuple(out)
-
-
-def _module_of_slot(slot: int, n_modules: int, order, num_layers_per_chunk) -> int:
-    """The module (layer) index of pipeline slot ``slot``: slots are (chunk, microbatch,
-    layer) in that nesting, as make_graphed_callables lays them out."""
-    chunks = int(max(abs(o) for o in order) // 1)
-    layers = list(num_layers_per_chunk) if num_layers_per_chunk is not None else [n_modules // chunks] * chunks
-    microbatches = sum(1 for o in order if o == 1)
-    offset = 0
-    for c, n in enumerate(layers):
-        span = n * microbatches
-        if slot < offset * microbatches + span:
-            within = slot - offset * microbatches
-            return offset + within % n
-        offset += n
-    raise IndexError(slot)
+        c = native.callable_index
+        handles.append(GraphedCallable(native, modules[c], forwards[c], in_sigs[c], out_sigs[c]))
+    if order is not None:
+        return tuple(handles)
+    out = []
+    for module, handle in zip(modules, handles):
+        if isinstance(module, torch.nn.Module):
+            _install_on_module(module, handle)
+            out.append(module)
+        else:
+            out.append(handle)
+    return out[0] if single else tuple(out)

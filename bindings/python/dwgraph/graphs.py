@@ -21,15 +21,15 @@ from typing import Optional
 import torch
 
 from . import _C
-from .errors import _translated
 
 GraphPool = _C.graphs.GraphPool
 
 
 def graph_pool_handle(device="cpu") -> GraphPool:
     """A fresh private pool; pass it to several graphs' ``capture(pool=...)`` to share it.
-    Graphs sharing a pool must replay in capture order (a later capture may reuse memory
-    an earlier one freed), exactly as with ``torch.cuda.graph_pool_handle()``."""
+    A later capture may reuse memory an earlier one freed, so the pool refuses (with
+    :class:`dwgraph.GraphStateError`, before anything runs) a replay that would read
+    memory another graph overwrote, or overwrite memory another graph still has to read."""
     return _C.graphs.graph_pool_handle(torch.device(device))
 
 
@@ -46,12 +46,9 @@ class Graph:
         self._graph.capture_begin(pool)
         try:
             yield self
-        except BaseException as e:
+        except BaseException:
             self._graph.capture_abort()
-            ours = _translated(e)
-            if ours is None:
-                raise
-            raise ours from e
+            raise
         self._graph.capture_end()
 
     def capture_begin(self, pool: Optional[GraphPool] = None) -> None:
@@ -71,6 +68,15 @@ class Graph:
     def reset(self) -> None:
         """Releases the kernels, the pool reference and the ledger."""
         self._graph.reset()
+
+    @property
+    def name(self) -> str:
+        """The graph's name in error messages."""
+        return self._graph.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._graph.name = value
 
     @property
     def device(self) -> torch.device:

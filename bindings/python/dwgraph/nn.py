@@ -16,6 +16,7 @@ import collections
 import copy
 import functools
 import math
+import threading
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -54,6 +55,20 @@ def _set_added_to_main_grad(param: torch.Tensor) -> None:
     param.grad_added_to_main_grad = True
 
 
+class _StepContext(threading.local):
+    """The dwgraph modules a graphed step runs, seen by this thread (dwgraph.step)."""
+
+    def __init__(self):
+        self.modules = None  # a dict id -> module while a step is watched
+
+    def saw(self, module) -> None:
+        if self.modules is not None:
+            self.modules.setdefault(id(module), module)
+
+
+_step_context = _StepContext()
+
+
 class _DeferredWgradModule(torch.nn.Module):
     """What the three modules share: the wgrad store, backward_dw, hooks, main_grad."""
 
@@ -85,18 +100,18 @@ class _DeferredWgradModule(torch.nn.Module):
             )
         self._wgrad_store.run_oldest(self._display_name())
 
+    def _parameters_by_role(self, role: str):
+        # The one rule (C++ ops/param_roles.h) decides which parameter lands where.
+        return [(n, p) for n, p in self.named_parameters(recurse=False)
+                if _C.nn.classify_parameter(n, self.delay_wgrad_compute, self.fuse_wgrad_accumulation) == role]
+
     def _deferred_parameters(self):
         """(name, parameter) of every parameter whose gradient lands in backward_dw()."""
-        if not self.delay_wgrad_compute:
-            return []
-        return [(n, p) for n, p in self.named_parameters(recurse=False)
-                if not n.startswith("layer_norm") and not (self.fuse_wgrad_accumulation and self._is_deferred_weight(n))]
+        return self._parameters_by_role("deferred")
 
     def _fused_parameters(self):
         """(name, parameter) of every weight whose gradient accumulates into main_grad."""
-        if not self.fuse_wgrad_accumulation:
-            return []
-        return [(n, p) for n, p in self.named_parameters(recurse=False) if self._is_deferred_weight(n)]
+        return self._parameters_by_role("fused")
 
     def num_queued_wgrad_units(self) -> int:
         """How many backwards' worth of weight-gradient work wait for ``backward_dw()``."""
@@ -110,8 +125,9 @@ class _DeferredWgradModule(torch.nn.Module):
         return handle
 
     def _run_wgrad_hooks(self) -> None:
-        # graphed_step suppresses them while it captures, and runs them after each hand-off.
-        if getattr(self, "_suppress_wgrad_hooks", False):
+        # Graph warmup and capture suppress them (the core decides, through the store); the
+        # graph manager runs them after each hand-off instead.
+        if self._wgrad_store.hooks_suppressed():
             return
         for fn in list(self._wgrad_hooks.values()):
             fn(self)
@@ -133,6 +149,7 @@ class _DeferredWgradModule(torch.nn.Module):
         return f"dwgraph.nn.{type(self).__name__}({self.extra_repr()})"
 
     def _config(self) -> dict:
+        _step_context.saw(self)
         grad = torch.is_grad_enabled()
         return dict(
             delay_wgrad_compute=self.delay_wgrad_compute,
@@ -159,16 +176,8 @@ class _DeferredWgradModule(torch.nn.Module):
             kwargs["finalize"] = param.finalize_wgrad
         return _C.nn.WeightRef(param, name, **kwargs)
 
-    def _weight_names(self) -> List[str]:
-        return [n for n, _ in self.named_parameters(recurse=False) if self._is_deferred_weight(n)]
-
-    @staticmethod
-    def _is_deferred_weight(name: str) -> bool:
-        return name.startswith("weight") or name in ("fc1_weight", "fc2_weight")
-
     def _allocate_main_grads(self) -> None:
-        for name in self._weight_names():
-            p = getattr(self, name)
+        for _, p in self._fused_parameters():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
     def _apply(self, fn, *args, **kwargs):

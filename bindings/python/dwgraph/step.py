@@ -13,149 +13,326 @@
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-The optimizer stays outside the step. After each replay every gradient the step produced
-is handed to the caller (``.grad = contribution.clone()`` when ``.grad`` is None, added
-otherwise), then the delayed (wgrad) hooks run. See docs/graphed-step.md.
+Every call behaves like the undecorated function run eagerly, to the bit on the same
+backend: the step may read and change ``.grad`` (clipping, loss scaling), accumulate
+across calls, draw random numbers, and step an optimizer whose step can be captured. The
+C++ core (``dwgraph._C.graphs.GraphedStep``) owns keys, variants, capture, checks and the
+gradient hand-back (Note [A step's gradients are graph state]); this module finds what the
+step touches and turns arguments into tensors and a key. See docs/graphed-step.md.
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
+import dataclasses
+import enum
 import functools
-from typing import Callable, Dict, List, Optional, Sequence
+import logging
+import threading
+import types
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.optim.optimizer as _optimizer
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from . import _C
-from .errors import GraphStateError, _translated
+from .errors import ArgumentError, GraphStateError
 
 __all__ = ["graphed_step", "GraphedStep"]
 
+_log = logging.getLogger("dwgraph")
 
-def _raise_inside(what: str):
-    def refuse(*args, **kwargs):
-        raise GraphStateError(
-            f"dwgraph.graphed_step: the step calls {what} inside; a graphed step must leave the "
-            "optimizer outside: run optimizer.step() and zero_grad() after the step returns"
-        )
 
-    return refuse
+# -- what a step touches, seen from its own thread ----------------------------------------------
+class _Watch(threading.local):
+    def __init__(self):
+        self.step: Optional["GraphedStep"] = None
+        self.optimizer = None  # the optimizer whose step() is running
+
+
+_watch = _Watch()
+_hooks_installed = False
+
+
+def _install_optimizer_hooks() -> None:
+    """Once per process: inert for every thread but one running a graphed step."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+
+    def pre(opt, args, kwargs):
+        if _watch.step is not None:
+            _watch.step._optimizers.setdefault(id(opt), opt)
+            _watch.optimizer = opt
+
+    def post(opt, args, kwargs):
+        if _watch.step is not None:
+            _watch.optimizer = None
+
+    _optimizer.register_optimizer_step_pre_hook(pre)
+    _optimizer.register_optimizer_step_post_hook(post)
+    _hooks_installed = True
+
+
+def _leaves_of(roots) -> List[torch.Tensor]:
+    """The leaves a backward from `roots` accumulates into."""
+    out, seen, stack = [], set(), [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            out.append(variable)
+            continue
+        stack.extend(fn for fn, _ in node.next_functions)
+    return out
+
+
+class _GradientWatcher(TorchFunctionMode):
+    """Records, on this thread, what a step may train: every tensor its backward calls give
+    a gradient to (the leaves they reach), every tensor whose .grad it reads or sets, and
+    every Parameter it passes to a torch function (a frozen one too, so unfreezing it later
+    is noticed). Each with its .grad as it was when first seen."""
+
+    def __init__(self, sink: Dict[int, tuple]):
+        super().__init__()
+        self.sink = sink
+
+    def _see(self, t) -> None:
+        if isinstance(t, torch.Tensor) and id(t) not in self.sink:
+            self.sink[id(t)] = (t, t.grad)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.backward:
+            inputs = kwargs.get("inputs")
+            for t in (inputs if inputs is not None else _leaves_of([args[0]])):
+                self._see(t)
+        elif func is torch.autograd.backward:
+            tensors = args[0] if args else kwargs.get("tensors")
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            inputs = kwargs.get("inputs")
+            for t in (inputs if inputs is not None else _leaves_of(tensors)):
+                self._see(t)
+        elif getattr(func, "__self__", None) is torch.Tensor.grad and args:
+            self._see(args[0])
+        else:
+            for a in list(args) + list(kwargs.values()):
+                if isinstance(a, torch.nn.Parameter):
+                    self._see(a)
+                elif isinstance(a, (list, tuple)):
+                    for b in a:
+                        if isinstance(b, torch.nn.Parameter):
+                            self._see(b)
+        return func(*args, **kwargs)
+
+
+# -- arguments: tensors anywhere, everything else by value ---------------------------------------
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+            torch.memory_format, enum.Enum, range, slice, type(Ellipsis))
+_BY_IDENTITY = (torch.nn.Module, torch.optim.Optimizer, types.FunctionType, types.MethodType,
+                types.BuiltinFunctionType, functools.partial, type)
+
+
+def _flatten(obj, tensors: List[torch.Tensor], path: str):
+    """(key text, rebuild function) of `obj`; its tensors are appended to `tensors`."""
+    if isinstance(obj, torch.Tensor):
+        index = len(tensors)
+        tensors.append(obj)
+        return "T", lambda ts, i=index: ts[i]
+    if isinstance(obj, _SCALARS):
+        return f"{type(obj).__name__}:{obj!r}", lambda ts, v=obj: v
+    if isinstance(obj, _BY_IDENTITY) or (callable(obj) and not dataclasses.is_dataclass(obj) and
+                                         not hasattr(obj, "__dict__")):
+        return f"{type(obj).__name__}@{id(obj):x}", lambda ts, v=obj: v
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        parts = {f.name: _flatten(getattr(obj, f.name), tensors, f"{path}.{f.name}") for f in dataclasses.fields(obj)}
+
+        def rebuild(ts, obj=obj, parts=parts):
+            new = copy.copy(obj)
+            for name, (_, fn) in parts.items():
+                object.__setattr__(new, name, fn(ts))
+            return new
+
+        return f"{type(obj).__qualname__}({','.join(f'{k}={v[0]}' for k, v in parts.items())})", rebuild
+    node = pytree.SUPPORTED_NODES.get(pytree._get_node_type(obj))
+    if node is not None:
+        children, context = node.flatten_fn(obj)
+        parts = [_flatten(c, tensors, f"{path}[{i}]") for i, c in enumerate(children)]
+        ctx_key = context if isinstance(context, (type(None), str, int, tuple, list)) else type(context).__name__
+        return (f"{type(obj).__qualname__}{ctx_key!r}[{','.join(p[0] for p in parts)}]",
+                lambda ts, parts=parts, context=context: node.unflatten_fn([fn(ts) for _, fn in parts], context))
+    if hasattr(obj, "__dict__"):
+        attrs = {k: _flatten(v, tensors, f"{path}.{k}") for k, v in vars(obj).items()}
+
+        def rebuild(ts, obj=obj, attrs=attrs):
+            new = copy.copy(obj)
+            for name, (_, fn) in attrs.items():
+                object.__setattr__(new, name, fn(ts))
+            return new
+
+        return f"{type(obj).__qualname__}({','.join(f'{k}={v[0]}' for k, v in attrs.items())})", rebuild
+    raise ArgumentError(f"dwgraph.graphed_step: argument {path} is a {type(obj).__qualname__}, which the step's graph "
+                        "key cannot describe (it is neither a tensor, a number, a string, a container, a dataclass "
+                        "nor an object with attributes); pass its tensors and values instead")
+
+
+def _hyperparameters(optimizers) -> str:
+    # Python numbers in param_groups are baked into a captured optimizer step: a change
+    # (a learning-rate schedule) selects another graph. Tensor values are read by the graph.
+    parts = []
+    for opt in optimizers:
+        for g in opt.param_groups:
+            parts.append(repr(sorted((k, v) for k, v in g.items()
+                                     if k != "params" and not isinstance(v, torch.Tensor))))
+    return ";".join(parts)
 
 
 class GraphedStep:
     """The callable ``@graphed_step`` returns. ``num_graphs`` and ``num_captures`` report
     how many graphs it holds and how often it captured; ``reset()`` releases them."""
 
-    def __init__(self, fn: Callable, *, warmup_iters: int = 3, pool=None,
-                 params: Optional[Sequence[torch.Tensor]] = None, max_graphs: int = 8):
+    def __init__(self, fn: Callable, *, warmup_iters: int = 3, pool=None, params=None, max_graphs: int = 8):
         functools.update_wrapper(self, fn)
+        _install_optimizer_hooks()
         self._fn = fn
-        self._given_params = list(params) if params is not None else None
-        if self._given_params is None:
-            # The parameters are found by running the step: one eager call at least.
+        self._given = self._named(params) if params is not None else None
+        if self._given is None:
+            # What the step touches is found by running it: one eager call at least.
             warmup_iters = max(int(warmup_iters), 1)
+        self._touched: Dict[int, torch.Tensor] = {}  # what the warmup calls trained
         self._modules: Dict[int, torch.nn.Module] = {}
-        self._out_specs: Dict[str, object] = {}
+        self._optimizers: Dict[int, torch.optim.Optimizer] = {}
+        self._handed: Optional[Dict[int, torch.Tensor]] = None
+        self._out_specs: Dict[str, Any] = {}
         self._current = None
+        self._version = _C.graphs.registration_version()
         self._native = _C.graphs.GraphedStep(
             self._run_flat, warmup_iters=warmup_iters, pool=pool, max_graphs=max_graphs,
-            params=lambda: [p for _, p in self._params()], param_names=lambda: [n for n, _ in self._params()],
-            main_grads=lambda: [p.main_grad for _, p in self._fused()],
-            main_grad_names=lambda: [n for n, _ in self._fused()],
-            mark_main_grads=self._mark_main_grads, after_hand_off=self._after_hand_off,
-            capturing=self._capturing)
+            params=self._params, modules=self._module_specs, buffers=None, on_event=self._on_event)
+
+    @staticmethod
+    def _named(params):
+        if isinstance(params, torch.nn.Module):
+            return list(params.named_parameters())
+        if isinstance(params, dict):
+            return list(params.items())
+        out = []
+        for i, p in enumerate(params):
+            out.append(p if isinstance(p, tuple) else (f"params[{i}]", p))
+        return out
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        tensors = [l for l in leaves if isinstance(l, torch.Tensor)]
-        constants = [(i, l) for i, l in enumerate(leaves) if not isinstance(l, torch.Tensor)]
-        key = repr((spec, constants))
-        self._current = (leaves, spec, key)
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
+                raise ArgumentError(
+                    f"dwgraph.graphed_step: called under torch.autocast('{device_type}') with the autocast weight "
+                    "cache enabled; the cache keeps cast weights across calls, which a graph would read after "
+                    "autocast frees them. Enter autocast inside the step, or pass cache_enabled=False")
+        version = _C.graphs.registration_version()
+        if version != self._version:
+            # A parameter or submodule was (re)registered somewhere: what the step trains may
+            # have changed, so its graphs are dropped and found again (warmup, capture).
+            self._native.reset()
+            self._touched.clear()
+            self._version = version
+        tensors: List[torch.Tensor] = []
+        key, rebuild = _flatten((args, kwargs), tensors, "")
+        key = f"{key}|{torch.is_autocast_enabled('cpu')}{torch.is_autocast_enabled('cuda')}|" \
+              f"{_hyperparameters(self._optimizers.values())}"
+        self._current = (rebuild, key, tensors)
         try:
             out = self._native(tensors, key)
-        except (RuntimeError, ValueError) as e:
-            ours = _translated(e)
-            if ours is None:
-                raise
-            raise ours from e
-        return pytree.tree_unflatten(out, self._out_specs[key])
+        except _FoundMore:
+            out = self._native(tensors, key)  # capture again, now knowing everything it trains
+        spec = self._out_specs[key]
+        return pytree.tree_unflatten(out, spec)
 
     def _run_flat(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        leaves, spec, key = self._current
-        it = iter(tensors)
-        leaves = [next(it) if isinstance(l, torch.Tensor) else l for l in leaves]
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
-        with self._watch():
-            out = self._fn(*args, **kwargs)
+        rebuild, key, _ = self._current
+        args, kwargs = rebuild(tensors)
+        touched: Dict[int, tuple] = {}  # id -> (tensor, its .grad when first seen)
+        saved = (_watch.step, _watch.optimizer)
+        from .nn import _step_context
+        saved_modules = _step_context.modules
+        _watch.step, _watch.optimizer = self, None
+        _step_context.modules = self._modules
+        try:
+            with _GradientWatcher(touched):
+                out = self._fn(*args, **kwargs)
+        except Exception as e:
+            opt = _watch.optimizer
+            if opt is not None and self._handed is not None:
+                raise GraphStateError(
+                    f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step cannot be captured ({e}); "
+                    "an optimizer that reads tensor values on the host (Adam/AdamW without capturable=True, for "
+                    "example) must run after the step returns") from e
+            raise
+        finally:
+            _watch.step, _watch.optimizer = saved
+            _step_context.modules = saved_modules
+        inputs = {id(t) for t in tensors}
+        touched = {i: v for i, v in touched.items() if i not in inputs}
+        if self._handed is not None:
+            # Capturing: the graph hands back only what the core was told about.
+            stray = [(t, before) for i, (t, before) in touched.items() if i not in self._handed]
+            self._handed = None
+            if stray:
+                for t, before in stray:
+                    t.grad = before  # what the capture wrote there is the graph's memory
+                self._touched.update({id(t): t for t, _ in stray})  # known from now on
+                raise _FoundMore(
+                    f"dwgraph.graphed_step: at capture the step gave a gradient to (or used the .grad of) "
+                    f"{_describe(stray[0][0])} that it did not touch in its earlier calls, so the graph would not hand "
+                    "it back; the capture was abandoned and is retried with it")
+            hooked = [m for m in self._modules.values() if getattr(m, "_wgrad_hooks", None)]
+            if self._optimizers and hooked:
+                raise GraphStateError(
+                    f"dwgraph.graphed_step: the step steps an optimizer and {type(hooked[0]).__name__} has wgrad hooks; "
+                    "hooks run after the step's graph, so they would see gradients only after the optimizer used "
+                    "them. Move the optimizer step out of the graphed step, or remove the hooks")
+        else:
+            self._touched.update({i: t for i, (t, _) in touched.items()})
         out_leaves, out_spec = pytree.tree_flatten(out)
         for leaf in out_leaves:
             if leaf is not None and not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"dwgraph.graphed_step: the step must return tensors (or None), got a "
-                                f"{type(leaf).__name__}; return the tensor, not its .item()")
+                raise ArgumentError(
+                    f"dwgraph.graphed_step: the step must return tensors (or None), got a {type(leaf).__name__}; "
+                    "a graph would return the value of its capture forever. Return the tensor, not its .item()")
         self._out_specs[key] = out_spec
         return list(out_leaves)
 
-    @contextlib.contextmanager
-    def _watch(self):
-        """Finds the modules the step runs (for its parameters) and refuses the optimizer."""
-        def seen(module, _inputs):
-            self._modules.setdefault(id(module), module)
-
-        handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
-        opt_handle = _optimizer.register_optimizer_step_pre_hook(
-            lambda *a, **k: _raise_inside("optimizer.step()")())
-        saved = (torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad)
-        torch.optim.Optimizer.zero_grad = _raise_inside("optimizer.zero_grad()")
-        torch.nn.Module.zero_grad = _raise_inside("module.zero_grad()")
-        try:
-            yield
-        finally:
-            handle.remove()
-            opt_handle.remove()
-            torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad = saved
-
     # -- what the native step asks -------------------------------------------------------
     def _params(self):
-        if self._given_params is not None:
-            return [(f"params[{i}]", p) for i, p in enumerate(self._given_params)]
-        # Frozen parameters too: the graph checks that requires_grad stays as captured.
-        out, seen = [], set()
-        for m in self._modules.values():
-            for n, p in m.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append((f"{type(m).__name__}.{n}", p))
-        return out
+        if self._given is not None:
+            named = list(self._given)
+            known = {id(p) for _, p in named}
+            named += [(_describe(t), t) for i, t in self._touched.items() if i not in known]
+        else:
+            names = {}
+            for m in self._modules.values():
+                for n, p in m.named_parameters(recurse=False):
+                    names.setdefault(id(p), f"{type(m).__name__}.{n}")
+            named = [(names.get(i, _describe(t)), t) for i, t in self._touched.items()]
+        self._handed = {id(t): t for _, t in named}
+        return named
 
-    def _deferred_modules(self):
-        from .nn import _DeferredWgradModule
+    def _module_specs(self):
+        from .graphed import _dwgraph_module_spec
 
-        return [m for m in self._modules.values() if isinstance(m, _DeferredWgradModule)]
+        return [_dwgraph_module_spec(type(m).__name__, m) for m in self._modules.values()]
 
-    def _capturing(self, on: bool) -> None:
-        for m in self._deferred_modules():
-            m._suppress_wgrad_hooks = on
-
-    def _after_hand_off(self) -> None:
-        # Every dwgraph module's hooks, deferred or not: their gradients have just landed.
-        for m in self._deferred_modules():
-            m._run_wgrad_hooks()
-
-    def _fused(self):
-        out, seen = [], set()
-        for m in self._deferred_modules():
-            for n, p in m._fused_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append((f"{type(m).__name__}.{n}", p))
-        return out
-
-    def _mark_main_grads(self) -> None:
-        for _, p in self._fused():
-            p.grad_added_to_main_grad = True
+    def _on_event(self, event: str, key: str, kernels: int, pool_bytes: int, seconds: float) -> None:
+        if event == "capture":
+            _log.info("dwgraph.graphed_step %s: captured key %s: %d kernels, pool %d bytes, %.3f s",
+                      self.__name__, key, kernels, pool_bytes, seconds)
+        else:
+            _log.info("dwgraph.graphed_step %s: evicted the graph of key %s (max_graphs reached)", self.__name__, key)
 
     # -- reporting ---------------------------------------------------------------------------
     @property
@@ -170,17 +347,29 @@ class GraphedStep:
         self._native.reset()
 
 
-def graphed_step(fn: Optional[Callable] = None, *, warmup_iters: int = 3, pool=None,
-                 params: Optional[Sequence[torch.Tensor]] = None, max_graphs: int = 8):
-    """Decorates a training step (forward, ``loss.backward()``, ``backward_dw()`` calls)
-    so it runs as graphs: ``warmup_iters`` eager calls per input signature, then a capture
-    on a private pool, then replays. Tensor arguments are copied into static inputs;
-    non-tensor arguments and tensor shapes, dtypes and devices select the graph (up to
-    ``max_graphs``, least recently used released first). ``params``: the parameters the
-    step gives gradients to (default: those of every module the step calls, found during
-    the warmup calls, so at least one warmup call runs when ``params`` is not given). Returned
-    tensors of at most 4096 elements (the loss, scalars) are clones; larger ones are the
-    graph's static outputs, overwritten by the next call."""
+class _FoundMore(GraphStateError):
+    """A capture met a tensor the step trains that its warmup calls did not: retried once."""
+
+
+def _describe(t: torch.Tensor) -> str:
+    kind = "parameter" if isinstance(t, torch.nn.Parameter) else "tensor"
+    return f"{kind} of shape {list(t.shape)} ({t.dtype})"
+
+
+def graphed_step(fn: Optional[Callable] = None, *, warmup_iters: int = 3, pool=None, params=None,
+                 max_graphs: int = 8):
+    """Decorates a training step (forward, ``loss.backward()``, ``backward_dw()`` calls,
+    optionally gradient clipping and a capturable optimizer step) so it runs as graphs:
+    ``warmup_iters`` eager calls per key, then a capture on a private pool, then replays.
+
+    The key is every tensor argument's dtype, shape, strides, device and requires_grad,
+    wherever it sits (pytrees, dataclasses, objects' attributes), plus every other argument
+    by value (modules, optimizers and functions by identity), the autocast state and the
+    Python-number hyperparameters of the optimizers the step runs. Arguments the key cannot
+    describe are refused. Up to ``max_graphs`` graphs are kept, least recently used
+    released first. ``params``: what the step trains (a module, a dict, or tensors);
+    by default whatever its backward calls reach during the warmup calls, so at least one
+    warmup call runs. Returned tensors are fresh tensors the caller owns."""
     def wrap(f):
         return GraphedStep(f, warmup_iters=warmup_iters, pool=pool, params=params, max_graphs=max_graphs)
 

@@ -1,4 +1,4 @@
-#include "graphs/handoff.h"
+#include "graphs/landing.h"
 
 #include "common/check.h"
 
@@ -6,7 +6,7 @@
 
 namespace dwgraph::graphs {
 
-void check_hand_off(const std::vector<Contribution>& contributions, const std::string& where) {
+void Landing::check(const std::string& where) const {
   for (const auto& c : contributions) {
     const at::Tensor& grad = c.param.grad();
     if (!grad.defined()) continue;
@@ -18,16 +18,22 @@ void check_hand_off(const std::vector<Contribution>& contributions, const std::s
   }
 }
 
-void hand_off(const std::vector<Contribution>& contributions) {
-  const at::NoGradGuard no_grad;
-  for (const auto& c : contributions) {
-    at::Tensor& grad = c.param.mutable_grad();
-    if (!grad.defined()) {
-      grad = c.buffer.clone();
-    } else {
-      grad.add_(c.buffer);
+void Landing::land() const {
+  {
+    const at::NoGradGuard no_grad;
+    for (const auto& c : contributions) {
+      at::Tensor& grad = c.param.mutable_grad();
+      if (!grad.defined()) {
+        grad = c.buffer.clone();
+      } else if (c.mode == Contribution::Mode::kAccumulate) {
+        grad.add_(c.buffer);
+      } else if (grad.data_ptr() != c.buffer.data_ptr()) {
+        grad.copy_(c.buffer);
+      }
     }
   }
+  for (const auto& f : mark_flags) f();
+  for (const auto& h : hooks) h();
 }
 
 }  // namespace dwgraph::graphs

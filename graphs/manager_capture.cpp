@@ -1,0 +1,446 @@
+// The capture half of the GraphManager: validation, warmup, and the forward, backward and
+// backward-dw captures in the schedule's order (graphs/manager_impl.h).
+#include "graphs/manager_impl.h"
+
+#include "common/check.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/ones_like.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include <unordered_set>
+
+namespace dwgraph::graphs {
+namespace {
+
+constexpr const char* kApi = "dwgraph.make_graphed_callables";
+
+template <class T>
+bool contains_impl(const std::vector<T>& v, const at::Tensor& t) {
+  for (const auto& x : v) {
+    if (x.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return true;
+  }
+  return false;
+}
+
+// Leaves the autograd graph of `outputs` accumulates into, other than `known` ones.
+std::vector<at::Tensor> unknown_leaves(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& known) {
+  std::unordered_set<const void*> ok;
+  for (const auto& t : known) {
+    if (t.defined()) ok.insert(t.unsafeGetTensorImpl());
+  }
+  std::vector<at::Tensor> out;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& o : outputs) {
+    if (o.defined() && o.grad_fn()) stack.push_back(o.grad_fn().get());
+  }
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      if (ok.count(acc->variable.unsafeGetTensorImpl()) == 0) out.push_back(acc->variable);
+      continue;
+    }
+    for (const auto& e : node->next_edges()) {
+      if (e.function) stack.push_back(e.function.get());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+GraphManager::GraphManager(std::vector<GraphableCallable> callables, GraphedCallableOptions opts)
+    : callables_(std::move(callables)), opts_(std::move(opts)) {}
+
+std::string GraphManager::where(size_t s) const {
+  const SlotInfo& slot = slots_.at(s).info;
+  const std::string& name = callables_[slot.callable].name;
+  if (slot.chunk == 0) return c10::str("graphed callable ", slot.callable, " ('", name, "')");
+  return c10::str("graphed callable ", slot.callable, " ('", name, "', chunk ", slot.chunk, ", microbatch ",
+                  slot.microbatch, ")");
+}
+
+bool GraphManager::module_defers(const ModuleSpec& m) const {
+  if (!m.defers) return false;
+  if (!m.store) return true;  // another library's module: trust need_backward_dw()
+  // A dwgraph module whose deferred parameters are all frozen queues no work.
+  for (const auto& p : m.deferred) {
+    if (p.requires_grad()) return true;
+  }
+  for (const auto& f : m.fused) {
+    if (f.param.requires_grad()) return true;
+  }
+  return false;
+}
+
+CallerState GraphManager::caller_state() const {
+  CallerState st;
+  st.device = device_;
+  // The host backend runs the captured kernels: undo even writes a kernel does not declare.
+  st.parameter_contents = device_.is_cpu();
+  for (const auto& c : callables_) {
+    st.parameters.insert(st.parameters.end(), c.parameters.begin(), c.parameters.end());
+    st.buffers.insert(st.buffers.end(), c.buffers.begin(), c.buffers.end());
+    for (const auto& m : c.modules) {
+      st.fused.insert(st.fused.end(), m.fused.begin(), m.fused.end());
+      if (m.store) st.stores.push_back(m.store);
+    }
+  }
+  return st;
+}
+
+void GraphManager::name_storages(Graph& g, size_t s) const {
+  const Slot& slot = slots_[s];
+  const auto& c = callables_[slot.info.callable];
+  for (size_t i = 0; i < slot.inputs.tensors().size(); ++i) {
+    const auto& t = slot.inputs.tensors()[i];
+    if (t.defined()) g.set_role(t.storage(), c10::str("static input ", i, " of ", where(s)), true);
+  }
+  for (size_t i = 0; i < c.parameters.size(); ++i) {
+    const auto& p = c.parameters[i];
+    g.set_role(p.storage(), c10::str("parameter '", c.parameter_names.at(i), "' of ", where(s)), true);
+    if (p.grad().defined()) g.set_role(p.grad().storage(), c10::str(".grad of parameter '", c.parameter_names.at(i), "'"), false);
+  }
+  for (const auto& m : c.modules) {
+    for (const auto& f : m.fused) g.set_role(f.main_grad().storage(), c10::str("main_grad of parameter '", f.name, "'"), true);
+  }
+  for (size_t i = 0; i < slot.static_grad_outputs.size(); ++i) {
+    const auto& t = slot.static_grad_outputs[i];
+    if (t.defined()) g.set_role(t.storage(), c10::str("static grad output ", i, " of ", where(s)), true);
+  }
+}
+
+template <class Body>
+void GraphManager::capture(std::unique_ptr<Graph>& g, Phase phase, size_t s, Body&& body) {
+  const auto& hook = callables_[slots_[s].info.callable].capture_time_hook;
+  const bool hooked = hook && phase != Phase::kBackwardDw;
+  if (hooked) hook(to_string(phase), false);
+  g = make_graph(device_);
+  g->set_name(c10::str(to_string(phase), " graph of ", where(s)));
+  name_storages(*g, s);
+  g->capture_begin(pool_);
+  try {
+    body();
+  } catch (...) {
+    g->capture_abort();
+    g.reset();
+    throw;
+  }
+  g->capture_end();
+  if (hooked) hook(to_string(phase), true);
+}
+
+std::vector<at::Tensor> GraphManager::backward_targets(size_t s, bool for_capture) {
+  // Inputs that require grad, then every parameter that requires grad: deferred ones too,
+  // so their deferred node runs (and queues its unit) even when nothing else needs it, and
+  // a parameter tied between a deferred module and an ordinary one gets the ordinary
+  // share from the backward and the deferred one from backward_dw(), as eager does.
+  Slot& slot = slots_[s];
+  const auto& c = callables_[slot.info.callable];
+  std::vector<at::Tensor> targets;
+  if (for_capture) {
+    slot.grad_input_indices.clear();
+    slot.grad_param_indices.clear();
+    slot.param_edge_deferred.clear();
+  }
+  for (size_t i = 0; i < slot.inputs.tensors().size(); ++i) {
+    if (slot.inputs.tensors()[i].requires_grad()) {
+      targets.push_back(slot.inputs.tensors()[i]);
+      if (for_capture) slot.grad_input_indices.push_back(i);
+    }
+  }
+  for (size_t i = 0; i < c.parameters.size(); ++i) {
+    if (!c.parameters[i].requires_grad()) continue;
+    targets.push_back(c.parameters[i]);
+    if (!for_capture) continue;
+    slot.grad_param_indices.push_back(i);
+    bool deferred = false;
+    for (const auto& m : c.modules) {
+      if (!module_defers(m)) continue;
+      deferred = deferred || contains_impl(m.deferred, c.parameters[i]);
+      for (const auto& f : m.fused) deferred = deferred || f.param.unsafeGetTensorImpl() == c.parameters[i].unsafeGetTensorImpl();
+    }
+    slot.param_edge_deferred.push_back(deferred);
+  }
+  return targets;
+}
+
+void GraphManager::warmup() {
+  // Inside the CallerStateGuard of build(): everything it changes is put back.
+  for (int it = 0; it < opts_.num_warmup_iters; ++it) {
+    for (size_t s = 0; s < slots_.size(); ++s) {
+      Slot& slot = slots_[s];
+      const auto& c = callables_[slot.info.callable];
+      if (c.capture_time_hook) c.capture_time_hook("forward", false);
+      const auto outputs = c.forward(slot.inputs.tensors());
+      if (c.capture_time_hook) c.capture_time_hook("forward", true);
+      std::vector<at::Tensor> outs, grads_out;
+      for (const auto& o : outputs) {
+        if (o.defined() && o.requires_grad()) {
+          outs.push_back(o);
+          grads_out.push_back(at::ones_like(o));
+        }
+      }
+      const auto targets = backward_targets(s, /*for_capture=*/false);
+      if (!outs.empty()) {
+        DWGRAPH_CHECK_ARG(!targets.empty(), kApi, ": the outputs of ", where(s),
+                          " require grad through tensors that are neither its inputs nor its parameters; "
+                          "make them parameters of the module or inputs of the callable");
+        if (c.capture_time_hook) c.capture_time_hook("backward", false);
+        torch::autograd::grad(outs, targets, grads_out, /*retain_graph=*/false, /*create_graph=*/false,
+                              /*allow_unused=*/true);
+        if (c.capture_time_hook) c.capture_time_hook("backward", true);
+      }
+      for (const auto& m : c.modules) {
+        if (!module_defers(m)) continue;
+        if (m.store && m.store->empty()) continue;  // its backward asked for no weight gradient
+        m.backward_dw();
+      }
+    }
+  }
+}
+
+void GraphManager::capture_fwd(size_t s) {
+  Slot& slot = slots_[s];
+  const auto& c = callables_[slot.info.callable];
+  slot.captured_training = c.is_training ? c.is_training() : true;
+  std::vector<at::Tensor> outputs;
+  capture(slot.fwd, Phase::kForward, s, [&] { outputs = c.forward(slot.inputs.tensors()); });
+  slot.captured_outputs = outputs;
+  std::vector<at::Tensor> known = slot.inputs.tensors();
+  known.insert(known.end(), c.parameters.begin(), c.parameters.end());
+  const auto strays = unknown_leaves(outputs, known);
+  DWGRAPH_CHECK_ARG(strays.empty(), kApi, ": the forward of ", where(s), " uses a tensor that requires grad (",
+                    strays.empty() ? std::string() : describe(strays[0]),
+                    ") and is neither one of its inputs nor a parameter of the module; the graphs would drop its "
+                    "gradient. Make it a parameter of the module (or pass it as an input)");
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const auto& o = outputs[i];
+    DWGRAPH_CHECK_ARG(o.defined(), kApi, ": output ", i, " of ", where(s), " is undefined; expected a tensor");
+    slot.static_outputs.push_back(o.detach());
+    slot.output_requires_grad.push_back(o.requires_grad());
+  }
+}
+
+void GraphManager::capture_bwd(size_t s) {
+  Slot& slot = slots_[s];
+  const auto& c = callables_[slot.info.callable];
+  std::vector<at::Tensor> outs, grad_outs;
+  for (size_t i = 0; i < slot.captured_outputs.size(); ++i) {
+    const auto& o = slot.captured_outputs[i];
+    if (slot.output_requires_grad[i]) {
+      outs.push_back(o);
+      slot.static_grad_outputs.push_back(at::empty_like(o).detach());
+      grad_outs.push_back(slot.static_grad_outputs.back());
+    } else {
+      slot.static_grad_outputs.emplace_back();
+    }
+  }
+  const auto targets = backward_targets(s, /*for_capture=*/true);
+  if (outs.empty()) {
+    slot.captured_outputs.clear();
+    return;  // nothing to differentiate: no backward graph
+  }
+  DWGRAPH_CHECK_ARG(!targets.empty(), kApi, ": the outputs of ", where(s),
+                    " require grad through tensors that are neither its inputs nor its parameters; make them "
+                    "parameters of the module or inputs of the callable");
+  // The captured kernels write only fresh graph-pool buffers (SPEC C3).
+  const GradsDetached detached(c.parameters);
+  std::vector<at::Tensor> grads;
+  capture(slot.bwd, Phase::kBackward, s, [&] {
+    grads = torch::autograd::grad(outs, targets, grad_outs, opts_.retain_graph_in_backward, /*create_graph=*/false,
+                                  /*allow_unused=*/true);
+  });
+  if (!opts_.allow_unused_input) {
+    for (size_t j = 0; j < slot.grad_input_indices.size(); ++j) {
+      DWGRAPH_CHECK_ARG(grads.size() > j && grads[j].defined(), kApi, ": ", where(s), ": sample input ",
+                        slot.grad_input_indices[j],
+                        " requires grad but the outputs do not depend on it; pass allow_unused_input=True or detach it");
+    }
+  }
+  slot.static_grad_inputs = grads;
+  if (!opts_.retain_graph_in_backward) slot.captured_outputs.clear();
+  // Modules without deferral: their main_grad was accumulated and their hooks run at the
+  // end of each backward.
+  for (const auto& m : c.modules) {
+    if (module_defers(m)) continue;
+    for (const auto& f : m.fused) {
+      if (f.set_flag && f.param.requires_grad()) slot.after_backward.mark_flags.push_back([f] { f.set_flag(true); });
+    }
+    if (m.run_hooks) slot.after_backward.hooks.push_back(m.run_hooks);
+  }
+}
+
+void GraphManager::capture_dw(size_t s) {
+  Slot& slot = slots_[s];
+  const auto& c = callables_[slot.info.callable];
+  std::vector<at::Tensor> deferred;
+  for (const auto& m : c.modules) {
+    if (module_defers(m)) deferred.insert(deferred.end(), m.deferred.begin(), m.deferred.end());
+  }
+  std::optional<GradsDetached> detached;
+  if (!opts_.unsafe_capture_with_caller_grad) detached.emplace(deferred);
+  // One contribution per (module, parameter), in the order the modules land them, so a
+  // parameter tied between two modules receives a, then b, exactly as the eager modules
+  // hand them over (.grad = a; .grad += b).
+  Landing landing;
+  capture(slot.dw, Phase::kBackwardDw, s, [&] {
+    for (size_t k = 0; k < c.modules.size(); ++k) {
+      const auto& m = c.modules[k];
+      if (!module_defers(m)) continue;
+      DWGRAPH_CHECK_STATE(!m.store || !m.store->empty(), kApi, ": module '", m.name, "' of ", where(s),
+                          " has no wgrad unit queued after its backward capture; its backward asked for none of "
+                          "its weight gradients");
+      auto& shared = shared_contributions_[{slot.info.callable, k}];
+      if (!opts_.unsafe_capture_with_caller_grad) {
+        // Note [Contributions are shared across microbatches].
+        for (const auto& p : m.deferred) {
+          auto it = shared.find(p.unsafeGetTensorImpl());
+          if (it == shared.end()) continue;
+          it->second.zero_();
+          p.mutable_grad() = it->second;
+        }
+      }
+      m.backward_dw();
+      if (opts_.unsafe_capture_with_caller_grad) continue;
+      for (size_t i = 0; i < m.deferred.size(); ++i) {
+        const at::Tensor& p = m.deferred[i];
+        if (!p.grad().defined()) continue;
+        landing.contributions.push_back(Contribution{p, p.grad(), m.deferred_names.at(i)});
+        shared.emplace(p.unsafeGetTensorImpl(), p.grad());
+        p.mutable_grad() = at::Tensor();
+      }
+    }
+  });
+  for (const auto& m : c.modules) {
+    if (!module_defers(m)) continue;
+    for (const auto& f : m.fused) {
+      if (f.set_flag && f.param.requires_grad()) landing.mark_flags.push_back([f] { f.set_flag(true); });
+    }
+  }
+  for (const auto& m : c.modules) {
+    if (module_defers(m) && m.run_hooks) landing.hooks.push_back(m.run_hooks);
+  }
+  slot.after_dw = std::move(landing);
+}
+
+void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args) {
+  DWGRAPH_CHECK_ARG(!callables_.empty(), kApi, ": argument 'modules' must hold at least one callable, got none");
+  DWGRAPH_CHECK_ARG(opts_.num_warmup_iters >= 0, kApi, ": argument 'num_warmup_iters' must be >= 0, got ",
+                    opts_.num_warmup_iters);
+  const size_t n = callables_.size();
+  if (opts_.schedule.has_value()) {
+    schedule_ = *opts_.schedule;
+    DWGRAPH_CHECK_ARG(schedule_.num_callables() == n, kApi, ": the schedule is for ", schedule_.num_callables(),
+                      " callables, got ", n);
+  } else if (opts_.order.has_value()) {
+    schedule_ = Schedule::pipeline(*opts_.order, opts_.num_layers_per_chunk, n);
+  } else {
+    DWGRAPH_CHECK_ARG(!opts_.num_layers_per_chunk.has_value(), kApi,
+                      ": argument 'num_layers_per_chunk' needs 'order' (the pipeline schedule)");
+    schedule_ = Schedule::sequential(n);
+  }
+  for (const auto& c : callables_) {
+    DWGRAPH_CHECK_ARG(c.forward != nullptr, kApi, ": callable '", c.name, "' has no forward function");
+    DWGRAPH_CHECK_ARG(c.parameters.size() == c.parameter_names.size(), kApi, ": callable '", c.name, "' has ",
+                      c.parameters.size(), " parameters but ", c.parameter_names.size(), " parameter names");
+    bool defers = false;
+    for (const auto& m : c.modules) {
+      DWGRAPH_CHECK_ARG(!m.defers || m.backward_dw != nullptr, kApi, ": module '", m.name, "' of callable '", c.name,
+                        "' defers its weight gradients but has no backward_dw");
+      defers = defers || module_defers(m);
+    }
+    defers_.push_back(defers);
+  }
+  schedule_.check_deferred(defers_);
+  DWGRAPH_CHECK_ARG(sample_args.size() == schedule_.num_slots(), kApi, ": argument 'sample_args' must hold one entry per ",
+                    schedule_.pipelined() ? "(callable, microbatch) slot (" : "callable (", schedule_.num_slots(),
+                    "), got ", sample_args.size());
+  bool device_set = false;
+  for (size_t s = 0; s < schedule_.num_slots(); ++s) {
+    Slot slot;
+    slot.info = schedule_.slot(s);
+    for (size_t i = 0; i < sample_args[s].size(); ++i) {
+      const at::Tensor& a = sample_args[s][i];
+      DWGRAPH_CHECK_ARG(a.defined(), kApi, ": sample_args[", s, "][", i, "] must be a tensor, got an undefined one");
+      if (!device_set) {
+        device_ = a.device();
+        device_set = true;
+      }
+      DWGRAPH_CHECK_ARG(a.device() == device_, kApi, ": sample_args[", s, "][", i, "] must be on ", device_,
+                        " (the device of the first sample argument), got ", a.device());
+    }
+    slot.inputs = StaticInputs(sample_args[s]);
+    slots_.push_back(std::move(slot));
+  }
+  for (const auto& c : callables_) {
+    for (size_t i = 0; i < c.parameters.size(); ++i) {
+      DWGRAPH_CHECK_ARG(c.parameters[i].device() == device_, kApi, ": parameter '", c.parameter_names[i], "' of '",
+                        c.name, "' must be on ", device_, " (the device of the sample arguments), got ",
+                        c.parameters[i].device());
+    }
+    std::vector<FusedParameter> fused;
+    for (const auto& m : c.modules) fused.insert(fused.end(), m.fused.begin(), m.fused.end());
+    params_.emplace_back(c.parameter_names, c.parameters, c.current_parameters, c.parameters_version);
+    main_grads_.emplace_back(std::move(fused));
+  }
+  pool_ = opts_.pool ? opts_.pool : make_pool(device_);
+  DWGRAPH_CHECK_ARG(pool_->device().type() == device_.type(), kApi, ": argument 'pool' is a pool of ",
+                    pool_->device(), " but the sample arguments are on ", device_);
+
+  // Warmup and capture leave no trace (SPEC C3, C8): the guard puts back .grad,
+  // parameter, buffer and main_grad contents, flags, queued units and the RNG, whether
+  // they finish or raise.
+  CallerStateGuard guard(caller_state());
+  if (opts_.num_warmup_iters > 0) {
+    guard.clear_grads();
+    run_on_capture_stream(pool_, [this] { warmup(); });
+    guard.restore_grads();
+  }
+  guard.restore_rng();
+  guard.retain_consumed_units();  // Note [Backward-dw graphs are captured last]
+  try {
+    for (const auto& step : schedule_.capture_steps(defers_)) {
+      switch (step.phase) {
+        case Phase::kForward:
+          capture_fwd(step.slot);
+          break;
+        case Phase::kBackward:
+          capture_bwd(step.slot);
+          break;
+        case Phase::kBackwardDw:
+          capture_dw(step.slot);
+          break;
+      }
+    }
+  } catch (...) {
+    for (auto& slot : slots_) {
+      for (auto* g : {&slot.fwd, &slot.bwd, &slot.dw}) {
+        if (*g) (*g)->reset();
+        g->reset();
+      }
+    }
+    shared_contributions_.clear();
+    pool_.reset();
+    throw;
+  }
+}
+
+std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
+    std::vector<GraphableCallable> callables, const std::vector<std::vector<at::Tensor>>& sample_args,
+    GraphedCallableOptions options) {
+  auto manager = std::make_shared<GraphManager>(std::move(callables), std::move(options));
+  manager->build(sample_args);
+  std::vector<std::shared_ptr<GraphedCallable>> out;
+  for (size_t s = 0; s < manager->num_slots(); ++s) {
+    out.push_back(std::shared_ptr<GraphedCallable>(new GraphedCallable(manager, s)));
+  }
+  return out;
+}
+
+}  // namespace dwgraph::graphs

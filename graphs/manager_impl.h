@@ -1,0 +1,119 @@
+#pragma once
+// The GraphManager behind make_graphed_callables (dwgraph::graphs, internal): its capture
+// half is manager_capture.cpp, its replay half manager_replay.cpp.
+//
+// Note [Backward-dw graphs are captured last]: in the sequential schedule the manager
+// captures all forwards, all backwards in reverse, and only then the backward-dw graphs,
+// with every wgrad unit the backward captures queued (the dy and x each deferred GEMM
+// reads) kept allocated until the last backward-dw graph is captured. No backward graph
+// and no other backward-dw graph can then be placed in the memory a backward-dw graph
+// reads, so the natural use (loss.backward(), then each module's backward_dw(), in any
+// order) replays safely. TransformerEngine captures each backward-dw right after its
+// backward, which lets the next backward's capture reuse the queued inputs; replaying
+// the backward-dw graphs after all backwards would then read overwritten memory.
+//
+// Note [Contributions are shared across microbatches]: each deferred parameter's
+// gradient lands, during capture, in a fresh graph-pool buffer (its contribution), which
+// every replay of that backward-dw graph hands off to .grad right after the replay. The
+// backward-dw graphs of one callable's microbatches (pipeline schedule) write the same
+// buffer: the first capture allocates it, later ones zero it in the graph and land into
+// it. A contribution is handed off before any other backward-dw replay can write it, so
+// one buffer serves every microbatch, and contribution memory does not grow with the
+// number of microbatches. A parameter tied between two modules of one callable gets one
+// buffer per module, so the hand-off adds a, then b, exactly as eager modules land them.
+//
+// Note [Slot states]: each slot follows its calls: idle -> forward replayed (its backward
+// pending while the autograd node lives) -> backward replayed (backward-dw pending when
+// it has deferred weights and the backward asked for them) -> idle. A second call while
+// a backward or backward-dw of the slot is pending is refused: the graphs have one set of
+// saved activations per slot, and the schedule gives a callable one slot per microbatch.
+// The pool's replay order (graphs/pool_order.h) guards what the slots share.
+
+#include "graphs/caller_state.h"
+#include "graphs/landing.h"
+#include "graphs/manager.h"
+
+#include <map>
+#include <mutex>
+
+namespace dwgraph::graphs {
+
+enum class SlotState { kIdle, kForward, kDwPending };
+
+struct Slot {
+  SlotInfo info;
+  StaticInputs inputs;
+  std::vector<at::Tensor> captured_outputs;  // with the capture's autograd graph, until bwd capture
+  std::vector<at::Tensor> static_outputs;
+  std::vector<bool> output_requires_grad;
+  std::vector<at::Tensor> static_grad_outputs;
+  // Gradient targets of the backward graph: inputs that require grad, then parameters
+  // that require grad; the graph's results land in static_grad_inputs.
+  std::vector<size_t> grad_input_indices;
+  std::vector<size_t> grad_param_indices;
+  std::vector<bool> param_edge_deferred;  // per grad_param_indices: lands in backward_dw()
+  std::vector<at::Tensor> static_grad_inputs;
+  std::unique_ptr<Graph> fwd, bwd, dw;
+  Landing after_backward;  // flags and hooks of modules without deferral
+  Landing after_dw;        // hand-off, flags and hooks of deferring modules
+  bool captured_training = true;
+  // Replay state (Note [Slot states]), guarded by GraphManager::mu_.
+  SlotState state = SlotState::kIdle;
+  uint64_t generation = 0;  // of the latest forward that created an autograd node
+};
+
+class GraphManager : public std::enable_shared_from_this<GraphManager> {
+ public:
+  GraphManager(std::vector<GraphableCallable> callables, GraphedCallableOptions opts);
+
+  void build(const std::vector<std::vector<at::Tensor>>& sample_args);
+
+  // Replay half.
+  std::vector<at::Tensor> call(size_t s, const std::vector<at::Tensor>& inputs);
+  std::vector<at::Tensor> backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
+                                   bool deferred_asked);
+  void node_released(size_t s, uint64_t generation) noexcept;
+  void backward_dw(size_t s);
+  bool need_backward_dw(size_t s) const { return defers_[slots_.at(s).info.callable]; }
+  bool replays(size_t s) const;
+  void reset();
+  int64_t contribution_bytes(size_t s) const;
+  GraphedStats stats() const;
+  const std::string& name(size_t s) const { return callables_.at(slots_.at(s).info.callable).name; }
+  size_t callable_index(size_t s) const { return slots_.at(s).info.callable; }
+  size_t num_slots() const { return slots_.size(); }
+  const Landing& after_backward(size_t s) const { return slots_.at(s).after_backward; }
+  const std::vector<bool>& param_edge_deferred(size_t s) const { return slots_.at(s).param_edge_deferred; }
+
+ private:
+  // Capture half.
+  std::string where(size_t s) const;
+  CallerState caller_state() const;
+  void name_storages(Graph& g, size_t s) const;
+  template <class Body>
+  void capture(std::unique_ptr<Graph>& g, Phase phase, size_t s, Body&& body);
+  void warmup();
+  void capture_fwd(size_t s);
+  void capture_bwd(size_t s);
+  void capture_dw(size_t s);
+  std::vector<at::Tensor> backward_targets(size_t s, bool for_capture);
+  bool module_defers(const ModuleSpec& m) const;
+  void check_live(const char* what) const;
+  void run_eager_backward_dw(size_t s);
+
+  std::vector<GraphableCallable> callables_;
+  GraphedCallableOptions opts_;
+  Schedule schedule_ = Schedule::sequential(1);
+  std::vector<bool> defers_;  // per callable: some module defers trainable weights
+  std::vector<Slot> slots_;
+  std::shared_ptr<GraphPool> pool_;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  std::vector<CapturedParameters> params_;    // per callable
+  std::vector<CapturedMainGrads> main_grads_;  // per callable
+  // Note [Contributions are shared across microbatches]: (callable, module) -> parameter -> buffer.
+  std::map<std::pair<size_t, size_t>, std::map<const void*, at::Tensor>> shared_contributions_;
+  mutable std::mutex mu_;  // slot states; never held while calling out
+  bool reset_ = false;
+};
+
+}  // namespace dwgraph::graphs

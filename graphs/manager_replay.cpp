@@ -1,0 +1,285 @@
+// The replay half of the GraphManager: calls, the graphed backward node, backward_dw()
+// and its hand-off (graphs/manager_impl.h, Note [Slot states]).
+#include "graphs/manager_impl.h"
+
+#include "common/autograd_node.h"
+#include "common/check.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <unordered_set>
+
+namespace dwgraph::graphs {
+namespace {
+
+class GraphedBackward final : public torch::autograd::Node {
+ public:
+  GraphedBackward(std::shared_ptr<GraphManager> m, size_t slot, uint64_t generation)
+      : manager_(std::move(m)), slot_(slot), generation_(generation) {}
+  ~GraphedBackward() override { manager_->node_released(slot_, generation_); }
+  std::string name() const override { return "dwgraph::GraphedBackward"; }
+
+  // Called by the engine after a backward without retain_graph, as for nodes that free
+  // their saved tensors: a later backward through this node is refused, as eager's is.
+  void release_variables() override { released_ = true; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    DWGRAPH_CHECK_STATE(!released_, "dwgraph: backward through a graphed call a second time, but the first "
+                        "backward did not keep the graph; specify retain_graph=True the first time (as eager "
+                        "autograd requires)");
+    // Did this backward ask for a deferred parameter's gradient? (torch.autograd.grad with
+    // respect to the inputs only does not; then no backward-dw is pending, as eager
+    // modules queue no unit.)
+    const auto& deferred = manager_->param_edge_deferred(slot_);
+    const size_t first_param = num_outputs() - deferred.size();
+    bool asked = false;
+    for (size_t k = 0; k < deferred.size() && !asked; ++k) {
+      asked = deferred[k] && should_compute_output(first_param + k);
+    }
+    auto out = manager_->backward(slot_, generation_, grads, asked);
+    if (!manager_->after_backward(slot_).empty()) {
+      // After autograd has accumulated what this node returns: at the end of the backward.
+      torch::autograd::Engine::get_default_engine().queue_callback(
+          [m = manager_, s = slot_] { m->after_backward(s).land(); });
+    }
+    return out;
+  }
+
+ private:
+  std::shared_ptr<GraphManager> manager_;
+  size_t slot_;
+  uint64_t generation_;
+  bool released_ = false;
+};
+
+// A plain alias of `t` (no autograd view tracking), so a node can own its history.
+at::Tensor plain_alias(const at::Tensor& t) {
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return t.view(t.sizes());
+}
+
+}  // namespace
+
+void GraphManager::check_live(const char* what) const {
+  DWGRAPH_CHECK_STATE(!reset_, "dwgraph: ", what, " after reset(): the graphs, their pool and contributions were "
+                               "released; build new graphed callables with make_graphed_callables");
+}
+
+bool GraphManager::replays(size_t s) const {
+  const Slot& slot = slots_.at(s);
+  const auto& c = callables_[slot.info.callable];
+  return !c.is_training || c.is_training() == slot.captured_training;
+}
+
+std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tensor>& inputs) {
+  check_live("calling a graphed callable");
+  Slot& slot = slots_.at(s);
+  const auto& c = callables_[slot.info.callable];
+  if (!replays(s)) return c.forward(inputs);  // a mode the graphs were not captured in: run eagerly
+  const std::string w = where(s);
+  slot.inputs.check(inputs, w);
+  params_[slot.info.callable].check(w);
+  main_grads_[slot.info.callable].check(w);
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    DWGRAPH_CHECK_STATE(slot.state != SlotState::kDwPending, w,
+                        ": called again while the backward_dw() of its previous backward is pending; call "
+                        "backward_dw() first");
+    DWGRAPH_CHECK_STATE(slot.state != SlotState::kForward, w,
+                        ": called again while the backward of its previous call is pending (its outputs are "
+                        "still part of an autograd graph); the graphs keep one set of saved activations per "
+                        "slot. Run that backward first (or drop its outputs), or give each microbatch its own "
+                        "slot with a pipeline 'order'");
+  }
+  slot.inputs.copy_in(inputs);
+  slot.fwd->replay();
+  std::vector<at::Tensor> outs;
+  outs.reserve(slot.static_outputs.size());
+  for (const auto& o : slot.static_outputs) outs.push_back(plain_alias(o));
+  bool needs_node = false;
+  for (bool r : slot.output_requires_grad) needs_node = needs_node || r;
+  if (!(needs_node && at::GradMode::is_enabled() && slot.bwd)) return outs;
+  uint64_t generation;
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    generation = ++slot.generation;
+    slot.state = SlotState::kForward;
+  }
+  // Autograd edges: inputs that require grad, then parameters (as captured).
+  auto node = dwgraph::detail::make_node<GraphedBackward>(shared_from_this(), s, generation);
+  torch::autograd::edge_list edges;
+  for (size_t i : slot.grad_input_indices) {
+    edges.push_back(inputs[i].requires_grad() ? torch::autograd::impl::gradient_edge(inputs[i]) : torch::autograd::Edge());
+  }
+  for (size_t i : slot.grad_param_indices) edges.push_back(torch::autograd::impl::gradient_edge(c.parameters[i]));
+  node->set_next_edges(std::move(edges));
+  dwgraph::detail::NodePtr base = node;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (slot.output_requires_grad[i]) torch::autograd::set_history(outs[i], base);
+  }
+  return outs;
+}
+
+std::vector<at::Tensor> GraphManager::backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
+                                               bool deferred_asked) {
+  check_live("backward through a graphed callable");
+  Slot& slot = slots_.at(s);
+  const std::string w = where(s);
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    DWGRAPH_CHECK_STATE(generation == slot.generation, w, ": backward of an earlier call, whose saved activations "
+                        "a later call of the same slot has overwritten (the first backward kept the graph with "
+                        "retain_graph=True); run each call's backwards before calling it again");
+    DWGRAPH_CHECK_STATE(slot.state != SlotState::kDwPending, w, ": a second backward (retain_graph=True) while the "
+                        "backward_dw() of the first is pending; the graphs hold one unit of weight-gradient work "
+                        "per slot: call backward_dw() between the backwards");
+  }
+  params_[slot.info.callable].check(w);
+  main_grads_[slot.info.callable].check(w);
+  {
+    const at::NoGradGuard no_grad;
+    size_t k = 0;
+    for (size_t i = 0; i < slot.static_outputs.size(); ++i) {
+      if (!slot.output_requires_grad[i]) continue;
+      const at::Tensor& g = k < grads.size() ? grads[k] : at::Tensor();
+      ++k;
+      at::Tensor& dst = slot.static_grad_outputs[i];
+      if (!g.defined()) {
+        dst.zero_();
+      } else if (g.data_ptr() != dst.data_ptr()) {
+        dst.copy_(g);
+      }
+    }
+  }
+  slot.bwd->replay();
+  // The caller owns what autograd receives: never the buffers the next replay rewrites.
+  std::vector<at::Tensor> out;
+  out.reserve(slot.static_grad_inputs.size());
+  for (const auto& g : slot.static_grad_inputs) out.push_back(g.defined() ? g.clone() : at::Tensor());
+  const std::lock_guard<std::mutex> lock(mu_);
+  slot.state = defers_[slot.info.callable] && deferred_asked ? SlotState::kDwPending : SlotState::kIdle;
+  return out;
+}
+
+void GraphManager::node_released(size_t s, uint64_t generation) noexcept {
+  const std::lock_guard<std::mutex> lock(mu_);
+  if (s >= slots_.size()) return;
+  Slot& slot = slots_[s];
+  // The forward's outputs were dropped without a backward: nothing is pending any more.
+  if (slot.generation == generation && slot.state == SlotState::kForward) slot.state = SlotState::kIdle;
+}
+
+void GraphManager::backward_dw(size_t s) {
+  check_live("backward_dw()");
+  Slot& slot = slots_.at(s);
+  const std::string w = where(s);
+  DWGRAPH_CHECK_STATE(defers_[slot.info.callable], w, ".backward_dw(): it has no module with deferred weight gradients");
+  SlotState state;
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    state = slot.state;
+  }
+  if (state != SlotState::kDwPending) {
+    run_eager_backward_dw(s);
+    return;
+  }
+  params_[slot.info.callable].check(w);
+  main_grads_[slot.info.callable].check(w);
+  slot.after_dw.check(w + ".backward_dw()");  // before anything is written
+  slot.dw->replay();
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    slot.state = SlotState::kIdle;
+  }
+  slot.after_dw.land();
+}
+
+void GraphManager::run_eager_backward_dw(size_t s) {
+  // Units the modules queued themselves: calls that ran eagerly (a training mode the
+  // graphs were not captured in). Run them as the modules' own backward_dw() would.
+  const Slot& slot = slots_.at(s);
+  const auto& c = callables_[slot.info.callable];
+  bool any = false;
+  for (const auto& m : c.modules) any = any || (module_defers(m) && m.store && !m.store->empty());
+  SlotState state;
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    state = slot.state;
+  }
+  DWGRAPH_CHECK_STATE(any, where(s), ".backward_dw(): ",
+                      state == SlotState::kForward ? "its backward has not run yet"
+                                                   : "no backward is pending (called before any backward, or twice)");
+  for (const auto& m : c.modules) {
+    if (!module_defers(m) || !m.store || m.store->empty()) continue;
+    m.backward_dw();
+    if (m.run_hooks) m.run_hooks();
+  }
+}
+
+void GraphManager::reset() {
+  for (auto& slot : slots_) {
+    for (auto* g : {&slot.fwd, &slot.bwd, &slot.dw}) {
+      if (*g) (*g)->reset();
+      g->reset();
+    }
+    slot.after_dw = Landing();
+    slot.after_backward = Landing();
+    slot.inputs.clear();
+    slot.static_outputs.clear();
+    slot.captured_outputs.clear();
+    slot.static_grad_outputs.clear();
+    slot.static_grad_inputs.clear();
+  }
+  shared_contributions_.clear();
+  pool_.reset();
+  reset_ = true;
+}
+
+int64_t GraphManager::contribution_bytes(size_t s) const {
+  int64_t n = 0;
+  for (const auto& c : slots_.at(s).after_dw.contributions) n += static_cast<int64_t>(c.buffer.nbytes());
+  return n;
+}
+
+GraphedStats GraphManager::stats() const {
+  GraphedStats st;
+  if (pool_) st.pool = pool_->stats();
+  auto bytes = [](const std::vector<at::Tensor>& v) {
+    int64_t n = 0;
+    for (const auto& t : v) n += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+    return n;
+  };
+  std::unordered_set<const void*> seen;
+  for (const auto& slot : slots_) {
+    for (const auto& c : slot.after_dw.contributions) {
+      if (seen.insert(c.buffer.storage().data()).second) st.contribution_bytes += static_cast<int64_t>(c.buffer.nbytes());
+    }
+    st.static_bytes += slot.inputs.nbytes() + bytes(slot.static_outputs) + bytes(slot.static_grad_outputs) +
+                       bytes(slot.static_grad_inputs);
+    for (const auto* g : {&slot.fwd, &slot.bwd, &slot.dw}) {
+      if (!*g) continue;
+      ++st.num_graphs;
+      st.num_kernels += (*g)->num_kernels();
+    }
+  }
+  return st;
+}
+
+// ---- GraphedCallable ------------------------------------------------------------------
+
+std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor>& inputs) {
+  return manager_->call(index_, inputs);
+}
+bool GraphedCallable::replays() const { return manager_->replays(index_); }
+void GraphedCallable::backward_dw() { manager_->backward_dw(index_); }
+bool GraphedCallable::need_backward_dw() const { return manager_->need_backward_dw(index_); }
+void GraphedCallable::reset() { manager_->reset(); }
+int64_t GraphedCallable::contribution_bytes() const { return manager_->contribution_bytes(index_); }
+size_t GraphedCallable::callable_index() const { return manager_->callable_index(index_); }
+const std::string& GraphedCallable::name() const { return manager_->name(index_); }
+GraphedStats GraphedCallable::stats() const { return manager_->stats(); }
+
+}  // namespace dwgraph::graphs

@@ -1,0 +1,157 @@
+#include "graphs/pool_order.h"
+
+#include "common/check.h"
+
+#include <algorithm>
+
+namespace dwgraph::graphs {
+
+void PoolOrder::assign(Intervals& map, uintptr_t begin, uintptr_t end, GraphId g) {
+  if (begin >= end) return;
+  // Cut the intervals that straddle begin or end, then replace everything inside.
+  auto it = map.lower_bound(begin);
+  if (it != map.begin()) {
+    auto prev = std::prev(it);
+    if (prev->second.first > begin) {
+      const auto [old_end, old_g] = prev->second;
+      prev->second.first = begin;
+      if (old_end > end) map.emplace(end, std::make_pair(old_end, old_g));
+      if (old_end > begin) it = map.lower_bound(begin);
+    }
+  }
+  while (it != map.end() && it->first < end) {
+    const auto [old_end, old_g] = it->second;
+    it = map.erase(it);
+    if (old_end > end) {
+      map.emplace(end, std::make_pair(old_end, old_g));
+      break;
+    }
+  }
+  if (g != 0) map.emplace(begin, std::make_pair(end, g));
+}
+
+std::vector<PoolOrder::Range> PoolOrder::query(const Intervals& map, uintptr_t begin, uintptr_t end) {
+  // The pieces of [begin, end) with their graph; uncovered pieces have graph 0.
+  std::vector<Range> out;
+  uintptr_t at = begin;
+  auto it = map.upper_bound(begin);
+  if (it != map.begin()) --it;
+  for (; it != map.end() && it->first < end; ++it) {
+    const uintptr_t b = std::max(it->first, begin);
+    const uintptr_t e = std::min(it->second.first, end);
+    if (e <= b) continue;
+    if (b > at) out.push_back(Range{at, b, 0});
+    out.push_back(Range{b, e, it->second.second});
+    at = e;
+  }
+  if (at < end) out.push_back(Range{at, end, 0});
+  return out;
+}
+
+PoolOrder::GraphId PoolOrder::add_graph(std::string name, const std::vector<MemoryAccess>& accesses) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  const GraphId id = next_id_++;
+  GraphInfo info;
+  info.name = std::move(name);
+  Intervals own;  // bytes this graph has written so far, in kernel order
+  for (const auto& a : accesses) {
+    if (a.begin >= a.end) continue;
+    if (a.kind != MemoryAccess::Kind::kWrite) {
+      for (const auto& piece : query(own, a.begin, a.end)) {
+        if (piece.graph != 0) continue;  // written earlier by this graph
+        for (const auto& w : query(captured_writer_, piece.begin, piece.end)) {
+          if (w.graph == 0) continue;  // never written by a graph: nothing to expect
+          info.expects.push_back(Range{w.begin, w.end, w.graph});
+          graphs_.at(w.graph).readers.push_back(Range{w.begin, w.end, id});
+        }
+      }
+    }
+    if (a.kind != MemoryAccess::Kind::kRead) {
+      assign(own, a.begin, a.end, id);
+      info.writes.emplace_back(a.begin, a.end);
+    }
+  }
+  for (const auto& [b, e] : info.writes) assign(captured_writer_, b, e, id);
+  graphs_.emplace(id, std::move(info));
+  return id;
+}
+
+void PoolOrder::remove_graph(GraphId id) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  auto it = graphs_.find(id);
+  if (it == graphs_.end()) return;
+  for (auto* map : {&captured_writer_, &replay_writer_}) {
+    for (const auto& [b, e] : it->second.writes) {
+      for (const auto& piece : query(*map, b, e)) {
+        if (piece.graph == id) assign(*map, piece.begin, piece.end, 0);
+      }
+    }
+  }
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                [&](const auto& p) { return p.first.graph == id || p.second == id; }),
+                 pending_.end());
+  for (auto& [other, info] : graphs_) {
+    info.readers.erase(std::remove_if(info.readers.begin(), info.readers.end(),
+                                      [&](const Range& r) { return r.graph == id; }),
+                       info.readers.end());
+  }
+  graphs_.erase(it);
+}
+
+void PoolOrder::set_name(GraphId id, std::string name) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  auto it = graphs_.find(id);
+  if (it != graphs_.end()) it->second.name = std::move(name);
+}
+
+std::string PoolOrder::name_of(GraphId g) const {
+  auto it = graphs_.find(g);
+  if (it == graphs_.end()) return "a released graph";
+  return it->second.name.empty() ? c10::str("graph #", g) : it->second.name;
+}
+
+void PoolOrder::set_enforced(bool on) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  enforced_ = on;
+}
+
+void PoolOrder::check_replay(GraphId id) const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  if (!enforced_) return;
+  const GraphInfo& me = graphs_.at(id);
+  for (const auto& want : me.expects) {
+    for (const auto& piece : query(replay_writer_, want.begin, want.end)) {
+      if (piece.graph == want.graph) continue;
+      DWGRAPH_RAISE(ErrorCode::kGraphState, "dwgraph: replaying the ", name_of(id), " now would read ",
+                    piece.end - piece.begin, " bytes of pool memory that hold the data of the ", name_of(want.graph),
+                    " at capture, but ",
+                    piece.graph == 0 ? c10::str("the ", name_of(want.graph), " has not been replayed since")
+                                     : c10::str("the ", name_of(piece.graph), " has overwritten them since"),
+                    ". Graphs that share a pool must replay in an order whose memory reuse matches the capture; "
+                    "replay them in capture order (or capture them in the order you replay). Nothing was run.");
+    }
+  }
+  for (const auto& [b, e] : me.writes) {
+    for (const auto& [need, writer] : pending_) {
+      if (need.graph == id || writer == id || need.end <= b || e <= need.begin) continue;
+      DWGRAPH_RAISE(ErrorCode::kGraphState, "dwgraph: replaying the ", name_of(id), " now would overwrite pool "
+                    "memory that holds data the ", name_of(writer), " wrote for the ", name_of(need.graph),
+                    ", which has not replayed yet. Graphs that share a pool must replay in an order whose memory "
+                    "reuse matches the capture: run the ", name_of(need.graph), " first (or capture in the order "
+                    "you replay). Nothing was run.");
+    }
+  }
+}
+
+void PoolOrder::replayed(GraphId id) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  const GraphInfo& me = graphs_.at(id);
+  for (const auto& [b, e] : me.writes) assign(replay_writer_, b, e, id);
+  // What this graph read is consumed; what it wrote before is superseded.
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                [&](const auto& p) { return p.first.graph == id || p.second == id; }),
+                 pending_.end());
+  for (const auto& r : me.readers) pending_.emplace_back(r, id);
+}
+
+}  // namespace dwgraph::graphs

@@ -1,0 +1,85 @@
+#pragma once
+// Replay order of the graphs that share one pool (namespace dwgraph::graphs).
+//
+// Note [Replay order on a shared pool]: a capture may place its memory in pool blocks an
+// earlier capture on the same pool freed. Replaying in capture order is then safe; other
+// orders may let one graph overwrite bytes another graph still has to read (a forward's
+// saved activations overwritten by a later microbatch's forward before the backward that
+// reads them), and nothing would fail: the gradients would just be wrong. PoolOrder
+// follows every pool byte range: at capture, in capture order, which graph last wrote it,
+// and so which graph's data each graph expects when it reads bytes it did not write
+// itself first; at replay, which graph really wrote it last. Before a replay it refuses,
+// with a GraphStateError naming both graphs and before anything is written,
+//  - a graph whose expected data was overwritten by another graph (or never written), and
+//  - a graph whose writes would destroy data another graph still has to read (data
+//    written by a replay whose reader has not replayed since).
+// Orders that differ from the capture but touch no shared bytes stay allowed (the
+// backward-dw graphs of the sequential schedule, which keep their inputs alive, replay in
+// any order). Only the pool's own memory is followed; static inputs and caller buffers are
+// not pool memory.
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace dwgraph::graphs {
+
+// One access of a recorded kernel to pool memory, [begin, end) in bytes.
+struct MemoryAccess {
+  enum class Kind { kRead, kWrite, kReadWrite };
+  uintptr_t begin = 0;
+  uintptr_t end = 0;
+  Kind kind = Kind::kRead;
+};
+
+class PoolOrder {
+ public:
+  using GraphId = uint64_t;
+
+  // Registers a graph whose capture just ended, with its accesses in kernel order. Graphs
+  // must be registered in the order they were captured on the pool.
+  GraphId add_graph(std::string name, const std::vector<MemoryAccess>& accesses);
+  // Forgets a graph (reset): bytes it last wrote become unknown, nothing waits for it.
+  void remove_graph(GraphId id);
+  void set_name(GraphId id, std::string name);
+
+  // Throws GraphStateError when replaying `id` now would read overwritten data or
+  // overwrite data another graph still needs. Changes nothing.
+  void check_replay(GraphId id) const;
+  // Records that `id` was replayed.
+  void replayed(GraphId id);
+  // Test-only: with false, check_replay() lets every order through, so a test can show
+  // the corruption the checks prevent (the negative control of SPEC C6).
+  void set_enforced(bool on);
+
+ private:
+  struct Range {
+    uintptr_t begin, end;
+    GraphId graph;  // the writer (expectations) or the reader (needs)
+  };
+  struct GraphInfo {
+    std::string name;
+    std::vector<Range> expects;  // bytes read before written, and their capture-time writer
+    std::vector<std::pair<uintptr_t, uintptr_t>> writes;
+    std::vector<Range> readers;  // graphs reading this graph's data, per range
+    bool alive = true;
+  };
+  // Interval map: start -> (end, graph), non-overlapping.
+  using Intervals = std::map<uintptr_t, std::pair<uintptr_t, GraphId>>;
+  static void assign(Intervals& map, uintptr_t begin, uintptr_t end, GraphId g);
+  static std::vector<Range> query(const Intervals& map, uintptr_t begin, uintptr_t end);
+  std::string name_of(GraphId g) const;
+
+  mutable std::mutex mu_;
+  std::map<GraphId, GraphInfo> graphs_;
+  GraphId next_id_ = 1;
+  bool enforced_ = true;
+  Intervals captured_writer_;  // capture-time simulation
+  Intervals replay_writer_;    // who really wrote each range last
+  // Data a replay wrote that a reader still has to read: (begin, end, reader) per writer.
+  std::vector<std::pair<Range, GraphId>> pending_;  // (range with reader, writer)
+};
+
+}  // namespace dwgraph::graphs

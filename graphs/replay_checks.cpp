@@ -1,0 +1,121 @@
+#include "graphs/replay_checks.h"
+
+#include "common/check.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <atomic>
+#include <unordered_map>
+
+namespace dwgraph::graphs {
+namespace {
+std::atomic<uint64_t> g_registration_version{1};
+}  // namespace
+
+uint64_t registration_version() { return g_registration_version.load(); }
+void bump_registration_version() { g_registration_version.fetch_add(1); }
+
+std::string describe(const at::Tensor& t) {
+  if (!t.defined()) return "None";
+  return c10::str("a ", t.scalar_type(), " tensor of shape ", t.sizes(), " on ", t.device(),
+                  t.requires_grad() ? " that requires grad" : "");
+}
+
+CapturedParameters::CapturedParameters(std::vector<std::string> names, std::vector<at::Tensor> params,
+                                       std::function<NamedTensors()> current, std::function<uint64_t()> version)
+    : names_(std::move(names)), params_(std::move(params)), current_(std::move(current)), version_(std::move(version)) {
+  TORCH_INTERNAL_ASSERT(names_.size() == params_.size());
+  for (const auto& p : params_) {
+    requires_grad_.push_back(p.requires_grad());
+    data_.push_back(p.data_ptr());
+  }
+  if (version_) {
+    verified_version_ = version_();
+    verified_ = true;
+  }
+}
+
+void CapturedParameters::check(const std::string& where) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i];
+    DWGRAPH_CHECK_STATE(p.requires_grad() == requires_grad_[i], where, ": parameter '", names_[i], "' ",
+                        requires_grad_[i] ? "no longer requires" : "now requires",
+                        " grad, so the graphs would give gradients to other parameters than eager code would; "
+                        "reset() and capture again after freezing or unfreezing parameters");
+    DWGRAPH_CHECK_STATE(p.data_ptr() == data_[i], where, ": parameter '", names_[i],
+                        "' was reallocated since capture (its data moved); the graphs would use the old memory. "
+                        "Update parameters in place, or reset() and capture again");
+  }
+  if (!current_) return;
+  if (version_ && verified_ && version_() == verified_version_) return;
+  const uint64_t version = version_ ? version_() : 0;
+  const NamedTensors now = current_();
+  std::unordered_map<std::string, const void*> captured;
+  for (size_t i = 0; i < params_.size(); ++i) captured.emplace(names_[i], params_[i].unsafeGetTensorImpl());
+  for (const auto& [name, t] : now) {
+    auto it = captured.find(name);
+    DWGRAPH_CHECK_STATE(it != captured.end(), where, ": parameter '", name, "' was added since capture; the graphs "
+                        "do not use it. reset() and capture again after changing the module");
+    DWGRAPH_CHECK_STATE(it->second == t.unsafeGetTensorImpl(), where, ": parameter '", name,
+                        "' was replaced since capture (e.g. module.", name, " = nn.Parameter(...), "
+                        "load_state_dict(..., assign=True) or a replaced submodule); the graphs would keep using "
+                        "and updating the old one. Copy new values in place (load_state_dict without assign), or "
+                        "reset() and capture again");
+    captured.erase(it);
+  }
+  DWGRAPH_CHECK_STATE(captured.empty(), where, ": parameter '", captured.empty() ? "" : captured.begin()->first,
+                      "' was removed since capture; reset() and capture again after changing the module");
+  verified_version_ = version;
+  verified_ = version_ != nullptr;
+}
+
+CapturedMainGrads::CapturedMainGrads(std::vector<FusedParameter> fused) : fused_(std::move(fused)) {
+  for (const auto& f : fused_) data_.push_back(f.main_grad().data_ptr());
+}
+
+void CapturedMainGrads::check(const std::string& where) const {
+  for (size_t i = 0; i < fused_.size(); ++i) {
+    const at::Tensor mg = fused_[i].main_grad();
+    DWGRAPH_CHECK_STATE(mg.defined() && mg.data_ptr() == data_[i], where, ": main_grad of parameter '",
+                        fused_[i].name, "' was replaced or reallocated since capture; the graphs accumulate into "
+                        "the captured buffer. Zero it in place instead, or reset() and capture again");
+  }
+}
+
+StaticInputs::StaticInputs(const std::vector<at::Tensor>& samples) {
+  for (const auto& t : samples) {
+    tensors_.push_back(t.defined() ? t.detach().clone().requires_grad_(t.requires_grad()) : at::Tensor());
+  }
+}
+
+void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::string& where) const {
+  DWGRAPH_CHECK_ARG(inputs.size() == tensors_.size(), where, ": expected ", tensors_.size(),
+                    " tensor arguments as at capture, got ", inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto& x = inputs[i];
+    const auto& st = tensors_[i];
+    DWGRAPH_CHECK_ARG(x.defined() == st.defined() &&
+                          (!x.defined() || (x.sizes() == st.sizes() && x.scalar_type() == st.scalar_type() &&
+                                            x.device() == st.device())),
+                      where, ": argument ", i, " must be ", describe(st.defined() ? st.detach() : st),
+                      " as at capture, got ", describe(x.defined() ? x.detach() : x));
+    DWGRAPH_CHECK_ARG(!x.defined() || !x.requires_grad() || st.requires_grad(), where, ": argument ", i,
+                      " requires grad but its sample did not, so the graphs compute no gradient for it; capture "
+                      "with a sample that requires grad (or detach the input)");
+  }
+}
+
+void StaticInputs::copy_in(const std::vector<at::Tensor>& inputs) const {
+  const at::NoGradGuard no_grad;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined() && inputs[i].data_ptr() != tensors_[i].data_ptr()) tensors_[i].copy_(inputs[i]);
+  }
+}
+
+int64_t StaticInputs::nbytes() const {
+  int64_t n = 0;
+  for (const auto& t : tensors_) n += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+  return n;
+}
+
+}  // namespace dwgraph::graphs

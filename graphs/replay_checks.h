@@ -1,0 +1,89 @@
+#pragma once
+// The checks every replay makes before it writes anything (namespace dwgraph::graphs),
+// shared by make_graphed_callables and graphed_step (SPEC C7, C8): the parameters are the
+// ones captured (same objects, same requires_grad, same memory), main_grad is the buffer
+// captured, the inputs match the static inputs the graph reads.
+
+#include "graphs/module_spec.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dwgraph::graphs {
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// A process-wide counter the front ends move whenever any module (re)registers a
+// parameter or a submodule (Python: torch's global registration hooks). A
+// CapturedParameters with a version function asks its callable for its current
+// parameters only after the counter moved, so the common replay pays nothing for it.
+uint64_t registration_version();
+void bump_registration_version();
+
+class CapturedParameters {
+ public:
+  CapturedParameters() = default;
+  // `current` (optional) lists the parameters the callable has now, by name; `version`
+  // (optional) says when that list may have changed (registration_version).
+  CapturedParameters(std::vector<std::string> names, std::vector<at::Tensor> params,
+                     std::function<NamedTensors()> current = nullptr, std::function<uint64_t()> version = nullptr);
+
+  // GraphStateError naming the parameter when one was replaced, added or removed, changed
+  // requires_grad, or had its memory moved (`.data = ...`, a re-allocation) since capture.
+  void check(const std::string& where) const;
+  const std::vector<at::Tensor>& tensors() const { return params_; }
+  const std::vector<std::string>& names() const { return names_; }
+
+ private:
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> params_;
+  std::vector<bool> requires_grad_;
+  std::vector<const void*> data_;
+  std::function<NamedTensors()> current_;
+  std::function<uint64_t()> version_;
+  mutable uint64_t verified_version_ = 0;
+  mutable bool verified_ = false;
+};
+
+class CapturedMainGrads {
+ public:
+  CapturedMainGrads() = default;
+  explicit CapturedMainGrads(std::vector<FusedParameter> fused);
+  // GraphStateError naming the parameter when its main_grad is not the buffer captured
+  // (the graphs accumulate into that one).
+  void check(const std::string& where) const;
+
+ private:
+  std::vector<FusedParameter> fused_;
+  std::vector<const void*> data_;
+};
+
+class StaticInputs {
+ public:
+  StaticInputs() = default;
+  // Manager-owned copies of `samples` (undefined stays undefined), leaves with the same
+  // requires_grad.
+  explicit StaticInputs(const std::vector<at::Tensor>& samples);
+  const std::vector<at::Tensor>& tensors() const { return tensors_; }
+  // ArgumentError naming the argument for a count, shape, dtype or device that differs
+  // from capture, and for an input that requires grad where the sample did not (the graph
+  // computes no gradient for it).
+  void check(const std::vector<at::Tensor>& inputs, const std::string& where) const;
+  // Copies `inputs` in (skipping those already in place).
+  void copy_in(const std::vector<at::Tensor>& inputs) const;
+  int64_t nbytes() const;
+  void clear() { tensors_.clear(); }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+};
+
+// "a float tensor of shape [2, 3] on cpu"
+std::string describe(const at::Tensor& t);
+
+}  // namespace dwgraph::graphs
