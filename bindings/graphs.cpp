@@ -10,19 +10,15 @@
 namespace py = pybind11;
 
 namespace dwgraph::bindings {
-namespace {
-
-py::dict stats_dict(const allocator::PoolStats& s) {
+py::dict pool_stats_dict(const allocator::PoolStats& s, const std::string& prefix) {
   py::dict d;
-  d["reserved_bytes"] = s.reserved_bytes;
-  d["allocated_bytes"] = s.allocated_bytes;
-  d["peak_allocated_bytes"] = s.peak_allocated_bytes;
-  d["live_blocks"] = s.live_blocks;
-  d["num_allocations"] = s.num_allocations;
+  d[py::str(prefix + "reserved_bytes")] = s.reserved_bytes;
+  d[py::str(prefix + "allocated_bytes")] = s.allocated_bytes;
+  d[py::str(prefix + "peak_allocated_bytes")] = s.peak_allocated_bytes;
+  d[py::str(prefix + "live_blocks")] = s.live_blocks;
+  d[py::str(prefix + "num_allocations")] = s.num_allocations;
   return d;
 }
-
-}  // namespace
 
 void init_graphs(py::module_& parent) {
   auto m = parent.def_submodule("graphs", "Graph backends and private pools");
@@ -31,7 +27,7 @@ void init_graphs(py::module_& parent) {
 
   py::class_<GraphPool, std::shared_ptr<GraphPool>>(m, "GraphPool")
       .def_property_readonly("device", &GraphPool::device)
-      .def("stats", [](const GraphPool& p) { return stats_dict(p.stats()); })
+      .def("stats", [](const GraphPool& p) { return pool_stats_dict(p.stats(), ""); })
       // Test-only negative control: replays in any order, corrupting as CUDA would.
       .def("_set_order_checks", [](GraphPool& p, bool on) { p.order().set_enforced(on); }, py::arg("on"));
 

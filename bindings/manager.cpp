@@ -49,10 +49,7 @@ std::vector<double> order_values(const py::sequence& order) {
 }
 
 py::dict stats_dict(const GraphedStats& s) {
-  py::dict d;
-  d["pool_reserved_bytes"] = s.pool.reserved_bytes;
-  d["pool_allocated_bytes"] = s.pool.allocated_bytes;
-  d["pool_peak_allocated_bytes"] = s.pool.peak_allocated_bytes;
+  py::dict d = pool_stats_dict(s.pool, "pool_");
   d["contribution_bytes"] = s.contribution_bytes;
   d["static_bytes"] = s.static_bytes;
   d["num_graphs"] = s.num_graphs;

@@ -134,13 +134,15 @@ def _refuse_hooks(index: int, module: torch.nn.Module) -> None:
                 "may be trainable (a buffer's gradient would not be handed to anyone)")
 
 
-def _refuse_autocast_cache() -> None:
+def _refuse_autocast_cache(api: str, what: str, fix: str) -> None:
+    """The autocast weight cache keeps cast weights across calls; a graph would read them
+    after autocast frees them. Shared by make_graphed_callables and graphed_step."""
     for device_type in ("cpu", "cuda"):
         if torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
             raise ArgumentError(
-                f"dwgraph.make_graphed_callables: capture under torch.autocast('{device_type}') with the autocast "
-                "weight cache enabled; the cache keeps cast weights from before the capture, which the graphs would "
-                "read after autocast frees them. Use torch.autocast(..., cache_enabled=False) around the capture")
+                f"{api}: {what} under torch.autocast('{device_type}') with the autocast weight cache enabled; the "
+                f"cache keeps cast weights from outside the graph, which the graph would read after autocast frees "
+                f"them. {fix}")
 
 
 # -- pytrees --------------------------------------------------------------------------------
@@ -354,7 +356,8 @@ def make_graphed_callables(
         raise ArgumentError(f"dwgraph.make_graphed_callables: argument 'sample_kwargs' must hold one dict per "
                             f"{'slot' if order is not None else 'callable'} ({num_slots}), got {len(sample_kwargs)}")
     hooks = _canonical_capture_time_hooks(capture_time_hooks, len(modules))
-    _refuse_autocast_cache()
+    _refuse_autocast_cache("dwgraph.make_graphed_callables", "capture",
+                           "Use torch.autocast(..., cache_enabled=False) around the capture")
 
     # One input signature per callable, the same for each of its slots.
     in_sigs: List[Optional[_Signature]] = [None] * len(modules)

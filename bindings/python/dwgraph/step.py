@@ -149,8 +149,12 @@ def _flatten(obj, tensors: List[torch.Tensor], path: str):
     if isinstance(obj, _BY_IDENTITY) or (callable(obj) and not dataclasses.is_dataclass(obj) and
                                          not hasattr(obj, "__dict__")):
         return f"{type(obj).__name__}@{id(obj):x}", lambda ts, v=obj: v
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        parts = {f.name: _flatten(getattr(obj, f.name), tensors, f"{path}.{f.name}") for f in dataclasses.fields(obj)}
+    if (dataclasses.is_dataclass(obj) and not isinstance(obj, type)) or (
+            pytree.SUPPORTED_NODES.get(pytree._get_node_type(obj)) is None and hasattr(obj, "__dict__")):
+        # Dataclasses (frozen ones too) and objects with attributes: a shallow copy with
+        # the tensors replaced.
+        names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else list(vars(obj))
+        parts = {k: _flatten(getattr(obj, k), tensors, f"{path}.{k}") for k in names}
 
         def rebuild(ts, obj=obj, parts=parts):
             new = copy.copy(obj)
@@ -166,16 +170,6 @@ def _flatten(obj, tensors: List[torch.Tensor], path: str):
         ctx_key = context if isinstance(context, (type(None), str, int, tuple, list)) else type(context).__name__
         return (f"{type(obj).__qualname__}{ctx_key!r}[{','.join(p[0] for p in parts)}]",
                 lambda ts, parts=parts, context=context: node.unflatten_fn([fn(ts) for _, fn in parts], context))
-    if hasattr(obj, "__dict__"):
-        attrs = {k: _flatten(v, tensors, f"{path}.{k}") for k, v in vars(obj).items()}
-
-        def rebuild(ts, obj=obj, attrs=attrs):
-            new = copy.copy(obj)
-            for name, (_, fn) in attrs.items():
-                object.__setattr__(new, name, fn(ts))
-            return new
-
-        return f"{type(obj).__qualname__}({','.join(f'{k}={v[0]}' for k, v in attrs.items())})", rebuild
     raise ArgumentError(f"dwgraph.graphed_step: argument {path} is a {type(obj).__qualname__}, which the step's graph "
                         "key cannot describe (it is neither a tensor, a number, a string, a container, a dataclass "
                         "nor an object with attributes); pass its tensors and values instead")
@@ -228,12 +222,10 @@ class GraphedStep:
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        for device_type in ("cpu", "cuda"):
-            if torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
-                raise ArgumentError(
-                    f"dwgraph.graphed_step: called under torch.autocast('{device_type}') with the autocast weight "
-                    "cache enabled; the cache keeps cast weights across calls, which a graph would read after "
-                    "autocast frees them. Enter autocast inside the step, or pass cache_enabled=False")
+        from .graphed import _refuse_autocast_cache
+
+        _refuse_autocast_cache("dwgraph.graphed_step", "called",
+                               "Enter autocast inside the step, or pass cache_enabled=False")
         version = _C.graphs.registration_version()
         if version != self._version:
             # A parameter or submodule was (re)registered somewhere: what the step trains may
