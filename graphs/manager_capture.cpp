@@ -393,6 +393,11 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
   DWGRAPH_CHECK_ARG(pool_->device().type() == device_.type(), kApi, ": argument 'pool' is a pool of ",
                     pool_->device(), " but the sample arguments are on ", device_);
 
+  for (size_t s = 0; s < slots_.size(); ++s) {
+    for (const auto& m : callables_[slots_[s].info.callable].modules) {
+      if (m.store && module_defers(m)) m.store->set_graph_owner(where(s));
+    }
+  }
   // Warmup and capture leave no trace (SPEC C3, C8): the guard puts back .grad,
   // parameter, buffer and main_grad contents, flags, queued units and the RNG, whether
   // they finish or raise.

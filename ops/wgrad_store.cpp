@@ -29,7 +29,10 @@ void WgradStore::run_oldest(const std::string& owner) {
     const std::lock_guard<std::mutex> lock(mu_);
     DWGRAPH_CHECK_STATE(!units_.empty(), owner,
                         ".backward_dw(): no deferred weight-gradient work is queued; expected "
-                        "one unit per backward (delay_wgrad_compute=True), got 0 queued units");
+                        "one unit per backward (delay_wgrad_compute=True), got 0 queued units",
+                        graph_owner_.empty() ? std::string()
+                                             : "; its graphed backward queues its work in the graphs of " +
+                                                   graph_owner_ + ": call that callable's backward_dw()");
     unit = std::move(units_.front());
     units_.pop_front();
   }
@@ -80,6 +83,11 @@ void WgradStore::restore_queued(std::unique_ptr<Stash> stash) {
     }
   }
   // The dropped closures free their tensors outside the lock.
+}
+
+void WgradStore::set_graph_owner(std::string owner) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  graph_owner_ = std::move(owner);
 }
 
 void WgradStore::suppress_hooks(bool on) {

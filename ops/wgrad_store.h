@@ -53,6 +53,10 @@ class WgradStore {
   // Drops what was queued or retained since take_queued() and restores the stash.
   void restore_queued(std::unique_ptr<Stash> stash);
 
+  // Names the graphed callable whose graphs hold this module's deferred work, so a
+  // backward_dw() on the module itself says where its work went ("" clears it).
+  void set_graph_owner(std::string owner);
+
   // While suppressed (a counter: nested captures), the module's wgrad hooks must not run:
   // warmup and capture of graphs are not training steps.
   void suppress_hooks(bool on);
@@ -70,6 +74,7 @@ class WgradStore {
   bool retain_consumed_ = false;
   uint64_t next_id_ = 1;
   int hooks_suppressed_ = 0;
+  std::string graph_owner_;
 
  public:
   struct Stash {

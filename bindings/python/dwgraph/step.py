@@ -239,11 +239,11 @@ class GraphedStep:
               f"{_hyperparameters(self._optimizers.values())}"
         self._current = (rebuild, key, tensors)
         try:
-            out = self._native(tensors, key)
+            out = iter(self._native(tensors, key))
         except _FoundMore:
-            out = self._native(tensors, key)  # capture again, now knowing everything it trains
-        spec = self._out_specs[key]
-        return pytree.tree_unflatten(out, spec)
+            out = iter(self._native(tensors, key))  # capture again, now knowing everything it trains
+        spec, is_tensor = self._out_specs[key]
+        return pytree.tree_unflatten([next(out) if t else None for t in is_tensor], spec)
 
     def _run_flat(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         rebuild, key, _ = self._current
@@ -296,8 +296,9 @@ class GraphedStep:
                 raise ArgumentError(
                     f"dwgraph.graphed_step: the step must return tensors (or None), got a {type(leaf).__name__}; "
                     "a graph would return the value of its capture forever. Return the tensor, not its .item()")
-        self._out_specs[key] = out_spec
-        return list(out_leaves)
+        is_tensor = [isinstance(leaf, torch.Tensor) for leaf in out_leaves]
+        self._out_specs[key] = (out_spec, is_tensor)
+        return [leaf for leaf in out_leaves if leaf is not None]
 
     # -- what the native step asks -------------------------------------------------------
     def _params(self):
