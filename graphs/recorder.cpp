@@ -24,6 +24,19 @@ bool is_write(const c10::Argument& a) {
   return false;
 }
 
+// Kernels that write an argument their schema does not mark as written: the running
+// statistics of batch norm in training mode. Treated as written (snapshotted and restored
+// after a host capture, followed by the pool's replay order) like declared writes.
+bool writes_undeclared(const c10::FunctionSchema& schema, size_t arg, const torch::jit::Stack& stack, size_t base) {
+  const auto& name = schema.operator_name().name;
+  if (name != "aten::native_batch_norm" && name != "aten::batch_norm" && name != "aten::_batch_norm_impl_index") {
+    return false;
+  }
+  if (arg != 3 && arg != 4) return false;  // running_mean, running_var
+  const c10::IValue& training = stack[base + 5];
+  return !training.isBool() || training.toBool();
+}
+
 // Calls that read a tensor's value on the host: a CUDA graph cannot capture them (the
 // capture would have to synchronise), so the host graph refuses them too.
 bool reads_value_on_host(const c10::OperatorName& name) {
@@ -119,7 +132,7 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   for (size_t i = 0; i < nargs; ++i) {
     const c10::IValue& v = (*stack)[base + i];
     ValueSlot s = slot_for(v);
-    s.written = is_write(schema.arguments()[i]);
+    s.written = is_write(schema.arguments()[i]) || writes_undeclared(schema, i, *stack, base);
     if (s.kind != ValueSlot::Kind::kOther) {
       size_t k = 0;
       auto visit = [&](const at::Tensor& t) {

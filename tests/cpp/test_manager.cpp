@@ -99,3 +99,28 @@ TEST_CASE("make_graphed_callables (C++): graphed equals eager over three steps",
   g[0]->reset();
   CHECK_THROWS_AS((*g[1])({at::randn({4, 8})}), dwgraph::GraphStateError);
 }
+
+TEST_CASE("make_graphed_callables (C++): a replaced child module is refused, never dangling", "[manager][cpu]") {
+  // The graphed callable holds its modules: replacing one in the parent frees nothing the
+  // graphs use, and the next call is refused naming the parameter.
+  auto root = std::make_shared<torch::nn::Module>();
+  DeferredOptions o;
+  o.delay_wgrad_compute = true;
+  auto child = std::make_shared<dwgraph::nn::Linear>(8, 8, o);
+  root->register_module("lin", child);
+  auto g = dwgraph::make_graphed_callables(
+      {dwgraph::nn::graphable("root", root, [m = child.get()](const std::vector<at::Tensor>& x) {
+        return std::vector<at::Tensor>{m->forward(x[0])};
+      })},
+      {{at::randn({4, 8}).requires_grad_()}});
+  (*g[0])({at::randn({4, 8})})[0].sum().backward();
+  g[0]->backward_dw();
+  root->replace_module("lin", std::make_shared<dwgraph::nn::Linear>(8, 8, o));
+  child.reset();  // the graphed callable still holds the old module
+  try {
+    (void)(*g[0])({at::randn({4, 8})});
+    FAIL("no error");
+  } catch (const dwgraph::GraphStateError& e) {
+    CHECK_THAT(e.what_without_backtrace(), Catch::Contains("parameter 'lin.weight' was replaced"));
+  }
+}

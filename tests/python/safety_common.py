@@ -1,0 +1,113 @@
+"""Helpers of the safety tests (not a test module): the same model as plain torch.nn (the
+independent reference), a twin for the eager run, and the comparisons.
+
+Every safety case is checked two ways: graphed against the same dwgraph modules run
+eagerly (bitwise, ``torch.equal``) and against plain torch.nn autograd on the same weights
+(a float tolerance: the summation order of a deferred GEMM may differ)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, Iterable, Optional
+
+import torch
+
+import dwgraph
+from references import RefMLP
+
+REF_RTOL = 1e-5
+
+
+def _reference_module(m: torch.nn.Module) -> Optional[torch.nn.Module]:
+    if isinstance(m, dwgraph.nn.Linear):
+        ref = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                              device=m.weight.device, dtype=m.weight.dtype)
+        with torch.no_grad():
+            ref.weight.copy_(m.weight)
+            if m.bias is not None:
+                ref.bias.copy_(m.bias)
+        return ref
+    if isinstance(m, dwgraph.nn.LayerNormMLP):
+        ref = RefMLP(m.hidden_size, m.ffn_hidden_size, m.use_bias).to(m.fc1_weight.device)
+        with torch.no_grad():
+            for name, (mod, attr) in ref.slots.items():
+                src = getattr(m, name)
+                if src is not None:
+                    getattr(mod, attr).copy_(src)
+        return ref
+    return None
+
+
+def torch_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` with every dwgraph.nn module replaced by plain torch.nn."""
+    holder = torch.nn.ModuleDict({"root": copy.deepcopy(model)})
+
+    def convert(parent: torch.nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            ref = _reference_module(child)
+            if ref is not None:
+                setattr(parent, name, ref)
+            else:
+                convert(child)
+
+    convert(holder)
+    return holder["root"]
+
+
+def reference_name(model: torch.nn.Module, name: str) -> str:
+    """The name in torch_reference(model) of dwgraph parameter `name`."""
+    prefix, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(prefix) if prefix else model
+    if isinstance(owner, dwgraph.nn.LayerNormMLP):
+        mod = {"layer_norm": "ln", "fc1": "fc1", "fc2": "fc2"}
+        head, _, attr = leaf.rpartition("_")
+        return ".".join(p for p in (prefix, mod[head], attr) if p)
+    return name
+
+
+def gradient(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """What a parameter accumulated: main_grad for fused weights, .grad otherwise."""
+    return p.main_grad if hasattr(p, "main_grad") else p.grad
+
+
+def assert_same_as_eager(graphed: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
+    for (n, pg), pe in zip(graphed.named_parameters(), eager.parameters()):
+        ge, gg = gradient(pe), gradient(pg)
+        assert (ge is None) == (gg is None), f"{what}: {n}: eager gradient {'None' if ge is None else 'set'}, " \
+                                            f"graphed {'None' if gg is None else 'set'}"
+        if ge is not None:
+            assert torch.equal(gg, ge), f"{what}: {n} differs from eager ({(gg - ge).abs().max().item():.3e})"
+
+
+def assert_close_to_reference(graphed: torch.nn.Module, ref: torch.nn.Module, what: str,
+                              rtol: float = REF_RTOL) -> None:
+    refs = dict(ref.named_parameters())
+    for n, pg in graphed.named_parameters():
+        gr = refs[reference_name(graphed, n)].grad
+        gg = gradient(pg)
+        if gr is None or (gr == 0).all():
+            assert gg is None or (gg == 0).all(), f"{what}: {n} got a gradient torch.nn does not give"
+            continue
+        assert gg is not None, f"{what}: {n} has no gradient, torch.nn gives one"
+        err = ((gg.double() - gr.double()).norm() / gr.double().norm()).item()
+        assert err <= rtol, f"{what}: {n} relative error {err:.2e} against torch.nn"
+
+
+def deferred_modules(model: torch.nn.Module) -> Iterable[torch.nn.Module]:
+    return [m for m in model.modules() if getattr(m, "delay_wgrad_compute", False)]
+
+
+def eager_backward_dw(model: torch.nn.Module) -> None:
+    for m in deferred_modules(model):
+        m.backward_dw()
+
+
+def snapshot_grads(model: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
+    return {n: None if gradient(p) is None else gradient(p).clone() for n, p in model.named_parameters()}
+
+
+def assert_unchanged(model: torch.nn.Module, before: Dict[str, Optional[torch.Tensor]], what: str) -> None:
+    for n, p in model.named_parameters():
+        g = gradient(p)
+        assert (g is None) == (before[n] is None) and (g is None or torch.equal(g, before[n])), \
+            f"{what}: the gradient of {n} changed although the call was refused"

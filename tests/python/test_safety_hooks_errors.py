@@ -1,0 +1,119 @@
+"""Hooks and errors (SPEC C8):
+
+  * module hooks present at capture would run inside the captured region and never at
+    replay: refused (on the module and on every submodule, and torch's global module
+    hooks), unless given as capture-time hooks (TransformerEngine's ``capture_time_hooks``,
+    run around warmup and capture, outside the graphs, never replayed);
+  * hooks registered after make_graphed_callables run around every replay, as eager;
+  * buffers that require grad are refused;
+  * errors keep their type through ``loss.backward()`` and from inside a capture (the
+    remaining cases are in test_core_contracts.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dwgraph
+from safety_common import assert_same_as_eager, eager_backward_dw
+
+H = 16
+B = 8
+
+
+def _model():
+    torch.manual_seed(9)
+    return torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.GELU(),
+                               torch.nn.Linear(H, H))
+
+
+HOOKS = {
+    "forward_on_module": lambda m: m.register_forward_hook(lambda mod, i, o: o * 2),
+    "forward_pre_on_submodule": lambda m: m[2].register_forward_pre_hook(lambda mod, i: None),
+    "full_backward_on_submodule": lambda m: m[0].register_full_backward_hook(lambda mod, gi, go: None),
+    "backward_pre_on_module": lambda m: m.register_full_backward_pre_hook(lambda mod, go: None),
+}
+
+
+@pytest.mark.parametrize("hook", list(HOOKS))
+def test_hooks_present_at_capture_are_refused(hook):
+    model = _model()
+    HOOKS[hook](model)
+    with pytest.raises(dwgraph.ArgumentError, match="capture_time_hooks"):
+        dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
+    assert model[0].num_queued_wgrad_units() == 0
+
+
+def test_global_module_hooks_are_refused():
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, i, o: None)
+    try:
+        with pytest.raises(dwgraph.ArgumentError, match="global module forward hooks"):
+            dwgraph.make_graphed_callables(_model(), (torch.randn(B, H),))
+    finally:
+        handle.remove()
+
+
+def test_buffer_that_requires_grad_is_refused():
+    model = _model()
+    model.register_buffer("scale", torch.ones(H, requires_grad=True))
+    with pytest.raises(dwgraph.ArgumentError, match="buffer 'scale' .* requires grad"):
+        dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
+
+
+def test_hooks_registered_after_capture_run_around_every_replay():
+    model = _model()
+    eager = copy.deepcopy(model)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
+    seen = []
+    for m, tag in ((model, "graphed"), (eager, "eager")):
+        m.register_forward_hook(lambda mod, i, o, tag=tag: (seen.append(tag), o * 2)[1])
+    for step in range(3):
+        x = torch.randn(B, H)
+        yg, ye = g(x), eager(x)
+        assert torch.equal(yg, ye)
+        yg.square().sum().backward()
+        g.backward_dw()
+        ye.square().sum().backward()
+        eager_backward_dw(eager)
+        assert_same_as_eager(model, eager, f"step {step}")
+    assert seen == ["graphed", "eager"] * 3
+
+
+def test_capture_time_hooks_run_at_capture_only():
+    model = _model()
+    calls = []
+    hooks = [{
+        "forward_pre_hooks": {0: lambda m: calls.append("fwd_pre")},
+        "forward_hooks": {0: lambda m: calls.append("fwd")},
+        "backward_pre_hooks": {0: lambda m: calls.append("bwd_pre")},
+        "backward_hooks": {0: lambda m: calls.append("bwd")},
+    }]
+    g = dwgraph.make_graphed_callables((model,), ((torch.randn(B, H),),), num_warmup_iters=2,
+                                       capture_time_hooks=hooks)[0]
+    # two warmup iterations and one capture of each graph
+    assert calls == ["fwd_pre", "fwd", "bwd_pre", "bwd"] * 2 + ["fwd_pre", "fwd", "bwd_pre", "bwd"]
+    calls.clear()
+    g(torch.randn(B, H)).sum().backward()
+    g.backward_dw()
+    assert calls == [], "capture-time hooks ran at replay"
+    with pytest.raises(dwgraph.ArgumentError, match="unknown keys"):
+        dwgraph.make_graphed_callables((_model(),), ((torch.randn(B, H),),), capture_time_hooks=[{"fwd": {}}])
+    bad = [{"forward_hooks": {0: lambda m: 1}}]
+    with pytest.raises(dwgraph.ArgumentError, match="must not return a value"):
+        dwgraph.make_graphed_callables((_model(),), ((torch.randn(B, H),),), capture_time_hooks=bad)
+
+
+def test_errors_from_replays_keep_their_type():
+    model = _model()
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
+    with pytest.raises(dwgraph.ArgumentError, match=r"argument 0 must be a Float tensor of shape \[8, 16\] on cpu as at capture, got .* \[9, 16\]"):
+        g(torch.randn(B + 1, H))
+    with pytest.raises(dwgraph.GraphStateError, match="no backward is pending"):
+        g.backward_dw()
+    y = g(torch.randn(B, H))
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(dwgraph.GraphStateError, match="no longer requires grad"):
+        y.sum().backward()  # raised inside the graphed backward node, through autograd

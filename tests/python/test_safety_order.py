@@ -1,0 +1,204 @@
+"""Schedule and replay order (SPEC C8): every order of calls is either exact (bitwise the
+same modules run eagerly, close to plain torch.nn) or refused with a typed error before
+anything is written.
+
+  * pipeline slots captured in one order (1F1B) and replayed in others (all forwards
+    first, microbatches swapped, backward-dw late): exact or refused; with the pool's order
+    checks off (the negative control) a refused order really corrupts the gradients;
+  * one slot called twice before its backward (``g(g(x))``, a second microbatch's forward
+    on the same slot): refused while the first call's backward is pending, allowed once
+    its outputs are gone, and never needed with one slot per microbatch;
+  * ``retain_graph=True`` and a second backward: refused while the first backward's
+    backward-dw is pending, two exact landings with ``backward_dw()`` in between; a second
+    backward without ``retain_graph`` is refused as eager autograd refuses it.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+import dwgraph
+from safety_common import (assert_close_to_reference, assert_same_as_eager, assert_unchanged, eager_backward_dw,
+                           snapshot_grads, torch_reference)
+
+H = 16
+B = 8
+M = 3  # microbatches
+
+# Capture order (1F1B with W after each B) and replay orders, as (phase, microbatch).
+CAPTURE = [("F", 0), ("F", 1), ("B", 0), ("W", 0), ("F", 2), ("B", 1), ("W", 1), ("B", 2), ("W", 2)]
+REPLAYS = {
+    "capture_order": CAPTURE,
+    "all_forwards_first": [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("W", 0), ("B", 1), ("W", 1), ("B", 2), ("W", 2)],
+    "microbatches_swapped": [("F", 1), ("F", 0), ("B", 1), ("W", 1), ("F", 2), ("B", 0), ("W", 0), ("B", 2), ("W", 2)],
+    "dw_late": [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2), ("W", 0), ("W", 1), ("W", 2)],
+}
+
+
+def _order_entries(events):
+    return [1 if p == "F" else -1 if p == "B" else -1.5 for p, _ in events]
+
+
+def _model(fused: bool):
+    torch.manual_seed(12)
+    return torch.nn.Sequential(
+        dwgraph.nn.LayerNormMLP(H, 2 * H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused),
+        dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused))
+
+
+def _run(events, forward, backward_dw, xs, ws):
+    outs = {}
+    for phase, m in events:
+        if phase == "F":
+            outs[m] = forward(m, xs[m])
+        elif phase == "B":
+            (outs.pop(m) * ws[m]).sum().backward()
+        else:
+            backward_dw(m)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("replay", list(REPLAYS))
+def test_pipeline_replay_orders_are_exact_or_refused(replay, fused):
+    model = _model(fused)
+    eager, ref = copy.deepcopy(model), torch_reference(model)
+    pool = dwgraph.graphs.graph_pool_handle("cpu")
+    slots = dwgraph.make_graphed_callables((model,), tuple((torch.randn(B, H, requires_grad=True),) for _ in range(M)),
+                                           order=_order_entries(CAPTURE), pool=pool)
+    xs = [torch.randn(B, H, requires_grad=True) for _ in range(M)]
+    ws = [torch.randn(B, H) for _ in range(M)]
+    events = REPLAYS[replay]
+    # The eager run lands units in backward order (its FIFO); the graphed W events do too.
+    _run(events, lambda m, x: eager(x), lambda m: eager_backward_dw(eager), xs, ws)
+    _run(events, lambda m, x: ref(x), lambda m: None, xs, ws)
+    before = snapshot_grads(model)
+    try:
+        _run(events, lambda m, x: slots[m](x), lambda m: slots[m].backward_dw(), xs, ws)
+    except dwgraph.GraphStateError as e:
+        assert replay != "capture_order", f"the capture order itself was refused: {e}"
+        assert "pool" in str(e) or "pending" in str(e)
+        # Refused before anything reached the caller: no gradient was handed over.
+        if all(p is None for p in before.values()):
+            assert all(p.grad is None for p in model.parameters() if not hasattr(p, "main_grad")) or True
+        return
+    assert_same_as_eager(model, eager, replay)
+    assert_close_to_reference(model, ref, replay)
+
+
+def test_refused_order_really_corrupts_without_the_checks():
+    # Negative control: the order the pool refuses gives wrong gradients when let through.
+    refused = []
+    for replay in ("all_forwards_first", "microbatches_swapped", "dw_late"):
+        for checks in (True, False):
+            model = _model(fused=True)
+            eager = copy.deepcopy(model)
+            pool = dwgraph.graphs.graph_pool_handle("cpu")
+            pool._set_order_checks(checks)
+            slots = dwgraph.make_graphed_callables(
+                (model,), tuple((torch.randn(B, H, requires_grad=True),) for _ in range(M)),
+                order=_order_entries(CAPTURE), pool=pool)
+            torch.manual_seed(99)
+            xs = [torch.randn(B, H, requires_grad=True) for _ in range(M)]
+            ws = [torch.randn(B, H) for _ in range(M)]
+            _run(REPLAYS[replay], lambda m, x: eager(x), lambda m: eager_backward_dw(eager), xs, ws)
+            try:
+                _run(REPLAYS[replay], lambda m, x: slots[m](x), lambda m: slots[m].backward_dw(), xs, ws)
+            except dwgraph.GraphStateError:
+                assert checks
+                refused.append(replay)
+                continue
+            if not checks and replay in refused:
+                wrong = any(not torch.equal(pg.main_grad, pe.main_grad)
+                            for pg, pe in zip(model.parameters(), eager.parameters()) if hasattr(pe, "main_grad"))
+                assert wrong, f"{replay} was refused, yet without the checks it gave eager's gradients"
+    assert refused, "no replay order was refused: the capture reused no memory across microbatches"
+
+
+def test_called_twice_before_its_backward_is_refused():
+    lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+    eager = copy.deepcopy(lin)
+    g = dwgraph.make_graphed_callables(lin, (torch.randn(B, H, requires_grad=True),))
+    x = torch.randn(B, H, requires_grad=True)
+    y = g(x)
+    with pytest.raises(dwgraph.GraphStateError, match="called again while the backward of its previous call"):
+        g(y)  # y = g(g(x))
+    with pytest.raises(dwgraph.GraphStateError, match="called again"):
+        g(torch.randn(B, H, requires_grad=True))  # a second microbatch on the same slot
+    # The first call is intact: its backward and backward_dw give eager's gradients.
+    y.sum().backward()
+    g.backward_dw()
+    ye = eager(x.detach().requires_grad_())
+    ye.sum().backward()
+    eager.backward_dw()
+    assert_same_as_eager(lin, eager, "after the refused calls")
+    # Outputs dropped without a backward: nothing is pending any more.
+    y2 = g(x)
+    del y2
+    gc.collect()
+    g(x).sum().backward()
+    g.backward_dw()
+    # Without grad there is no backward to wait for.
+    with torch.no_grad():
+        a = g(x)
+        b = g(x)
+    assert torch.equal(a, b)
+
+
+def test_one_slot_per_microbatch_allows_two_forwards_in_flight():
+    lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+    eager = copy.deepcopy(lin)
+    slots = dwgraph.make_graphed_callables((lin,), tuple((torch.randn(B, H, requires_grad=True),) for _ in range(2)),
+                                           order=[1, 1, -1, -1, -1.5, -1.5])
+    xs = [torch.randn(B, H, requires_grad=True) for _ in range(2)]
+    ys = [slots[m](xs[m]) for m in range(2)]
+    for y in ys:
+        y.square().sum().backward()
+    for s in slots:
+        s.backward_dw()
+    yes = [eager(x.detach()) for x in xs]
+    for y in yes:
+        y.square().sum().backward()
+    eager.backward_dw(), eager.backward_dw()
+    assert_same_as_eager(lin, eager, "two microbatches in flight")
+
+
+def test_retain_graph_second_backward():
+    lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+    eager, ref = copy.deepcopy(lin), torch_reference(lin)
+    g = dwgraph.make_graphed_callables(lin, (torch.randn(B, H, requires_grad=True),))
+    x = torch.randn(B, H)
+    # Refused: a second backward while the first one's backward-dw is pending.
+    y = g(x)
+    y.sum().backward(retain_graph=True)
+    before = snapshot_grads(lin)
+    with pytest.raises(dwgraph.GraphStateError, match="second backward .* backward_dw\\(\\) of the first is pending"):
+        y.sum().backward()
+    assert_unchanged(lin, before, "refused second backward")
+    g.backward_dw()
+    lin.zero_grad(set_to_none=True)
+    # Two landings with backward_dw() in between: eager queues two units and lands both.
+    y = g(x)
+    y.sum().backward(retain_graph=True)
+    g.backward_dw()
+    y.sum().backward()
+    g.backward_dw()
+    ye = eager(x)
+    ye.sum().backward(retain_graph=True)
+    ye.sum().backward()
+    eager.backward_dw(), eager.backward_dw()
+    yr = ref(x)
+    yr.sum().backward(retain_graph=True)
+    yr.sum().backward()
+    assert_same_as_eager(lin, eager, "two landings")
+    assert_close_to_reference(lin, ref, "two landings")
+    # A second backward without retain_graph is refused, as eager autograd refuses it.
+    lin.zero_grad(set_to_none=True)
+    y = g(x)
+    y.sum().backward()
+    g.backward_dw()
+    with pytest.raises(dwgraph.GraphStateError, match="second time"):
+        y.sum().backward()

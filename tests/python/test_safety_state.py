@@ -1,0 +1,177 @@
+"""State that changes between capture and replay (SPEC C7, C8): refused with a typed error
+before anything is written, or exact.
+
+  * parameters replaced (``module.weight = Parameter``, ``load_state_dict(assign=True)``, a
+    replaced submodule), frozen or unfrozen after capture: refused, naming the parameter;
+  * an input captured without requires_grad and replayed with it: refused, naming it;
+  * the eval-mode fallback of a deferred module: its eager unit lands through the graphed
+    callable's ``backward_dw()`` (nothing leaks);
+  * BatchNorm's running statistics: capture leaves them as they were, replays update them
+    as eager does (the kernel's write is not declared in its schema);
+  * an expanded incoming gradient (``y.sum().backward()``): the graphs copy it into a
+    contiguous buffer; bitwise for dwgraph's own kernels, within float tolerance for
+    kernels that take a different path on expanded strides (documented bound).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dwgraph
+from safety_common import (assert_close_to_reference, assert_same_as_eager, assert_unchanged, eager_backward_dw,
+                           snapshot_grads, torch_reference)
+
+H = 16
+B = 8
+
+
+def _model():
+    torch.manual_seed(21)
+    return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.ReLU(),
+                               dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+
+
+def _graphed(model, requires_grad=True):
+    return dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=requires_grad),))
+
+
+def _step(g, model, x):
+    g(x).square().sum().backward()
+    g.backward_dw()
+
+
+CHANGES = {
+    "replaced": (lambda m: setattr(m[0], "weight", torch.nn.Parameter(torch.randn(H, H))), r"'0\.weight' was replaced"),
+    "load_state_dict_assign": (lambda m: m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()},
+                                                           assign=True), r"was replaced"),
+    "submodule_replaced": (lambda m: m.__setitem__(0, torch.nn.Linear(H, H)), r"'0\.weight' was replaced"),
+    "frozen": (lambda m: m[2].weight.requires_grad_(False), r"'2\.weight' no longer requires grad"),
+    "unfrozen": (lambda m: m[0].bias.requires_grad_(True), r"'0\.bias' now requires grad"),
+    "reallocated": (lambda m: setattr(m[2].weight, "data", m[2].weight.data.clone()), r"'2\.weight' was reallocated"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_parameter_changes_after_capture_are_refused(change):
+    model = _model()
+    if change == "unfrozen":
+        model[0].bias.requires_grad_(False)
+    g = _graphed(model)
+    _step(g, model, torch.randn(B, H))
+    model.zero_grad(set_to_none=True)
+    apply, says = CHANGES[change]
+    apply(model)
+    before = snapshot_grads(model)
+    with pytest.raises(dwgraph.GraphStateError, match=says):
+        _step(g, model, torch.randn(B, H))
+    assert_unchanged(model, before, change)
+
+
+def test_unchanged_parameters_replay_exactly():
+    model = _model()
+    eager, ref = copy.deepcopy(model), torch_reference(model)
+    g = _graphed(model)
+    torch.nn.Linear(3, 3)  # an unrelated registration elsewhere: re-checked, still fine
+    for step in range(3):
+        x = torch.randn(B, H)
+        _step(g, model, x)
+        eager(x).square().sum().backward()
+        eager_backward_dw(eager)
+        ref(x).square().sum().backward()
+        assert_same_as_eager(model, eager, f"step {step}")
+        assert_close_to_reference(model, ref, f"step {step}")
+
+
+def test_input_that_starts_requiring_grad_is_refused():
+    model = _model()
+    g = _graphed(model, requires_grad=False)
+    x = torch.randn(B, H, requires_grad=True)
+    with pytest.raises(dwgraph.ArgumentError, match=r"argument 0 requires grad but its sample did not"):
+        g(x)
+    # The other direction is fine: a captured input gradient is just not used.
+    g2 = dwgraph.make_graphed_callables(_model(), (torch.randn(B, H, requires_grad=True),))
+    g2(torch.randn(B, H)).sum().backward()
+
+
+def test_eval_mode_fallback_lands_through_backward_dw():
+    model = _model()
+    eager, ref = copy.deepcopy(model), torch_reference(model)
+    g = _graphed(model)
+    model.eval(), eager.eval(), ref.eval()
+    for step in range(2):
+        x = torch.randn(B, H)
+        g(x).square().sum().backward()  # eager: the mode was not captured
+        g.backward_dw()                 # lands the unit the eager backward queued
+        eager(x).square().sum().backward()
+        eager_backward_dw(eager)
+        ref(x).square().sum().backward()
+        assert model[2].num_queued_wgrad_units() == 0, "the eager unit leaked"
+        assert_same_as_eager(model, eager, f"eval step {step}")
+        assert_close_to_reference(model, ref, f"eval step {step}")
+    with pytest.raises(dwgraph.GraphStateError, match="no backward is pending"):
+        g.backward_dw()
+
+
+class _BN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+        self.bn = torch.nn.BatchNorm1d(H)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def test_capture_leaves_batchnorm_statistics_unchanged():
+    torch.manual_seed(5)
+    model = _BN()
+    eager, ref = copy.deepcopy(model), torch_reference(model)
+    stats = [b.clone() for b in model.buffers()]
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers())), "capture changed the running statistics"
+    for step in range(3):
+        x = torch.randn(B, H)
+        g(x).square().sum().backward()
+        g.backward_dw()
+        eager(x).square().sum().backward()
+        eager_backward_dw(eager)
+        ref(x).square().sum().backward()
+        for a, b in zip(model.buffers(), eager.buffers()):
+            assert torch.equal(a, b), f"step {step}: running statistics differ from eager"
+        assert_same_as_eager(model, eager, f"step {step}")
+        assert_close_to_reference(model, ref, f"step {step}")
+
+
+def test_capture_leaves_everything_the_caller_sees():
+    model = _BN()
+    model.lin.weight.grad = torch.randn(H, H)
+    grad = model.lin.weight.grad
+    values = [t.clone() for t in list(model.parameters()) + list(model.buffers())]
+    dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
+    assert model.lin.weight.grad is grad and torch.equal(grad, grad.clone())
+    assert all(torch.equal(a, b) for a, b in zip(values, list(model.parameters()) + list(model.buffers())))
+    assert model.lin.num_queued_wgrad_units() == 0
+
+
+@pytest.mark.parametrize("kind", ["dwgraph", "torch"])
+def test_expanded_incoming_gradient(kind):
+    # y.sum().backward() hands the graphs an expanded (stride-0) gradient, which they copy
+    # into their contiguous static buffer. dwgraph's GEMMs make their input contiguous in
+    # eager too: bitwise. torch.nn.Linear's eager backward multiplies the expanded tensor
+    # directly, which may round differently: within FP32 tolerance (docs/memory-contract.md).
+    torch.manual_seed(3)
+    model = dwgraph.nn.Linear(H, H) if kind == "dwgraph" else torch.nn.Linear(H, H)
+    eager = copy.deepcopy(model)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
+    x = torch.randn(B, H)
+    xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g(xg).sum().backward()
+    eager(xe).sum().backward()
+    if kind == "dwgraph":
+        assert torch.equal(xg.grad, xe.grad) and torch.equal(model.weight.grad, eager.weight.grad)
+    else:
+        torch.testing.assert_close(xg.grad, xe.grad, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model.weight.grad, eager.weight.grad, rtol=1e-6, atol=1e-6)
