@@ -154,6 +154,12 @@ class _Signature:
         leaves, self.spec = pytree.tree_flatten(tree)
         self.is_tensor = [isinstance(l, torch.Tensor) for l in leaves]
         self.constants = [None if t else l for t, l in zip(self.is_tensor, leaves)]
+        # The common cases skip the pytree work at every call: positional tensors in,
+        # one tensor out.
+        self.positional_tensors = (all(self.is_tensor) and isinstance(tree, tuple) and len(tree) == 2 and
+                                   isinstance(tree[1], dict) and not tree[1] and
+                                   all(isinstance(a, torch.Tensor) for a in tree[0]))
+        self.single_tensor = isinstance(tree, torch.Tensor)
 
     @staticmethod
     def tensors_of(tree) -> List[torch.Tensor]:
@@ -195,6 +201,11 @@ class GraphedCallable:
     def __call__(self, *args, **kwargs):
         if not self._native.replays():
             return self._forward(*args, **kwargs)  # a mode the graphs were not captured in
+        out_sig = self._out["sig"]
+        if (self._in_sig.positional_tensors and not kwargs and len(args) == len(self._in_sig.is_tensor) and
+                all(isinstance(a, torch.Tensor) for a in args)):
+            outs = self._native(list(args))
+            return outs[0] if out_sig.single_tensor else out_sig.rebuild(outs)
         sig = _Signature((args, kwargs))
         if not sig.matches(self._in_sig):
             raise ArgumentError(
@@ -203,7 +214,7 @@ class GraphedCallable:
                 f"{[c for c, t in zip(sig.constants, sig.is_tensor) if not t]}, captured {self._in_sig.spec} with "
                 f"{[c for c, t in zip(self._in_sig.constants, self._in_sig.is_tensor) if not t]}")
         outs = self._native(_Signature.tensors_of((args, kwargs)))
-        return self._out["sig"].rebuild(outs)
+        return out_sig.rebuild(outs)
 
     def backward_dw(self) -> None:
         self._native.backward_dw()
