@@ -170,6 +170,7 @@ at::Tensor HostGraph::rebuild(const detail::TensorSlot& s) const {
   if (s.no_memory) return at::empty(s.sizes, opts);
   at::Tensor t = at::empty({0}, opts);
   t.set_(raw_storages_.at(s.entry), s.storage_offset, s.sizes, s.strides);
+  if (s.wrapped_number) t.unsafeGetTensorImpl()->set_wrapped_number(true);
   return t;
 }
 

@@ -74,6 +74,7 @@ TensorSlot Recorder::tensor_slot(const at::Tensor& t) {
   s.storage_offset = t.storage_offset();
   s.dtype = t.scalar_type();
   s.device = t.device();
+  s.wrapped_number = t.unsafeGetTensorImpl()->is_wrapped_number();
   const c10::Storage& st = t.storage();
   s.no_memory = st.nbytes() == 0 || st.data() == nullptr || (device_type_ && t.device().type() != *device_type_);
   if (!s.no_memory) s.entry = ledger_.record(st, owned_(st.data()));

@@ -37,6 +37,9 @@ struct TensorSlot {
   c10::ScalarType dtype = c10::ScalarType::Float;
   c10::Device device = c10::Device(c10::kCPU);
   bool no_memory = false;  // a storage of zero bytes
+  // A Python number wrapped as a 0-dim tensor (x * 2): it takes part in type promotion as
+  // a scalar, so the replayed call must see it as one too.
+  bool wrapped_number = false;
 };
 
 // One argument or return of a recorded call.

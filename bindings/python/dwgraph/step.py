@@ -234,7 +234,10 @@ class GraphedStep:
             self._touched.clear()
             self._version = version
         tensors: List[torch.Tensor] = []
-        key, rebuild = _flatten((args, kwargs), tensors, "")
+        key_args, rebuild_args = _flatten(args, tensors, "args")
+        key_kwargs, rebuild_kwargs = _flatten(kwargs, tensors, "kwargs")
+        key = f"{key_args}{key_kwargs}"
+        rebuild = lambda ts: (rebuild_args(ts), rebuild_kwargs(ts))  # noqa: E731
         key = f"{key}|{torch.is_autocast_enabled('cpu')}{torch.is_autocast_enabled('cuda')}|" \
               f"{_hyperparameters(self._optimizers.values())}"
         self._current = (rebuild, key, tensors)
