@@ -282,6 +282,7 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
     }
   }
   for (const auto& o : outs) v.static_outputs.push_back(o.defined() ? o.detach() : at::Tensor());
+  v.inputs.note_writes(*graph);
   v.params = CapturedParameters(names, params);
   std::vector<FusedParameter> written;
   for (const auto& f : fused) {
@@ -331,6 +332,7 @@ std::vector<at::Tensor> GraphedStep::replay(Entry&, Variant& v, const std::vecto
     }
   }
   v.graph->replay();
+  v.inputs.copy_back(tensors);
   {
     const at::NoGradGuard no_grad;
     auto give_back = [](const at::Tensor& leaf, const GradSlot& slot) {

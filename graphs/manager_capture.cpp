@@ -211,6 +211,7 @@ void GraphManager::capture_fwd(size_t s) {
   slot.captured_training = c.is_training ? c.is_training() : true;
   std::vector<at::Tensor> outputs;
   capture(slot.fwd, Phase::kForward, s, [&] { outputs = c.forward(slot.inputs.tensors()); });
+  slot.inputs.note_writes(*slot.fwd);
   slot.captured_outputs = outputs;
   std::vector<at::Tensor> known = slot.inputs.tensors();
   known.insert(known.end(), c.parameters.begin(), c.parameters.end());

@@ -96,6 +96,7 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
   }
   slot.inputs.copy_in(inputs);
   slot.fwd->replay();
+  slot.inputs.copy_back(inputs);
   std::vector<at::Tensor> outs;
   outs.reserve(slot.static_outputs.size());
   for (const auto& o : slot.static_outputs) outs.push_back(plain_alias(o));

@@ -1,6 +1,7 @@
 #include "graphs/replay_checks.h"
 
 #include "common/check.h"
+#include "graphs/graph.h"
 
 #include <ATen/core/grad_mode.h>
 
@@ -109,6 +110,21 @@ void StaticInputs::copy_in(const std::vector<at::Tensor>& inputs) const {
   const at::NoGradGuard no_grad;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (inputs[i].defined() && inputs[i].data_ptr() != tensors_[i].data_ptr()) tensors_[i].copy_(inputs[i]);
+  }
+}
+
+void StaticInputs::note_writes(const Graph& graph) {
+  written_.clear();
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    if (tensors_[i].defined() && graph.writes(tensors_[i].storage())) written_.push_back(i);
+  }
+}
+
+void StaticInputs::copy_back(const std::vector<at::Tensor>& inputs) const {
+  if (written_.empty()) return;
+  const at::NoGradGuard no_grad;
+  for (size_t i : written_) {
+    if (inputs[i].data_ptr() != tensors_[i].data_ptr()) inputs[i].copy_(tensors_[i]);
   }
 }
 

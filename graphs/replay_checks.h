@@ -76,11 +76,16 @@ class StaticInputs {
   void check(const std::vector<at::Tensor>& inputs, const std::string& where) const;
   // Copies `inputs` in (skipping those already in place).
   void copy_in(const std::vector<at::Tensor>& inputs) const;
+  // Marks the static inputs `graph` writes (in-place ops on an argument): eager code would
+  // have changed the caller's tensor, so copy_back() does after each replay.
+  void note_writes(const class Graph& graph);
+  void copy_back(const std::vector<at::Tensor>& inputs) const;
   int64_t nbytes() const;
   void clear() { tensors_.clear(); }
 
  private:
   std::vector<at::Tensor> tensors_;
+  std::vector<size_t> written_;
 };
 
 // "a float tensor of shape [2, 3] on cpu"

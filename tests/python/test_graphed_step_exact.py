@@ -300,3 +300,24 @@ def test_captures_and_evictions_are_logged(caplog):
     evictions = [r for r in caplog.records if "evicted" in r.getMessage()]
     assert len(captures) == 2 and len(evictions) == 1
     assert "kernels" in captures[0].getMessage() and "pool" in captures[0].getMessage()
+
+
+def test_in_place_writes_to_arguments_reach_the_caller():
+    w = torch.nn.Parameter(torch.randn(H))
+    w_e = w.detach().clone().requires_grad_()
+
+    def body(weight, x, counter):
+        x.mul_(2)            # eager changes the caller's tensor
+        counter.add_(1)
+        loss = (weight * x).sum()
+        loss.backward()
+        return loss
+
+    step = dwgraph.graphed_step(lambda x, c: body(w, x, c), warmup_iters=1)
+    cg, ce = torch.zeros(()), torch.zeros(())
+    for s in range(4):
+        x = torch.randn(B, H)
+        xg, xe = x.clone(), x.clone()
+        assert torch.equal(step(xg, cg), body(w_e, xe, ce))
+        assert torch.equal(xg, xe) and torch.equal(cg, ce), f"call {s}: an argument's in-place update was lost"
+        assert torch.equal(w.grad, w_e.grad)

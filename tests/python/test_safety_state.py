@@ -175,3 +175,14 @@ def test_expanded_incoming_gradient(kind):
     else:
         torch.testing.assert_close(xg.grad, xe.grad, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(model.weight.grad, eager.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_in_place_writes_of_the_forward_to_its_input_reach_the_caller():
+    model = torch.nn.Sequential(torch.nn.ReLU(inplace=True), torch.nn.Linear(H, H))
+    eager = copy.deepcopy(model)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
+    for _ in range(3):
+        x = torch.randn(B, H)
+        xg, xe = x.clone(), x.clone()
+        assert torch.equal(g(xg), eager(xe))
+        assert torch.equal(xg, xe), "the forward's in-place write to its input was lost"
