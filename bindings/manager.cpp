@@ -142,13 +142,15 @@ void init_manager(py::module_& parent) {
       "make_graphed_callables",
       [](std::vector<GraphableCallable> callables, const std::vector<std::vector<at::Tensor>>& sample_args,
          int num_warmup_iters, bool allow_unused_input, std::optional<Schedule> schedule,
-         std::shared_ptr<GraphPool> pool, bool retain_graph_in_backward, bool unsafe_capture_with_caller_grad) {
+         std::shared_ptr<GraphPool> pool, bool retain_graph_in_backward, bool reuse_static_buffers,
+         bool unsafe_capture_with_caller_grad) {
         GraphedCallableOptions o;
         o.num_warmup_iters = num_warmup_iters;
         o.allow_unused_input = allow_unused_input;
         o.schedule = std::move(schedule);
         o.pool = std::move(pool);
         o.retain_graph_in_backward = retain_graph_in_backward;
+        o.reuse_static_buffers = reuse_static_buffers;
         o.unsafe_capture_with_caller_grad = unsafe_capture_with_caller_grad;
         // Warmup and capture run the autograd engine, which must not hold the GIL; the
         // Python forward functions and hooks take it back when they are called.
@@ -157,7 +159,7 @@ void init_manager(py::module_& parent) {
       },
       py::arg("callables"), py::arg("sample_args"), py::kw_only(), py::arg("num_warmup_iters"),
       py::arg("allow_unused_input"), py::arg("schedule"), py::arg("pool"), py::arg("retain_graph_in_backward"),
-      py::arg("unsafe_capture_with_caller_grad"));
+      py::arg("reuse_static_buffers"), py::arg("unsafe_capture_with_caller_grad"));
 
   py::class_<GraphedStep>(m, "GraphedStep")
       .def(py::init([](StepFn step, int warmup_iters, std::shared_ptr<GraphPool> pool, int64_t max_graphs,

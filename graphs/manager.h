@@ -54,6 +54,10 @@ struct GraphedCallableOptions {
   std::optional<Schedule> schedule;
   std::shared_ptr<GraphPool> pool;
   bool retain_graph_in_backward = false;
+  // Pipeline schedule only: slots of one callable whose lifetimes do not overlap share
+  // their static inputs and grad outputs (TransformerEngine's
+  // _reuse_graph_input_output_buffers; Note [Static buffers reused across microbatches]).
+  bool reuse_static_buffers = false;
   // Test-only: capture backward-dw with the caller's .grad in place and skip the
   // hand-off, i.e. the unfixed behaviour whose hazard the ledger must catch.
   bool unsafe_capture_with_caller_grad = false;

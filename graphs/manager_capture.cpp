@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include <algorithm>
 #include <unordered_set>
 
 namespace dwgraph::graphs {
@@ -97,8 +98,8 @@ CallerState GraphManager::caller_state() const {
 void GraphManager::name_storages(Graph& g, size_t s) const {
   const Slot& slot = slots_[s];
   const auto& c = callables_[slot.info.callable];
-  for (size_t i = 0; i < slot.inputs.tensors().size(); ++i) {
-    const auto& t = slot.inputs.tensors()[i];
+  for (size_t i = 0; i < slot.buffers->inputs.tensors().size(); ++i) {
+    const auto& t = slot.buffers->inputs.tensors()[i];
     if (t.defined()) g.set_role(t.storage(), c10::str("static input ", i, " of ", where(s)), true);
   }
   for (size_t i = 0; i < c.parameters.size(); ++i) {
@@ -148,9 +149,9 @@ std::vector<at::Tensor> GraphManager::backward_targets(size_t s, bool for_captur
     slot.grad_param_indices.clear();
     slot.param_edge_deferred.clear();
   }
-  for (size_t i = 0; i < slot.inputs.tensors().size(); ++i) {
-    if (slot.inputs.tensors()[i].requires_grad()) {
-      targets.push_back(slot.inputs.tensors()[i]);
+  for (size_t i = 0; i < slot.buffers->inputs.tensors().size(); ++i) {
+    if (slot.buffers->inputs.tensors()[i].requires_grad()) {
+      targets.push_back(slot.buffers->inputs.tensors()[i]);
       if (for_capture) slot.grad_input_indices.push_back(i);
     }
   }
@@ -177,7 +178,7 @@ void GraphManager::warmup() {
       Slot& slot = slots_[s];
       const auto& c = callables_[slot.info.callable];
       if (c.capture_time_hook) c.capture_time_hook("forward", false);
-      const auto outputs = c.forward(slot.inputs.tensors());
+      const auto outputs = c.forward(slot.buffers->inputs.tensors());
       if (c.capture_time_hook) c.capture_time_hook("forward", true);
       std::vector<at::Tensor> outs, grads_out;
       for (const auto& o : outputs) {
@@ -210,10 +211,10 @@ void GraphManager::capture_fwd(size_t s) {
   const auto& c = callables_[slot.info.callable];
   slot.captured_training = c.is_training ? c.is_training() : true;
   std::vector<at::Tensor> outputs;
-  capture(slot.fwd, Phase::kForward, s, [&] { outputs = c.forward(slot.inputs.tensors()); });
-  slot.inputs.note_writes(*slot.fwd);
+  capture(slot.fwd, Phase::kForward, s, [&] { outputs = c.forward(slot.buffers->inputs.tensors()); });
+  slot.buffers->inputs.note_writes(*slot.fwd);
   slot.captured_outputs = outputs;
-  std::vector<at::Tensor> known = slot.inputs.tensors();
+  std::vector<at::Tensor> known = slot.buffers->inputs.tensors();
   known.insert(known.end(), c.parameters.begin(), c.parameters.end());
   const auto strays = unknown_leaves(outputs, known);
   DWGRAPH_CHECK_ARG(strays.empty(), kApi, ": the forward of ", where(s), " uses a tensor that requires grad (",
@@ -232,11 +233,26 @@ void GraphManager::capture_bwd(size_t s) {
   Slot& slot = slots_[s];
   const auto& c = callables_[slot.info.callable];
   std::vector<at::Tensor> outs, grad_outs;
+  // Note [Static buffers reused across microbatches]: the grad outputs of an earlier slot
+  // sharing this one's buffers, when they fit.
+  const std::vector<at::Tensor>* earlier = nullptr;
+  for (size_t other : slot.buffers->slots) {
+    const auto& g = slots_[other].static_grad_outputs;
+    if (other == s || g.size() != slot.captured_outputs.size()) continue;
+    bool fits = true;
+    for (size_t i = 0; i < g.size() && fits; ++i) {
+      const auto& o = slot.captured_outputs[i];
+      fits = g[i].defined() == static_cast<bool>(slot.output_requires_grad[i]) &&
+             (!g[i].defined() || (g[i].sizes() == o.sizes() && g[i].strides() == o.strides() &&
+                                  g[i].scalar_type() == o.scalar_type()));
+    }
+    if (fits) earlier = &g;
+  }
   for (size_t i = 0; i < slot.captured_outputs.size(); ++i) {
     const auto& o = slot.captured_outputs[i];
     if (slot.output_requires_grad[i]) {
       outs.push_back(o);
-      slot.static_grad_outputs.push_back(at::empty_like(o).detach());
+      slot.static_grad_outputs.push_back(earlier != nullptr ? (*earlier)[i] : at::empty_like(o).detach());
       grad_outs.push_back(slot.static_grad_outputs.back());
     } else {
       slot.static_grad_outputs.emplace_back();
@@ -376,7 +392,9 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
       DWGRAPH_CHECK_ARG(a.device() == device_, kApi, ": sample_args[", s, "][", i, "] must be on ", device_,
                         " (the device of the first sample argument), got ", a.device());
     }
-    slot.inputs = StaticInputs(sample_args[s]);
+    slot.buffers = std::make_shared<StaticBuffers>();
+    slot.buffers->inputs = StaticInputs(sample_args[s]);
+    slot.buffers->slots = {s};
     slots_.push_back(std::move(slot));
   }
   for (const auto& c : callables_) {
@@ -390,6 +408,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     params_.emplace_back(c.parameter_names, c.parameters, c.current_parameters, c.parameters_version);
     main_grads_.emplace_back(std::move(fused));
   }
+  if (opts_.reuse_static_buffers) share_static_buffers();
   pool_ = opts_.pool ? opts_.pool : make_pool(device_);
   DWGRAPH_CHECK_ARG(pool_->device().type() == device_.type(), kApi, ": argument 'pool' is a pool of ",
                     pool_->device(), " but the sample arguments are on ", device_);
@@ -434,6 +453,49 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     shared_contributions_.clear();
     pool_.reset();
     throw;
+  }
+}
+
+void GraphManager::share_static_buffers() {
+  DWGRAPH_CHECK_ARG(schedule_.pipelined(), kApi, ": reusing static buffers across microbatches needs the pipeline "
+                    "schedule ('order')");
+  // Each slot's lifetime in capture order: from its forward to its last graph.
+  const auto steps = schedule_.capture_steps(defers_);
+  std::vector<size_t> first(slots_.size(), steps.size()), last(slots_.size(), 0);
+  for (size_t k = 0; k < steps.size(); ++k) {
+    first[steps[k].slot] = std::min(first[steps[k].slot], k);
+    last[steps[k].slot] = std::max(last[steps[k].slot], k);
+  }
+  std::vector<size_t> by_start(slots_.size());
+  for (size_t s = 0; s < by_start.size(); ++s) by_start[s] = s;
+  std::sort(by_start.begin(), by_start.end(), [&](size_t a, size_t b) { return first[a] < first[b]; });
+  std::vector<std::shared_ptr<StaticBuffers>> groups;
+  std::map<const StaticBuffers*, size_t> holder;  // the group's latest slot
+  for (size_t s : by_start) {
+    const auto& mine = slots_[s].buffers->inputs.tensors();
+    for (auto& g : groups) {
+      const size_t h = holder[g.get()];
+      if (slots_[h].info.callable != slots_[s].info.callable || last[h] >= first[s]) continue;
+      const auto& theirs = g->inputs.tensors();
+      bool same = theirs.size() == mine.size();
+      for (size_t i = 0; i < mine.size() && same; ++i) {
+        same = mine[i].sizes() == theirs[i].sizes() && mine[i].strides() == theirs[i].strides() &&
+               mine[i].scalar_type() == theirs[i].scalar_type() && mine[i].requires_grad() == theirs[i].requires_grad();
+      }
+      if (!same) continue;
+      // The sample's values: warmup and capture of this slot read them.
+      const at::NoGradGuard no_grad;
+      for (size_t i = 0; i < mine.size(); ++i) theirs[i].copy_(mine[i]);
+      slots_[s].buffers = g;
+      break;
+    }
+    if (slots_[s].buffers->slots.front() == s) groups.push_back(slots_[s].buffers);
+    slots_[s].buffers->slots.push_back(s);
+    holder[slots_[s].buffers.get()] = s;
+  }
+  for (auto& g : groups) {
+    std::sort(g->slots.begin(), g->slots.end());
+    g->slots.erase(std::unique(g->slots.begin(), g->slots.end()), g->slots.end());
   }
 }
 

@@ -22,6 +22,18 @@
 // number of microbatches. A parameter tied between two modules of one callable gets one
 // buffer per module, so the hand-off adds a, then b, exactly as eager modules land them.
 //
+// Note [Static buffers reused across microbatches]: with reuse_static_buffers
+// (TransformerEngine's _reuse_graph_input_output_buffers) the slots of one callable whose
+// lifetimes in the pipeline order do not overlap (a slot lives from its forward to its
+// backward-dw, or its backward when it defers nothing) share one set of static inputs
+// and static grad outputs. TransformerEngine frees a slot's buffers after its backward;
+// dwgraph keeps them until the backward-dw, because a deferred GEMM reads its input (often
+// the static input itself) and its output gradient (often the static grad output) in the
+// backward-dw graph. At replay a call whose buffers another slot still needs (its
+// backward or backward-dw pending, or its graph retained for a second backward) is
+// refused, so a replay order that differs from the capture cannot make one microbatch
+// read another's inputs.
+//
 // Note [Slot states]: each slot follows its calls: idle -> forward replayed (its backward
 // pending while the autograd node lives) -> backward replayed (backward-dw pending when
 // it has deferred weights and the backward asked for them) -> idle. A second call while
@@ -40,9 +52,17 @@ namespace dwgraph::graphs {
 
 enum class SlotState { kIdle, kForward, kDwPending };
 
+// Static inputs a slot's graphs read, shared by the slots of one callable whose lifetimes
+// do not overlap when reuse_static_buffers is on (Note [Static buffers reused across
+// microbatches]).
+struct StaticBuffers {
+  StaticInputs inputs;
+  std::vector<size_t> slots;  // the slots that share them
+};
+
 struct Slot {
   SlotInfo info;
-  StaticInputs inputs;
+  std::shared_ptr<StaticBuffers> buffers;
   std::vector<at::Tensor> captured_outputs;  // with the capture's autograd graph, until bwd capture
   std::vector<at::Tensor> static_outputs;
   std::vector<bool> output_requires_grad;
@@ -60,6 +80,7 @@ struct Slot {
   // Replay state (Note [Slot states]), guarded by GraphManager::mu_.
   SlotState state = SlotState::kIdle;
   uint64_t generation = 0;  // of the latest forward that created an autograd node
+  bool graph_retained = false;  // that node can still run a backward (retain_graph=True)
 };
 
 class GraphManager : public std::enable_shared_from_this<GraphManager> {
@@ -73,6 +94,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   std::vector<at::Tensor> backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
                                    bool deferred_asked);
   void node_released(size_t s, uint64_t generation) noexcept;
+  void node_done(size_t s, uint64_t generation) noexcept;  // its backward freed the graph
   void backward_dw(size_t s);
   bool need_backward_dw(size_t s) const { return defers_[slots_.at(s).info.callable]; }
   bool replays(size_t s) const;
@@ -100,6 +122,8 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   bool module_defers(const ModuleSpec& m) const;
   void check_live(const char* what) const;
   void run_eager_backward_dw(size_t s);
+  void share_static_buffers();
+  bool busy(const Slot& slot) const;  // with mu_ held
 
   std::vector<GraphableCallable> callables_;
   GraphedCallableOptions opts_;

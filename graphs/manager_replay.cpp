@@ -24,7 +24,10 @@ class GraphedBackward final : public torch::autograd::Node {
 
   // Called by the engine after a backward without retain_graph, as for nodes that free
   // their saved tensors: a later backward through this node is refused, as eager's is.
-  void release_variables() override { released_ = true; }
+  void release_variables() override {
+    released_ = true;
+    manager_->node_done(slot_, generation_);
+  }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     DWGRAPH_CHECK_STATE(!released_, "dwgraph: backward through a graphed call a second time, but the first "
@@ -80,11 +83,16 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
   const auto& c = callables_[slot.info.callable];
   if (!replays(s)) return c.forward(inputs);  // a mode the graphs were not captured in: run eagerly
   const std::string w = where(s);
-  slot.inputs.check(inputs, w);
+  slot.buffers->inputs.check(inputs, w);
   params_[slot.info.callable].check(w);
   main_grads_[slot.info.callable].check(w);
   {
     const std::lock_guard<std::mutex> lock(mu_);
+    for (size_t other : slot.buffers->slots) {
+      DWGRAPH_CHECK_STATE(other == s || !busy(slots_[other]), w, ": its static input buffers are shared with ",
+                          where(other), " (reuse_static_buffers), whose backward or backward_dw() is still "
+                          "pending or whose graph is retained; finish that microbatch first, as in the capture order");
+    }
     DWGRAPH_CHECK_STATE(slot.state != SlotState::kDwPending, w,
                         ": called again while the backward_dw() of its previous backward is pending; call "
                         "backward_dw() first");
@@ -94,9 +102,9 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
                         "slot. Run that backward first (or drop its outputs), or give each microbatch its own "
                         "slot with a pipeline 'order'");
   }
-  slot.inputs.copy_in(inputs);
+  slot.buffers->inputs.copy_in(inputs);
   slot.fwd->replay();
-  slot.inputs.copy_back(inputs);
+  slot.buffers->inputs.copy_back(inputs);
   std::vector<at::Tensor> outs;
   outs.reserve(slot.static_outputs.size());
   for (const auto& o : slot.static_outputs) outs.push_back(plain_alias(o));
@@ -108,6 +116,7 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
     const std::lock_guard<std::mutex> lock(mu_);
     generation = ++slot.generation;
     slot.state = SlotState::kForward;
+    slot.graph_retained = true;
   }
   // Autograd edges: inputs that require grad, then parameters (as captured).
   auto node = dwgraph::detail::make_node<GraphedBackward>(shared_from_this(), s, generation);
@@ -169,8 +178,19 @@ void GraphManager::node_released(size_t s, uint64_t generation) noexcept {
   const std::lock_guard<std::mutex> lock(mu_);
   if (s >= slots_.size()) return;
   Slot& slot = slots_[s];
+  if (slot.generation != generation) return;
   // The forward's outputs were dropped without a backward: nothing is pending any more.
-  if (slot.generation == generation && slot.state == SlotState::kForward) slot.state = SlotState::kIdle;
+  if (slot.state == SlotState::kForward) slot.state = SlotState::kIdle;
+  slot.graph_retained = false;
+}
+
+void GraphManager::node_done(size_t s, uint64_t generation) noexcept {
+  const std::lock_guard<std::mutex> lock(mu_);
+  if (s < slots_.size() && slots_[s].generation == generation) slots_[s].graph_retained = false;
+}
+
+bool GraphManager::busy(const Slot& slot) const {
+  return slot.state != SlotState::kIdle || slot.graph_retained;
 }
 
 void GraphManager::backward_dw(size_t s) {
@@ -228,7 +248,7 @@ void GraphManager::reset() {
     }
     slot.after_dw = Landing();
     slot.after_backward = Landing();
-    slot.inputs.clear();
+    slot.buffers = std::make_shared<StaticBuffers>();
     slot.static_outputs.clear();
     slot.captured_outputs.clear();
     slot.static_grad_outputs.clear();
@@ -253,13 +273,21 @@ GraphedStats GraphManager::stats() const {
     for (const auto& t : v) n += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
     return n;
   };
-  std::unordered_set<const void*> seen;
+  std::unordered_set<const void*> seen, seen_static;
+  auto distinct = [&](const std::vector<at::Tensor>& v) {
+    int64_t n = 0;
+    for (const auto& t : v) {
+      if (t.defined() && seen_static.insert(t.storage().data()).second) n += static_cast<int64_t>(t.nbytes());
+    }
+    return n;
+  };
   for (const auto& slot : slots_) {
     for (const auto& c : slot.after_dw.contributions) {
       if (seen.insert(c.buffer.storage().data()).second) st.contribution_bytes += static_cast<int64_t>(c.buffer.nbytes());
     }
-    st.static_bytes += slot.inputs.nbytes() + bytes(slot.static_outputs) + bytes(slot.static_grad_outputs) +
-                       bytes(slot.static_grad_inputs);
+    // Shared buffers (reuse_static_buffers) count once.
+    st.static_bytes += distinct(slot.buffers->inputs.tensors()) + bytes(slot.static_outputs) +
+                       distinct(slot.static_grad_outputs) + bytes(slot.static_grad_inputs);
     for (const auto* g : {&slot.fwd, &slot.bwd, &slot.dw}) {
       if (!*g) continue;
       ++st.num_graphs;

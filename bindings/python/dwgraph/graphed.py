@@ -15,6 +15,7 @@ turns pytrees into the flat tensor lists it works on.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -251,6 +252,20 @@ def graphed_handle(obj) -> GraphedCallable:
     return handle
 
 
+_INSTALLED = ("forward", "dwgraph_graphed", "backward_dw", "need_backward_dw", "reset", "__deepcopy__",
+              "__getstate__")
+
+
+def _without_graphs(module: torch.nn.Module, action):
+    """Runs `action` on the module as it was before graphing (its graphs bake in this
+    module's memory: a copy or a pickle gets the plain module)."""
+    saved = {k: module.__dict__.pop(k) for k in _INSTALLED if k in module.__dict__}
+    try:
+        return action()
+    finally:
+        module.__dict__.update(saved)
+
+
 def _install_on_module(module: torch.nn.Module, handle: GraphedCallable) -> None:
     # As torch and TransformerEngine do: the same module object, its forward replaced, so it
     # stays in Sequential/ModuleList and keeps parameters(), train()/eval() and state_dict().
@@ -260,6 +275,9 @@ def _install_on_module(module: torch.nn.Module, handle: GraphedCallable) -> None
     module.need_backward_dw = handle.need_backward_dw
     if not hasattr(type(module), "reset"):
         module.reset = handle.reset
+    # copy.deepcopy and pickle look these up on the instance first.
+    module.__deepcopy__ = lambda memo: _without_graphs(module, lambda: copy.deepcopy(module, memo))
+    module.__getstate__ = lambda: _without_graphs(module, module.__getstate__)
 
 
 def _canonical_capture_time_hooks(hooks, n: int):
@@ -301,8 +319,10 @@ def make_graphed_callables(
     pool=None,
     retain_graph_in_backward: bool = False,
     capture_time_hooks: Optional[Sequence[Optional[Dict[str, Dict]]]] = None,
+    reuse_static_buffers: bool = False,
     _order: Optional[Sequence[float]] = None,
     _num_layers_per_chunk: Optional[Sequence[int]] = None,
+    _reuse_graph_input_output_buffers: Optional[bool] = None,
     _unsafe_capture_with_caller_grad: bool = False,
 ):
     """Graphs ``modules`` (one module or callable, or a tuple of them) on the device of
@@ -326,7 +346,9 @@ def make_graphed_callables(
     ``torch.cuda.MemPool``; ``capture_time_hooks[i]`` (TransformerEngine's meaning) maps
     ``"forward_pre_hooks"``, ``"forward_hooks"``, ``"backward_pre_hooks"`` and
     ``"backward_hooks"`` to dicts of ``fn(module)``, run around warmup and capture, outside
-    the captured region, never replayed.
+    the captured region, never replayed. ``reuse_static_buffers`` (TransformerEngine's
+    ``_reuse_graph_input_output_buffers``; pipeline schedule only): slots of one callable
+    whose lifetimes in ``order`` do not overlap share their static inputs and grad outputs.
 
     ``_unsafe_capture_with_caller_grad`` is for tests only: it captures backward-dw with
     the caller's ``.grad`` in place and skips the hand-off (the unfixed hazard).
@@ -335,6 +357,8 @@ def make_graphed_callables(
                                                           "num_layers_per_chunk")):
         if alias is not None and value is not None:
             raise ArgumentError(f"dwgraph.make_graphed_callables: pass '{name}' or '_{name}', not both")
+    if _reuse_graph_input_output_buffers is not None:
+        reuse_static_buffers = bool(_reuse_graph_input_output_buffers)
     order = order if order is not None else _order
     num_layers_per_chunk = num_layers_per_chunk if num_layers_per_chunk is not None else _num_layers_per_chunk
 
@@ -432,7 +456,7 @@ def make_graphed_callables(
     natives = _C.graphs.make_graphed_callables(
         specs, flat_args, num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input,
         schedule=schedule, pool=_resolve_pool(pool), retain_graph_in_backward=retain_graph_in_backward,
-        unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
+        reuse_static_buffers=reuse_static_buffers, unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
 
     handles = []
     for native in natives:

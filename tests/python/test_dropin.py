@@ -1,0 +1,217 @@
+"""make_graphed_callables as a drop-in for torch's and TransformerEngine's (issue 14):
+
+  * modules come back as the same objects with their forward replaced: they stay in
+    Sequential/ModuleList, keep parameters(), train()/eval() (eval runs eagerly) and
+    state_dict(); plain callables come back as callables;
+  * arbitrary pytrees of inputs and outputs (nested tuples/lists/dicts, None leaves,
+    non-tensor leaves fixed at capture, keyword arguments);
+  * TransformerEngine's argument spellings and pools: ``_order``, ``_num_layers_per_chunk``,
+    ``_reuse_graph_input_output_buffers`` (memory shared across microbatches, exact);
+  * the scenarios PyTorch's own make_graphed_callables tests cover, in our own code: dict
+    inputs and outputs, a parameterless module whose output needs no grad, two calls sharing
+    a pool, autocast with the cache disabled, allow_unused_input.
+Each graphed result is compared bitwise with the same modules run eagerly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dwgraph
+from safety_common import assert_same_as_eager, eager_backward_dw
+
+H = 8
+B = 4
+
+
+def _mlp():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.ReLU(),
+                               torch.nn.Linear(H, H))
+
+
+def test_modules_come_back_with_forward_replaced():
+    a, b = _mlp(), _mlp()
+    ea, eb = copy.deepcopy(a), copy.deepcopy(b)
+    ga, gb = dwgraph.make_graphed_callables((a, b), ((torch.randn(B, H),), (torch.randn(B, H, requires_grad=True),)))
+    assert ga is a and gb is b
+    model = torch.nn.Sequential(ga, torch.nn.Tanh(), gb)      # back into a container
+    eager = torch.nn.Sequential(ea, torch.nn.Tanh(), eb)
+    assert len(list(model.parameters())) == len(list(eager.parameters()))
+    assert set(model.state_dict()) == set(eager.state_dict())
+    for step in range(3):
+        x = torch.randn(B, H)
+        model(x).square().sum().backward()
+        ga.backward_dw(), gb.backward_dw()
+        eager(x).square().sum().backward()
+        eager_backward_dw(eager)
+        assert_same_as_eager(model, eager, f"step {step}")
+    model.eval(), eager.eval()
+    with torch.no_grad():
+        x = torch.randn(B, H)
+        assert torch.equal(model(x), eager(x))  # eval runs the original forward
+    assert dwgraph.graphed_handle(a).stats()["num_graphs"] == 6
+    fn = dwgraph.make_graphed_callables(lambda x: x * 2 + 1, (torch.randn(B, H),))
+    assert isinstance(fn, dwgraph.GraphedCallable)
+    x = torch.randn(B, H)
+    assert torch.equal(fn(x), x * 2 + 1)
+
+
+class _DictModule(torch.nn.Module):
+    """Dict in, nested structure with None and a non-tensor leaf out."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+        self.other = torch.nn.Linear(H, H)
+
+    def forward(self, batch, scale=1.0, mask=None):
+        h = self.lin(batch["x"]) * scale
+        out = {"y": self.other(h) + batch["bias"], "aux": [h.detach(), None], "tag": "ok"}
+        return out, None
+
+
+def test_pytrees_in_and_out():
+    m = _DictModule()
+    eager = copy.deepcopy(m)
+    sample = ({"x": torch.randn(B, H, requires_grad=True), "bias": torch.randn(H)},)
+    g = dwgraph.make_graphed_callables(m, sample, sample_kwargs={"scale": 0.5, "mask": None})
+    for step in range(3):
+        batch = {"x": torch.randn(B, H, requires_grad=True), "bias": torch.randn(H)}
+        ebatch = {"x": batch["x"].detach().clone().requires_grad_(), "bias": batch["bias"].clone()}
+        (out, none), (eout, _) = g(batch, scale=0.5, mask=None), eager(ebatch, scale=0.5, mask=None)
+        assert none is None and out["tag"] == "ok" and out["aux"][1] is None
+        assert torch.equal(out["y"], eout["y"]) and torch.equal(out["aux"][0], eout["aux"][0])
+        out["y"].square().sum().backward()
+        g.backward_dw()
+        eout["y"].square().sum().backward()
+        eager.lin.backward_dw()
+        assert torch.equal(batch["x"].grad, ebatch["x"].grad)
+        assert_same_as_eager(m, eager, f"step {step}")
+    with pytest.raises(dwgraph.ArgumentError, match="structure and non-tensor values"):
+        g({"x": torch.randn(B, H), "bias": torch.randn(H)}, scale=2.0)  # another baked value
+
+
+def test_te_spellings_and_buffer_reuse():
+    torch.manual_seed(4)
+    layers = (dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), dwgraph.nn.LayerNormMLP(H, 2 * H))
+    m = 4
+    # 1F1B-like for one chunk of two layers, backward-dw right after each backward
+    order = [1, 1, -1, -1.5, 1, -1, -1.5, 1, -1, -1.5, -1, -1.5]
+    samples = tuple((torch.randn(B, H, requires_grad=l > 0),) for _ in range(m) for l in range(2))
+    stats = {}
+    for reuse in (False, True):
+        mods = copy.deepcopy(layers)
+        eager = copy.deepcopy(layers)
+        slots = dwgraph.make_graphed_callables(mods, samples, _order=order, _num_layers_per_chunk=[2],
+                                               _reuse_graph_input_output_buffers=reuse)
+        stats[reuse] = slots[0].stats()["static_bytes"]
+        xs = [torch.randn(B, H) for _ in range(m)]
+        outs, eouts, f, b = {}, {}, 0, 0
+        for o in order:
+            if o == 1:
+                outs[f] = slots[f * 2 + 1](slots[f * 2](xs[f]))
+                eouts[f] = eager[1](eager[0](xs[f]))
+                f += 1
+            elif o == -1:
+                outs.pop(b).square().sum().backward()
+                eouts.pop(b).square().sum().backward()
+                b += 1
+            else:
+                slots[(b - 1) * 2].backward_dw()
+                eager[0].backward_dw()
+        for pg, pe in zip([p for mod in mods for p in mod.parameters()],
+                          [p for mod in eager for p in mod.parameters()]):
+            assert torch.equal(pg.grad, pe.grad), f"reuse={reuse}: gradients differ from eager"
+        if reuse:
+            # Out of the capture order, a call whose buffers another microbatch still needs is
+            # refused: microbatch 2 reuses microbatch 0's buffers (its lifetime starts after 0's).
+            y0 = slots[1](slots[0](xs[0]))
+            with pytest.raises(dwgraph.GraphStateError, match="shared with"):
+                slots[5](slots[4](xs[2]))
+            y0.sum().backward()
+            slots[0].backward_dw()
+    assert stats[True] < stats[False], f"reuse did not save static bytes: {stats}"
+
+
+def test_torch_pool_handles_are_accepted_or_refused_clearly():
+    with pytest.raises(dwgraph.ArgumentError, match="torch CUDA pool handle"):
+        dwgraph.make_graphed_callables(_mlp(), (torch.randn(B, H),), pool=(0, 1))
+    with pytest.raises(dwgraph.ArgumentError, match="argument 'pool' must be"):
+        dwgraph.make_graphed_callables(_mlp(), (torch.randn(B, H),), pool="mine")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not dwgraph.cuda_available(), reason="no CUDA device")
+def test_torch_pool_handle_and_mempool_on_cuda():
+    for pool in (torch.cuda.graph_pool_handle(), torch.cuda.MemPool()):
+        m = _mlp().cuda()
+        eager = copy.deepcopy(m)
+        g = dwgraph.make_graphed_callables(m, (torch.randn(B, H, device="cuda"),), pool=pool)
+        x = torch.randn(B, H, device="cuda")
+        g(x).sum().backward(), g.backward_dw()
+        eager(x).sum().backward(), eager_backward_dw(eager)
+        assert_same_as_eager(m, eager, "torch pool")
+
+
+# -- PyTorch's make_graphed_callables scenarios, in our own code --------------------------------
+def test_parameterless_module_without_grad_and_shared_pool():
+    pool = dwgraph.graphs.graph_pool_handle("cpu")
+    relu = torch.nn.ReLU()
+    g1 = dwgraph.make_graphed_callables(relu, (torch.randn(B, H),), pool=pool)
+    m = _mlp()
+    eager = copy.deepcopy(m)
+    g2 = dwgraph.make_graphed_callables(m, (torch.randn(B, H),), pool=pool)  # a second call on the same pool
+    for _ in range(3):
+        x = torch.randn(B, H)
+        y = g2(g1(x))
+        assert not g1(x).requires_grad
+        y.sum().backward()
+        g2.backward_dw()
+        eager(x.relu()).sum().backward()
+        eager_backward_dw(eager)
+        assert_same_as_eager(m, eager, "shared pool")
+
+
+def test_autocast_with_the_cache_disabled():
+    m = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.GELU(), torch.nn.Linear(H, H))
+    eager = copy.deepcopy(m)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        g = dwgraph.make_graphed_callables(m, (torch.randn(B, H),))
+    with pytest.raises(dwgraph.ArgumentError, match="cache_enabled=False"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            dwgraph.make_graphed_callables(copy.deepcopy(m), (torch.randn(B, H),))
+    for _ in range(3):
+        x = torch.randn(B, H)
+        y = g(x)  # replays the autocast graph
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            ye = eager(x)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, ye)
+        y.float().sum().backward()
+        ye.float().sum().backward()
+        assert_same_as_eager(m, eager, "autocast")
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_allow_unused_input(allow):
+    class TwoInputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(H, H)
+
+        def forward(self, x, unused):
+            return self.lin(x)
+
+    sample = (torch.randn(B, H, requires_grad=True), torch.randn(B, H, requires_grad=True))
+    if not allow:
+        with pytest.raises(dwgraph.ArgumentError, match="allow_unused_input"):
+            dwgraph.make_graphed_callables(TwoInputs(), sample)
+        return
+    g = dwgraph.make_graphed_callables(TwoInputs(), sample, allow_unused_input=True)
+    x, u = torch.randn(B, H, requires_grad=True), torch.randn(B, H, requires_grad=True)
+    g(x, u).sum().backward()
+    assert x.grad is not None and u.grad is None
