@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import _C
+from . import _C, _traced
 from .errors import GraphStateError
 
 __all__ = ["DistributedWeight", "Linear", "GroupedLinear", "LayerNormMLP"]
@@ -132,6 +132,16 @@ class _DeferredWgradModule(torch.nn.Module):
         for fn in list(self._wgrad_hooks.values()):
             fn(self)
 
+    def _traceable(self) -> bool:
+        """Under torch.compile, modules whose weight gradients land in the backward run the
+        traceable forward of dwgraph._traced (same GEMMs); deferred or fused ones run eagerly
+        (their backward has side effects outside autograd: one graph break per call)."""
+        if not torch.compiler.is_compiling():
+            return False
+        if self.delay_wgrad_compute or self.fuse_wgrad_accumulation or self._wgrad_hooks:
+            return False
+        return not any(isinstance(p, DistributedWeight) for p in self.parameters(recurse=False))
+
     def _after_forward(self, out: torch.Tensor) -> torch.Tensor:
         # Without deferral the gradients land during the backward; the hooks run when the
         # whole backward has finished (after AccumulateGrad), once per forward.
@@ -237,6 +247,12 @@ class Linear(_DeferredWgradModule):
             self._allocate_main_grads()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._traceable():
+            return _traced.linear(x, self.weight, self.bias)
+        return self._eager_forward(x)
+
+    @torch.compiler.disable
+    def _eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _C.nn.linear(x, self._ref("weight", self.weight, is_weight=True),
                            self._ref("bias", self.bias, is_weight=False), **self._config())
         return self._after_forward(out)
@@ -297,6 +313,13 @@ class GroupedLinear(_DeferredWgradModule):
         return [(f"bias{g}", getattr(self, f"bias{g}")) for g in range(self.num_gemms)]
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
+        if self._traceable():
+            return _traced.grouped_linear(x, m_splits, self.packed_weights, [p for _, p in self._weights()],
+                                          [p for _, p in self._biases()])
+        return self._eager_forward(x, m_splits)
+
+    @torch.compiler.disable
+    def _eager_forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
         out = _C.nn.grouped_linear(
             x, [int(m) for m in m_splits],
             [self._ref(n, p, is_weight=True) for n, p in self._weights()],
@@ -347,6 +370,12 @@ class LayerNormMLP(_DeferredWgradModule):
             self._allocate_main_grads()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._traceable():
+            return _traced.layernorm_mlp(self, x)
+        return self._eager_forward(x)
+
+    @torch.compiler.disable
+    def _eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _C.nn.layernorm_mlp(
             x, self.layer_norm_weight, self.layer_norm_bias, self.eps,
             self._ref("fc1_weight", self.fc1_weight, is_weight=True),
