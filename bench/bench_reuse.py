@@ -6,19 +6,19 @@ Graphed: the static buffers (inputs, outputs, grad outputs, grad inputs; shared 
 counted once) and the graph pool's reserved and live bytes. Eager: the peak bytes of the
 same 1F1B schedule run eagerly with its allocations routed to a fresh host pool (a host
 graph capture executes the region for real; its pool counts every allocation, activations,
-temporaries and gradients included). CPU only.
+temporaries and gradients included; on CUDA: the caching allocator's peak).
 
-    python bench/bench_reuse.py [--quick]
+    python bench/bench_reuse.py [--quick]      (--device cuda: the same, on the GPU's pool)
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
 
 import dwgraph
+from common import bench_args
 
 
 def one_f_one_b(m: int, warm: int):
@@ -50,10 +50,9 @@ def run_schedule(order, forward, backward_dw, xs):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    print("# Static buffers reused across microbatches (pipeline schedule, cpu)\n")
+    args = bench_args(__doc__)
+    dev = args.device
+    print(f"# Static buffers reused across microbatches (pipeline schedule, {dev})\n")
     print("| model, microbatches, in flight | static bytes | static bytes reused | saving | pool reserved | "
           "pool reserved reused | eager peak |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -61,11 +60,11 @@ def main() -> None:
     for hidden, ffn, rows in shapes:
         for m, warm in ((4, 2), (8, 2)):
             torch.manual_seed(0)
-            layers = (dwgraph.nn.LayerNormMLP(hidden, ffn, delay_wgrad_compute=True),
-                      dwgraph.nn.Linear(hidden, hidden, delay_wgrad_compute=True))
+            layers = (dwgraph.nn.LayerNormMLP(hidden, ffn, delay_wgrad_compute=True, device=dev),
+                      dwgraph.nn.Linear(hidden, hidden, delay_wgrad_compute=True, device=dev))
             order = one_f_one_b(m, warm)
-            samples = tuple((torch.randn(rows, hidden, requires_grad=True),) for _ in range(m) for _ in layers)
-            xs = [torch.randn(rows, hidden, requires_grad=True) for _ in range(m)]
+            samples = tuple((torch.randn(rows, hidden, device=dev, requires_grad=True),) for _ in range(m) for _ in layers)
+            xs = [torch.randn(rows, hidden, device=dev, requires_grad=True) for _ in range(m)]
             row = []
             for reuse in (False, True):
                 mods = copy.deepcopy(layers)
@@ -76,12 +75,19 @@ def main() -> None:
                 st = slots[0].stats()
                 row.append((st["static_bytes"], st["pool_reserved_bytes"]))
             eager = copy.deepcopy(layers)
-            graph = dwgraph.graphs.Graph("cpu")
-            with graph.capture():  # executes the eager schedule with its memory counted by the pool
-                run_schedule(order, lambda f, x: eager[1](eager[0](x)),
-                             lambda b: [e.backward_dw() for e in eager], xs)
-            peak = graph.pool.stats()["peak_allocated_bytes"]
-            graph.reset()
+            if dev == "cpu":
+                graph = dwgraph.graphs.Graph("cpu")
+                with graph.capture():  # executes the eager schedule with its memory counted by the pool
+                    run_schedule(order, lambda f, x: eager[1](eager[0](x)),
+                                 lambda b: [e.backward_dw() for e in eager], xs)
+                peak = graph.pool.stats()["peak_allocated_bytes"]
+                graph.reset()
+            else:
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                run_schedule(order, lambda f, x: eager[1](eager[0](x)), lambda b: [e.backward_dw() for e in eager], xs)
+                peak = torch.cuda.max_memory_allocated() - base
             (s0, p0), (s1, p1) = row
             print(f"| LayerNormMLP({hidden},{ffn}) + Linear, {rows} rows, {m} microbatches, {warm} in flight | "
                   f"{s0} | {s1} | {s0 / s1:.2f}x | {p0} | {p1} | {peak} |")

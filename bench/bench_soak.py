@@ -3,12 +3,11 @@ the order of the backward_dw() calls, side by side with the same modules run eag
 At the end the gradients must equal eager's bitwise, and the process's resident memory
 and the graph pool's bytes must be flat (first and last figures printed).
 
-    python bench/bench_soak.py [--replays 10000] [--device cpu]
+    python bench/bench_soak.py [--device cpu|cuda] [--quick]      (10,000 steps; --quick: 500)
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import time
@@ -16,6 +15,7 @@ import time
 import torch
 
 import dwgraph
+from common import bench_args
 
 H = 64
 B = 16
@@ -27,10 +27,8 @@ def rss_mib() -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--replays", type=int, default=10000)
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
+    args = bench_args(__doc__)
+    args.replays = 500 if args.quick else 10000
     dev = args.device
     torch.manual_seed(0)
     a = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, device=dev)
