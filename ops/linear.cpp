@@ -83,29 +83,36 @@ class DeferredGemmNode : public torch::autograd::Node {
     // Unpacking applies the saved-tensor hooks to the activation; the weights are ours.
     const at::Tensor x = x_.unpack();
 
-    if (should_compute_output(0)) {
+    if (task_should_compute_output(0)) {
       std::vector<at::Tensor> wb;
       wb.reserve(nw);
       for (const auto& w : weights_) wb.push_back(w->for_backward().contiguous());
       out[0] = dgrad(dy, wb).view(x_sizes_);
     }
 
+    // Only what the engine asked for: a backward for the inputs alone (torch.autograd.grad
+    // w.r.t. activations, as pipelining's shape inference and dI step run) has no weight
+    // work, and queues no unit that a later backward_dw() would mistake for its own.
     std::vector<bool> need_w(nw), need_b(biases_.size());
-    for (size_t i = 0; i < nw; ++i) need_w[i] = should_compute_output(1 + i) || weights_[i]->finalize;
-    for (size_t i = 0; i < biases_.size(); ++i) need_b[i] = should_compute_output(1 + nw + i);
+    for (size_t i = 0; i < nw; ++i) need_w[i] = task_should_compute_output(1 + i);
+    for (size_t i = 0; i < biases_.size(); ++i) need_b[i] = task_should_compute_output(1 + nw + i);
 
     // The GEMM closures hold the tensors the weight-gradient work needs (not this node),
     // so queued work keeps dy and x alive and nothing else.
     const bool deferred = cfg_.delay_wgrad_compute;
     std::vector<detail::WgradGemm> gemms(nw);
     std::vector<at::Tensor> bias_only(nw);
+    bool any_work = false;
     for (size_t i = 0; i < nw; ++i) {
       if (need_w[i]) {
         gemms[i] = wgrad_gemm_for(i, dy, x);
+        any_work = true;
       } else if (biases_.size() == nw && need_b[i]) {
         bias_only[i] = bias_only_grad(i, dy);  // frozen weight: just the column sum
+        any_work = true;
       }
     }
+    if (!any_work) return out;
     auto work = [cfg = cfg_, weights = weights_, biases = biases_, need_b, gemms = std::move(gemms),
                  bias_only = std::move(bias_only)](bool land, variable_list* result) {
       const size_t nw = weights.size();
