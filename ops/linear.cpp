@@ -64,6 +64,9 @@ class DeferredGemmNode : public torch::autograd::Node {
     x_ = SavedVariable(x2d, /*is_output=*/false);
     x_sizes_ = std::move(x_sizes);
   }
+  // Shapes of the weights the forward materialised (a distributed weight's parameter may
+  // be a shard of it): the weight gradient has these.
+  void set_weight_sizes(std::vector<std::vector<int64_t>> sizes) { weight_sizes_ = std::move(sizes); }
 
  protected:
   // dx [M, K] from dy [M, N] and the weights materialised for backward.
@@ -114,13 +117,13 @@ class DeferredGemmNode : public torch::autograd::Node {
     }
     if (!any_work) return out;
     auto work = [cfg = cfg_, weights = weights_, biases = biases_, need_b, gemms = std::move(gemms),
-                 bias_only = std::move(bias_only)](bool land, variable_list* result) {
+                 bias_only = std::move(bias_only), sizes = weight_sizes_](bool land, variable_list* result) {
       const size_t nw = weights.size();
       for (size_t i = 0; i < nw; ++i) {
         const WeightRef* bias = (biases.size() == nw && need_b[i]) ? biases[i].get() : nullptr;
         detail::WgradResult r;
         if (gemms[i]) {
-          r = detail::compute_wgrad(*weights[i], bias, gemms[i], land, cfg.module_name);
+          r = detail::compute_wgrad(*weights[i], bias, gemms[i], land, cfg.module_name, sizes[i]);
         } else if (bias != nullptr) {
           r.bias = bias_only[i];
           if (land) {
@@ -150,6 +153,7 @@ class DeferredGemmNode : public torch::autograd::Node {
   std::vector<WeightRefPtr> biases_;
   SavedVariable x_;
   std::vector<int64_t> x_sizes_;
+  std::vector<std::vector<int64_t>> weight_sizes_;
 };
 
 class LinearBackward final : public DeferredGemmNode {
@@ -218,8 +222,8 @@ class GroupedLinearBackward final : public DeferredGemmNode {
 
 template <class NodeT, class... Extra>
 void connect(const at::Tensor& y, const at::Tensor& x, const at::Tensor& x2d, const WgradConfig& cfg,
-             const std::vector<WeightRefPtr>& weights, const std::vector<WeightRefPtr>& biases,
-             Extra&&... extra) {
+             const std::vector<WeightRefPtr>& weights, const std::vector<at::Tensor>& materialized,
+             const std::vector<WeightRefPtr>& biases, Extra&&... extra) {
   std::vector<const at::Tensor*> inputs = {&x};
   for (const auto& w : weights) inputs.push_back(&w->param);
   for (const auto& b : biases) inputs.push_back(&b->param);
@@ -241,6 +245,9 @@ void connect(const at::Tensor& y, const at::Tensor& x, const at::Tensor& x2d, co
   }
   node->set_next_edges(std::move(edges));
   node->save_input(x2d, x.sizes().vec());
+  std::vector<std::vector<int64_t>> sizes;
+  for (const auto& w : materialized) sizes.push_back(w.sizes().vec());
+  node->set_weight_sizes(std::move(sizes));
   torch::autograd::set_history(y, base);
 }
 
@@ -272,7 +279,7 @@ at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightR
     shape.back() = w.size(0);
     y = y.view(shape);
   }
-  connect<LinearBackward>(y, x, x2d, cfg, {weight}, non_null({bias}));
+  connect<LinearBackward>(y, x, x2d, cfg, {weight}, {w}, non_null({bias}));
   return y;
 }
 
@@ -297,9 +304,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
                     ": expected one bias per weight (", weights.size(), "), got ", biases.size());
   check_fused_weights(cfg, weights);
   at::Tensor y;
+  std::vector<at::Tensor> w;
   {
     BelowAutograd below;
-    std::vector<at::Tensor> w;
     for (const auto& r : weights) w.push_back(r->for_forward().contiguous());
     if (packed) {
       y = grouped_fwd_gemm(x.contiguous(), w[0], m_splits,
@@ -316,7 +323,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
     BelowAutograd below;
     x2d = x.contiguous();
   }
-  connect<GroupedLinearBackward>(y, x, x2d, cfg, weights, biases, m_splits);
+  connect<GroupedLinearBackward>(y, x, x2d, cfg, weights, w, biases, m_splits);
   return y;
 }
 
