@@ -32,9 +32,13 @@ def _ddp_class():
 
 def owned_parameters(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """(name, parameter) of a dwgraph module's parameters that torch's DDP must not reduce:
-    deferred ones (they land in backward_dw) and fused ones (they land in main_grad)."""
+    deferred ones (they land in backward_dw), fused ones (they land in main_grad) and
+    distributed weights (their finalize_wgrad reduces them; their values differ by rank)."""
+    from .nn import DistributedWeight
+
+    distributed = [(n, p) for n, p in module.named_parameters(recurse=False) if isinstance(p, DistributedWeight)]
     seen, out = set(), []
-    for name, p in list(module._deferred_parameters()) + list(module._fused_parameters()):
+    for name, p in list(module._deferred_parameters()) + list(module._fused_parameters()) + distributed:
         if id(p) not in seen and p.requires_grad:
             seen.add(id(p))
             out.append((name, p))

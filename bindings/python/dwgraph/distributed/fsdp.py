@@ -83,6 +83,9 @@ class FullyShardReducer:
             raise ArgumentError("dwgraph.distributed.FullyShardReducer: the root's parameters are not sharded "
                                 "DTensors; build it after fully_shard(root)")
         self._group = mesh.get_group()
+        # The sharded parameters, which the optimizer steps (the module registers the
+        # unsharded ones between forward and reshard).
+        self._sharded = list(root.named_parameters())
         self._device = sharded.device
         root.set_manual_backward_finalization(True)
         self._arm()
@@ -114,7 +117,7 @@ class FullyShardReducer:
         return {n: c for (n, _), c in zip(self._modules, self._last_landings)}
 
     def named_parameters(self):
-        return [(f"{n}.{pn}" if n else pn, p) for n, m in self._modules for pn, p in m.named_parameters(recurse=False)]
+        return list(self._sharded)
 
     def finish(self) -> None:
         """Lets FSDP reduce-scatter every gradient of the step into the sharded ``.grad``.
@@ -135,7 +138,7 @@ class FullyShardReducer:
                 mg = getattr(p, "main_grad", None)
                 if mg is None:
                     continue
-                g = mg.to(p.dtype)
+                g = mg.to(p.dtype, copy=True)  # main_grad is zeroed below
                 p.grad = g if p.grad is None else p.grad.add_(g)
                 mg.zero_()
         for h in self._holders:
