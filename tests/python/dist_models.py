@@ -1,15 +1,17 @@
 """What the distributed tests share (helper, not a test module): a small model mixing
 deferred and plain modules, its batches, a manual SGD step that reads ``main_grad`` for
-fused weights, the single-process reference on the concatenated batch, and the norm-wise
-relative error."""
+fused weights, the independent single-process reference on the concatenated batch (plain
+torch.nn in float64), and the norm-wise relative error."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+import copy
+from typing import Dict, List
 
 import torch
 
 import dwgraph
+from references import RefMLP
 
 IN, HIDDEN, FFN, OUT = 16, 32, 48, 8
 ROWS = 8  # per rank and step
@@ -78,31 +80,85 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a64 - r64).norm().item() / denom if denom else (a64 - r64).norm().item()
 
 
-def reference_run(fused: bool, world: int, steps: int = STEPS, seed: int = 0) -> List[Dict[str, torch.Tensor]]:
-    """The single-process run on the concatenated batch: per step, the gradients and then
-    the parameters after the SGD step."""
-    model = make_model(fused, seed)
-    fused_set = fused_ids(model)
+def torch_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """The same model in plain torch.nn and float64, from the same initial values: dwgraph
+    Linear becomes torch.nn.Linear, LayerNormMLP the RefMLP of references.py."""
+    ref = copy.deepcopy(model)
+    for name, m in list(ref.named_modules()):
+        if isinstance(m, dwgraph.nn.Linear):
+            new = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+            pairs = [(new, n, getattr(m, n)) for n in ("weight", "bias") if getattr(m, n) is not None]
+        elif isinstance(m, dwgraph.nn.LayerNormMLP):
+            new = RefMLP(m.hidden_size, m.ffn_hidden_size, m.use_bias)
+            pairs = [(*new.slots[n], p) for n, p in m.named_parameters()]
+        else:
+            continue
+        with torch.no_grad():
+            for owner, attr, p in pairs:
+                getattr(owner, attr).copy_(p)
+        parent, _, leaf = name.rpartition(".")
+        setattr(ref.get_submodule(parent) if parent else ref, leaf, new)
+    return ref.double()
+
+
+def ref_parameter(ref: torch.nn.Module, name: str) -> torch.Tensor:
+    """The parameter of a torch_reference model that the dwgraph model calls `name`."""
+    prefix, _, leaf = name.rpartition(".")
+    owner = ref.get_submodule(prefix) if prefix else ref
+    if isinstance(owner, RefMLP):
+        owner, leaf = owner.slots[leaf]
+    return getattr(owner, leaf)
+
+
+def reference_run(model: torch.nn.Module, batches) -> List[Dict[str, Dict[str, torch.Tensor]]]:
+    """The single-process run on each whole batch, in plain torch.nn and float64, of a
+    freshly built (untrained) dwgraph `model`: per step, the gradients and then the
+    parameters after the SGD step, by the dwgraph model's parameter names."""
+    ref = torch_reference(model)
+    names = [n for n, _ in model.named_parameters()]
     out = []
-    for step in range(steps):
-        x, y = batch(step, ROWS * world)
-        loss_fn(model(x), y).backward()
-        for m in deferred_modules(model):
-            m.backward_dw()
-        grads = gradients(model)
-        sgd(model.parameters(), fused_set)
-        out.append(dict(grads=grads, params={n: p.detach().clone() for n, p in model.named_parameters()}))
+    for x, y in batches:
+        ref.zero_grad(set_to_none=True)
+        loss_fn(ref(x.double()), y.double()).backward()
+        grads = {n: ref_parameter(ref, n).grad.clone() for n in names}
+        with torch.no_grad():
+            for n in names:
+                p = ref_parameter(ref, n)
+                p.sub_(LR * p.grad)
+        out.append(dict(grads=grads, params={n: ref_parameter(ref, n).detach().clone() for n in names}))
     return out
 
 
+def model_reference(fused: bool, world: int, steps: int = STEPS):
+    """reference_run of make_model on the batches of the training scenarios."""
+    return reference_run(make_model(fused), [batch(step, ROWS * world) for step in range(steps)])
+
+
 def max_errors(per_step: List[Dict[str, Dict[str, torch.Tensor]]], ref: List[Dict[str, Dict[str, torch.Tensor]]],
-               rename: Callable[[str], str] = lambda n: n) -> Dict[str, float]:
-    """Largest relative error of any gradient and any parameter over the steps; each
-    ``per_step`` entry maps parameter names (``rename`` maps them to the reference's)."""
-    worst = {"grads": 0.0, "params": 0.0}
+               across_ranks: bool = False) -> Dict[str, float]:
+    """Largest relative errors over the steps: ``grads``, of the model's whole gradient
+    (every parameter's, concatenated: norm-wise, as the GEMM tests measure; with
+    ``across_ranks``, each rank holds a part and the parts' errors are summed over the
+    ranks); ``grad_tensor``, of any one parameter's gradient (a small bias gradient is a
+    sum with cancellation, whose FP32 rounding alone reaches ~1e-6 of its norm,
+    distributed or not); ``params``, of any one parameter after the step."""
+    worst = {"grads": 0.0, "grad_tensor": 0.0, "params": 0.0}
     for got, want in zip(per_step, ref, strict=True):
-        for kind in worst:
-            assert got[kind], f"no {kind} recorded"
-            for n, t in got[kind].items():
-                worst[kind] = max(worst[kind], rel(t, want[kind][rename(n)]))
+        assert got["grads"] and got["params"], "nothing recorded"
+        num = torch.tensor(sum((got["grads"][n].double() - want["grads"][n]).square().sum().item()
+                               for n in got["grads"]), dtype=torch.float64)
+        if across_ranks:
+            torch.distributed.all_reduce(num)
+        den = sum(g.square().sum().item() for g in want["grads"].values())
+        worst["grads"] = max(worst["grads"], (num.item() / den) ** 0.5)
+        for n, g in got["grads"].items():
+            worst["grad_tensor"] = max(worst["grad_tensor"], rel(g, want["grads"][n]))
+        for n, t in got["params"].items():
+            worst["params"] = max(worst["params"], rel(t, want["params"][n]))
     return worst
+
+
+def assert_matches(errors: Dict[str, float]) -> None:
+    """The distributed run matches the single-process one: FP32, 1e-6 relative (1e-5 for
+    any single gradient tensor, see max_errors)."""
+    assert errors["grads"] < 1e-6 and errors["params"] < 1e-6 and errors["grad_tensor"] < 1e-5, errors

@@ -18,10 +18,9 @@ import torch.distributed as dist
 import dwgraph
 import dwgraph.distributed as dwdist
 from dist_harness import Failure, run_scenarios
-from dist_models import (HIDDEN, ROWS, STEPS, batch, deferred_modules, fused_ids, gradient, loss_fn, make_model,
-                         max_errors, reference_run, sgd)
+from dist_models import (assert_matches, HIDDEN, ROWS, STEPS, batch, deferred_modules, fused_ids, gradient, loss_fn, make_model,
+                         max_errors, model_reference, sgd)
 
-TOL = 1e-6
 SHARDED = [(0, "weight"), (3, "fc1_weight"), (3, "fc2_weight")]
 
 
@@ -57,7 +56,7 @@ def _train(ctx, fused: bool):
         sgd(model.parameters(), fused_set)
         per_step.append(dict(grads=grads, params={n: _full(p) if id(p) in sharded else p.detach().clone()
                                                   for n, p in model.named_parameters()}))
-    return dict(errors=max_errors(per_step, reference_run(fused, ctx.world_size)), reductions=reductions,
+    return dict(errors=max_errors(per_step, model_reference(fused, ctx.world_size)), reductions=reductions,
                 queued=queued, shard_rows=model[0].weight.shape[0])
 
 
@@ -121,7 +120,7 @@ def test_training_matches_single_process(results, name):
     for res in results[name]:
         assert not isinstance(res, Failure), f"{res.type}: {res.message}\n{res.traceback}"
         assert res["shard_rows"] == HIDDEN // 2
-        assert res["errors"]["grads"] < TOL and res["errors"]["params"] < TOL, res["errors"]
+        assert_matches(res["errors"])
         # One reduce-scatter per sharded weight per step; nothing left queued.
         assert res["reductions"] == [[s] * len(SHARDED) for s in range(1, STEPS + 1)], res["reductions"]
         assert res["queued"] == [0] * STEPS

@@ -23,6 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 from ..errors import ArgumentError, GraphStateError
 from ..graphed import make_graphed_callables
@@ -153,6 +155,31 @@ def _compute_actions(action) -> List[Tuple[int, str, int]]:
     return []
 
 
+def _rank_actions(schedule, stages) -> List[Tuple[int, str, int]]:
+    """(stage index, F/B/I/W, microbatch) in the order this rank runs them."""
+    if isinstance(schedule, _PipelineScheduleRuntime):
+        # The runtime executes pipeline_order[rank] as written.
+        rank = dist.get_rank(stages[0].group)
+        return [a for act in schedule.pipeline_order[rank] for a in _compute_actions(act)]
+    # Single-stage schedules run their own loop (their pipeline_order is only a picture of
+    # it): the same loop, written out.
+    stage, m = stages[0], schedule._n_microbatches
+    if isinstance(schedule, Schedule1F1B):
+        warmup = min(m, schedule._num_stages - stage.stage_index)
+        order = [("F", i) for i in range(warmup)]
+        for b in range(m):
+            order.append(("B", b))
+            if warmup + b < m:
+                order.append(("F", warmup + b))
+    elif isinstance(schedule, ScheduleGPipe):
+        order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    else:
+        raise ArgumentError(f"dwgraph.distributed.pipelining.make_graphed_stages: {type(schedule).__name__} is not "
+                            "supported; use Schedule1F1B, ScheduleGPipe or a schedule with a per-rank action "
+                            "list (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)")
+    return [(stage.stage_index, kind, mb) for kind, mb in order]
+
+
 def make_graphed_stages(schedule, sample_args: Dict[int, Sequence[torch.Tensor]], *, num_warmup_iters: int = 3,
                         pool=None) -> None:
     """Captures the graphs of this rank's stages of ``schedule`` (built from
@@ -171,12 +198,7 @@ def make_graphed_stages(schedule, sample_args: Dict[int, Sequence[torch.Tensor]]
         if s._graphs is not None:
             raise GraphStateError(f"dwgraph.distributed.pipelining.make_graphed_stages: stage {s.stage_index} is "
                                   "already graphed")
-    order_by_rank = getattr(schedule, "pipeline_order", None)
-    if not order_by_rank:
-        raise ArgumentError(f"dwgraph.distributed.pipelining.make_graphed_stages: {type(schedule).__name__} has no "
-                            "pipeline_order to capture in")
-    rank = dist.get_rank(stages[0].group)
-    actions = [a for act in order_by_rank[rank] for a in _compute_actions(act)]
+    actions = _rank_actions(schedule, stages)
     stages = sorted(stages, key=lambda s: s.stage_index)
     chunk = {s.stage_index: c + 1 for c, s in enumerate(stages)}
     deferred = {s.stage_index: bool(s._deferred) for s in stages}
