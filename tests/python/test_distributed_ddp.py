@@ -17,8 +17,8 @@ import torch
 import dwgraph
 import dwgraph.distributed as dwdist
 from dist_harness import Failure, run_scenarios
-from dist_models import (assert_matches, IN, ROWS, STEPS, batch, deferred_modules, fused_ids, gradients, loss_fn, make_model,
-                         max_errors, model_reference, sgd)
+from dist_models import (IN, OUT, ROWS, STEPS, assert_matches, batch, deferred_modules, fused_ids, gradients,
+                         loss_fn, make_model, max_errors, model_reference, sgd)
 
 BUCKET_MB = 2e-3  # about 2 KB: several buckets, launched in order from the hooks
 
@@ -73,6 +73,45 @@ TRAIN = {f"train_{grad}_{mode}{suffix}": (grad == "main_grad", mode == "graphed"
          for suffix, micro, zero in (("", 1, True), ("_accumulate", 2, False))}
 for _name, _args in TRAIN.items():
     globals()[f"scenario_{_name}"] = lambda ctx, _args=_args: _train(ctx, *_args)
+
+
+class _Tied(torch.nn.Module):
+    """Two deferred Linears sharing one weight, and a fused Linear without deferral used
+    twice per forward (its hook runs twice at the end of each backward)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = dwgraph.nn.Linear(IN, IN, delay_wgrad_compute=True)
+        self.b = dwgraph.nn.Linear(IN, IN, delay_wgrad_compute=True)
+        self.b.weight = self.a.weight
+        self.c = dwgraph.nn.Linear(IN, OUT, fuse_wgrad_accumulation=True)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.b(torch.nn.functional.gelu(self.a(x))))
+        return self.c(h) + self.c(0.5 * h)
+
+
+def scenario_tied_and_reused_in_forward_order(ctx):
+    """Against the same model in one process (FP32): weight steps in forward order."""
+    model, ref = _Tied(), _Tied()
+    ddp = dwdist.DistributedDataParallel(model, deferred_bucket_cap_mb=BUCKET_MB)
+    errors, ready = [], []
+    for step in range(3):
+        x, y = batch(step, ROWS * ctx.world_size)
+        loss_fn(ddp(x.chunk(ctx.world_size)[ctx.rank]), y.chunk(ctx.world_size)[ctx.rank]).backward()
+        model.a.backward_dw()
+        model.b.backward_dw()
+        ddp.finish()
+        ready.append(ddp.deferred.ready_counts())
+        loss_fn(ref(x), y).backward()
+        ref.a.backward_dw()
+        ref.b.backward_dw()
+        got, want = gradients(model), gradients(ref)
+        errors.append(max_errors([dict(grads=got, params={})], [dict(grads=want, params={})])["grads"])
+        for m in (model, ref):
+            sgd(m.parameters(), fused_ids(m))
+    return dict(errors=errors, ready=ready)
 
 
 def _local_batch(ctx, step=0):
@@ -162,7 +201,7 @@ def scenario_no_deferred_modules(ctx):
     dwdist.DataParallelReducer(torch.nn.Linear(4, 4))
 
 
-SCENARIOS = [*TRAIN, "plain_ddp_eager", "plain_ddp_graphed", "missing_finish_next_forward",
+SCENARIOS = [*TRAIN, "tied_and_reused_in_forward_order", "plain_ddp_eager", "plain_ddp_graphed", "missing_finish_next_forward",
              "missing_finish_optimizer", "rank_skips_backward_dw", "finish_twice", "no_deferred_modules"]
 
 
@@ -188,6 +227,12 @@ def test_training_matches_single_process(results, name):
         assert all(set(r.values()) == {1} for r in res["ready"]), res["ready"]
         assert res["launched"] == [res["buckets"]] * STEPS
         assert res["queued"] == [0] * STEPS
+
+
+def test_tied_and_reused_parameters_in_any_weight_step_order(results):
+    for res in _ok(results, "tied_and_reused_in_forward_order"):
+        assert max(res["errors"]) < 1e-6, res["errors"]
+        assert all(r == {"a": 1, "b": 1, "c": 1} for r in res["ready"]), res["ready"]
 
 
 @pytest.mark.parametrize("name", ["plain_ddp_eager", "plain_ddp_graphed"])

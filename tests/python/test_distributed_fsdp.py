@@ -10,6 +10,8 @@ replay does not run (docs/distributed.md).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -18,7 +20,8 @@ from torch.distributed.fsdp import fully_shard
 import dwgraph
 import dwgraph.distributed as dwdist
 from dist_harness import Failure, run_scenarios
-from dist_models import assert_matches, ROWS, STEPS, LR, batch, deferred_modules, loss_fn, make_model, max_errors, model_reference
+from dist_models import (LR, ROWS, STEPS, assert_matches, batch, deferred_modules, loss_fn, make_model, max_errors,
+                         model_reference)
 
 
 
@@ -60,8 +63,9 @@ def _train(ctx, fused: bool, micro: int):
         x, y = batch(step, ROWS * ctx.world_size)
         xl, yl = x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
         with _CountingReduceScatter() as rs:
-            for xm, ym in zip(xl.chunk(micro), yl.chunk(micro)):
-                (loss_fn(model(xm), ym) / micro).backward()
+            for k, (xm, ym) in enumerate(zip(xl.chunk(micro), yl.chunk(micro))):
+                with reducer.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                    (loss_fn(model(xm), ym) / micro).backward()
                 for m in reversed(deferred_modules(model)):
                     m.backward_dw()
             reducer.finish()
@@ -128,12 +132,22 @@ def scenario_missing_finish_optimizer(ctx):
         reducer.finish()
 
 
+def scenario_missing_finish_next_forward(ctx):
+    model = _sharded(ctx, False)
+    dwdist.FullyShardReducer(model)
+    x, y = _local_batch(ctx)
+    for _ in range(2):
+        loss_fn(model(x), y).backward()
+        for m in deferred_modules(model):
+            m.backward_dw()
+
+
 def scenario_root_must_be_fully_sharded(ctx):
     dwdist.FullyShardReducer(make_model(False))
 
 
 SCENARIOS = [*TRAIN, "plain_fully_shard", "rank_skips_backward_dw", "missing_finish_optimizer",
-             "root_must_be_fully_sharded"]
+             "missing_finish_next_forward", "root_must_be_fully_sharded"]
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +180,9 @@ def test_a_rank_that_skips_backward_dw_fails_every_rank(results):
         assert isinstance(r, Failure) and r.type == "GraphStateError" and "1 of 2 ranks" in r.message, r
 
 
-def test_optimizer_step_before_finish_is_caught(results):
-    for r in results["missing_finish_optimizer"]:
+@pytest.mark.parametrize("name", ["missing_finish_optimizer", "missing_finish_next_forward"])
+def test_missing_finish_is_caught_at_the_next_step(results, name):
+    for r in results[name]:
         assert isinstance(r, Failure) and r.type == "GraphStateError" and "finish()" in r.message, r
 
 

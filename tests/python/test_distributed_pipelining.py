@@ -21,7 +21,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleI
 import dwgraph
 import dwgraph.distributed.pipelining as dwpp
 from dist_harness import Failure, run_scenarios
-from dist_models import assert_matches, LR, STEPS, deferred_modules, fused_ids, gradient, loss_fn, max_errors, reference_run, sgd
+from dist_models import (LR, STEPS, assert_matches, deferred_modules, fused_ids, gradient, loss_fn, max_errors,
+                         reference_run, sgd)
 
 D = 16
 BLOCKS = 4

@@ -18,10 +18,10 @@ import torch.distributed as dist
 import dwgraph
 import dwgraph.distributed as dwdist
 from dist_harness import Failure, run_scenarios
-from dist_models import (assert_matches, HIDDEN, ROWS, STEPS, batch, deferred_modules, fused_ids, gradient, loss_fn, make_model,
-                         max_errors, model_reference, sgd)
+from dist_models import (HIDDEN, ROWS, STEPS, assert_matches, batch, deferred_modules, fused_ids, gradient, loss_fn,
+                         make_model, max_errors, model_reference, sgd)
 
-SHARDED = [(0, "weight"), (3, "fc1_weight"), (3, "fc2_weight")]
+SHARDED = [(0, "weight"), (3, "fc1_weight"), (3, "fc2_weight"), (4, "weight")]  # (4: not deferred)
 
 
 def _shard(model):
@@ -102,12 +102,20 @@ def scenario_plain_ddp_with_sharded_weights(ctx):
     loss_fn(ddp(x), y).backward()
 
 
+def scenario_graphed_is_refused(ctx):
+    """A graph would replay the GEMMs but not the collectives: capture refuses."""
+    torch.manual_seed(0)
+    lin = dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True)
+    lin.weight = dwdist.ShardedWeight.from_full(lin.weight)
+    dwgraph.make_graphed_callables(lin, (torch.randn(4, 8),), num_warmup_iters=1)
+
+
 def scenario_shard_rows_must_divide(ctx):
     dwdist.ShardedWeight.from_full(torch.zeros(3, 4))
 
 
 SCENARIOS = ["train_grad", "train_main_grad", "saved_tensor_hooks_and_retain_graph",
-             "plain_ddp_with_sharded_weights", "shard_rows_must_divide"]
+             "plain_ddp_with_sharded_weights", "graphed_is_refused", "shard_rows_must_divide"]
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +162,8 @@ def test_plain_ddp_with_sharded_weights_is_a_typed_error(results):
 def test_shard_rows_must_divide(results):
     for r in results["shard_rows_must_divide"]:
         assert isinstance(r, Failure) and r.type == "ArgumentError" and "divisible" in r.message, r
+
+
+def test_graphing_a_sharded_weight_is_refused(results):
+    for r in results["graphed_is_refused"]:
+        assert isinstance(r, Failure) and r.type == "ArgumentError" and "graph" in r.message, r

@@ -110,23 +110,19 @@ class _DeferredWgradModule(torch.nn.Module):
                 if _C.nn.classify_parameter(n, self.delay_wgrad_compute, self.fuse_wgrad_accumulation) == role]
 
     def _check_forward_params(self) -> None:
-        # A queued unit lands on the parameters its forward used. FSDP2 swaps the module's
-        # parameters (unsharded for forward and backward, sharded after); landing on a
-        # parameter that is no longer registered would lose the gradient without a trace.
+        # A queued unit lands on the parameter objects its forward used, as autograd would.
+        # FSDP2 swaps the module's parameters: unsharded for forward and backward, sharded
+        # DTensors after its post-backward, which has then already reduce-scattered and
+        # freed the unsharded ones: a landing there would never reach the sharded .grad.
         for name, used in self._forward_params.items():
             now = getattr(self, name, None)
-            if now is used:
+            if now is used or type(now).__name__ != "DTensor" or type(used).__name__ == "DTensor":
                 continue
-            what = f"a {type(now).__name__}" if now is not None else "None"
-            why = ""
-            if type(now).__name__ == "DTensor":
-                why = (" (FSDP2's fully_shard resharded it after the backward: the deferred gradient would land "
-                       "on the freed unsharded parameter and never reach the sharded .grad; build a "
-                       "dwgraph.distributed.FullyShardReducer(root) to keep it until the weight step, see "
-                       "docs/distributed.md)")
             raise GraphStateError(
-                f"{self._display_name()}.backward_dw(): parameter '{name}' was replaced since the forward "
-                f"whose gradient is queued (now {what}){why}; the gradient would land on the old object")
+                f"{self._display_name()}.backward_dw(): parameter '{name}' is sharded by FSDP2 (fully_shard), "
+                "which resharded it after the backward: the deferred gradient would land on the freed "
+                "unsharded parameter and never reach the sharded .grad. Build a "
+                "dwgraph.distributed.FullyShardReducer(root) to keep it until the weight step (docs/distributed.md)")
 
     def _deferred_parameters(self):
         """(name, parameter) of every parameter whose gradient lands in backward_dw()."""

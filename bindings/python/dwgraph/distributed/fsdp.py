@@ -36,7 +36,9 @@ def _fsdp_module_class():
 class FullyShardReducer:
     """Drives FSDP2 for the dwgraph modules inside ``root`` (the root ``fully_shard``
     module). Each step: forward, backward, every ``backward_dw()``, then :meth:`finish`
-    (or the :meth:`deferred_step` block), then ``optimizer.step()``.
+    (or the :meth:`deferred_step` block), then ``optimizer.step()``; microbatches that
+    accumulate into the step run inside :meth:`no_sync` but the last. A forward after the
+    step's last one without ``finish()`` raises GraphStateError.
 
     Fused modules (``fuse_wgrad_accumulation=True``) accumulate into an FP32 ``main_grad``
     that this reducer attaches to FSDP's unsharded parameter; :meth:`finish` hands it to
@@ -73,10 +75,14 @@ class FullyShardReducer:
         self._holders = list(holders.values())
         self._landings = [0] * len(self._modules)
         self._last_landings = [0] * len(self._modules)
+        self._accumulating = False  # inside no_sync()
+        self._closed = False  # the step's last forward (outside no_sync) ran
         self._handles = [m.register_wgrad_hook(functools.partial(self._landed, i))
                          for i, (_, m) in enumerate(self._modules)]
         self._handles += [m.register_forward_pre_hook(self._attach_main_grads)
                           for _, m in self._modules if m.fuse_wgrad_accumulation]
+        # First, so a refused forward has started no collective of FSDP.
+        self._handles.append(root.register_forward_pre_hook(self._before_forward, prepend=True))
         sharded = next(p for p in root.parameters())
         mesh = getattr(sharded, "device_mesh", None)
         if mesh is None:
@@ -97,6 +103,27 @@ class FullyShardReducer:
         for h in self._holders:
             h.set_requires_gradient_sync(False, recurse=False)
             h.set_reshard_after_backward(False, recurse=False)
+
+    def _before_forward(self, _module, _args) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self._closed:
+            raise GraphStateError(
+                "dwgraph.distributed.FullyShardReducer: a new forward after the previous step's last forward "
+                "without finish(); call finish() after the last backward_dw() of each step and before "
+                "optimizer.step(), and run the microbatches that accumulate into one step but the last "
+                "inside reducer.no_sync()")
+        self._closed = not self._accumulating
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Forwards inside accumulate into the step without ending it (the step's last
+        forward runs outside; finish() follows its backward_dw())."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     @staticmethod
     def _attach_main_grads(module, _args) -> None:
@@ -149,6 +176,7 @@ class FullyShardReducer:
         finally:
             self._arm()
             self._last_landings, self._landings = self._landings, [0] * len(self._modules)
+            self._closed = False
 
     @contextlib.contextmanager
     def deferred_step(self):

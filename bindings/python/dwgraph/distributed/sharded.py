@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import _C
 from ..errors import ArgumentError
 from ..nn import DistributedWeight
 
@@ -62,7 +63,18 @@ class ShardedWeight(DistributedWeight):
     def full_shape(self) -> torch.Size:
         return torch.Size((self.shape[0] * dist.get_world_size(self._group()), *self.shape[1:]))
 
+    @staticmethod
+    def _refuse_capture(what: str) -> None:
+        capturing = _C.distributed.host_capturing() or (
+            torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+        if capturing:
+            raise ArgumentError(
+                f"dwgraph.distributed.ShardedWeight: its {what} runs in Python around the GEMMs, which a graph "
+                "replay would skip (the replayed gradient would stay this rank's own); keep modules with "
+                "sharded weights out of make_graphed_callables and graphed_step")
+
     def materialize_forward(self) -> torch.Tensor:
+        self._refuse_capture("all-gather")
         full = torch.empty(self.full_shape(), dtype=self.dtype, device=self.device)
         dist.all_gather_into_tensor(full, self.detach().contiguous(), group=self._group())
         return full
@@ -71,6 +83,7 @@ class ShardedWeight(DistributedWeight):
         if tuple(wgrad.shape) != tuple(self.full_shape()):
             raise ArgumentError(f"dwgraph.distributed.ShardedWeight.finalize_wgrad: expected the full weight "
                                 f"gradient of shape {tuple(self.full_shape())}, got {tuple(wgrad.shape)}")
+        self._refuse_capture("reduce-scatter")
         group = self._group()
         shard = torch.empty(self.shape, dtype=wgrad.dtype, device=wgrad.device)
         dist.reduce_scatter_tensor(shard, wgrad.contiguous(), group=group)
