@@ -28,6 +28,7 @@ DataParallelReducer::DataParallelReducer(c10::intrusive_ptr<c10d::ProcessGroup> 
     : group_(std::move(group)), params_(std::move(params)), modules_(std::move(modules)) {
   const char* api = "dwgraph.distributed.DataParallelReducer";
   DWGRAPH_CHECK_ARG(group_, api, ": argument 'process_group' must be a process group, got None");
+  DWGRAPH_CHECK_ARG(!params_.empty(), api, ": argument 'params' must hold at least one parameter, got none");
   DWGRAPH_CHECK_ARG(bucket_cap_bytes > 0, api, ": argument 'bucket_cap_mb' must be > 0, got ", bucket_cap_bytes,
                     " bytes");
   for (size_t m = 0; m < modules_.size(); ++m) {
@@ -189,7 +190,7 @@ void DataParallelReducer::finish(const std::vector<std::vector<at::Tensor>>& buf
     throw;
   }
   const int64_t world = group_->getSize();
-  const int64_t agreeing = count_agreeing(group_, problems.empty(), buckets_.empty() ? at::Device(at::kCPU) : buckets_[0].flat.device());
+  const int64_t agreeing = count_agreeing(group_, problems.empty(), buckets_.front().flat.device());
   std::vector<std::string> incomplete;
   for (const auto& b : buckets_) {
     const auto ranks = static_cast<int64_t>(b.flat.narrow(0, b.numel, 1).item<double>());

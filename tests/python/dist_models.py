@@ -19,9 +19,9 @@ LR = 0.1
 STEPS = 5
 
 
-def make_model(fused: bool, seed: int = 0) -> torch.nn.Sequential:
+def make_model(fused: bool, seed: int = 0, device="cpu") -> torch.nn.Sequential:
     """Deferred Linear, GELU, plain torch Linear, deferred LayerNormMLP, dwgraph Linear
-    without deferral."""
+    without deferral (initialised on the CPU, so every device starts from the same values)."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         dwgraph.nn.Linear(IN, HIDDEN, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused),
@@ -29,7 +29,7 @@ def make_model(fused: bool, seed: int = 0) -> torch.nn.Sequential:
         torch.nn.Linear(HIDDEN, HIDDEN),
         dwgraph.nn.LayerNormMLP(HIDDEN, FFN, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused),
         dwgraph.nn.Linear(HIDDEN, OUT),
-    )
+    ).to(device)
 
 
 def deferred_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
@@ -65,9 +65,14 @@ def sgd(params, fused: set) -> None:
             p.main_grad.zero_()
 
 
-def batch(step: int, rows: int) -> tuple:
+def batch(step: int, rows: int, device="cpu") -> tuple:
     gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(rows, IN, generator=gen), torch.randn(rows, OUT, generator=gen)
+    return torch.randn(rows, IN, generator=gen).to(device), torch.randn(rows, OUT, generator=gen).to(device)
+
+
+def local(ctx, t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a batch."""
+    return t.chunk(ctx.world_size)[ctx.rank]
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -75,7 +80,7 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a64, r64 = a.detach().double(), ref.detach().double()
+    a64, r64 = a.detach().cpu().double(), ref.detach().cpu().double()
     denom = r64.norm().item()
     return (a64 - r64).norm().item() / denom if denom else (a64 - r64).norm().item()
 
@@ -114,12 +119,12 @@ def reference_run(model: torch.nn.Module, batches) -> List[Dict[str, Dict[str, t
     """The single-process run on each whole batch, in plain torch.nn and float64, of a
     freshly built (untrained) dwgraph `model`: per step, the gradients and then the
     parameters after the SGD step, by the dwgraph model's parameter names."""
-    ref = torch_reference(model)
+    ref = torch_reference(model.cpu())
     names = [n for n, _ in model.named_parameters()]
     out = []
     for x, y in batches:
         ref.zero_grad(set_to_none=True)
-        loss_fn(ref(x.double()), y.double()).backward()
+        loss_fn(ref(x.cpu().double()), y.cpu().double()).backward()
         grads = {n: ref_parameter(ref, n).grad.clone() for n in names}
         with torch.no_grad():
             for n in names:
@@ -135,18 +140,19 @@ def model_reference(fused: bool, world: int, steps: int = STEPS):
 
 
 def max_errors(per_step: List[Dict[str, Dict[str, torch.Tensor]]], ref: List[Dict[str, Dict[str, torch.Tensor]]],
-               across_ranks: bool = False) -> Dict[str, float]:
+               across_ranks: bool = False, device="cpu") -> Dict[str, float]:
     """Largest relative errors over the steps: ``grads``, of the model's whole gradient
     (every parameter's, concatenated: norm-wise, as the GEMM tests measure; with
     ``across_ranks``, each rank holds a part and the parts' errors are summed over the
-    ranks); ``grad_tensor``, of any one parameter's gradient (a small bias gradient is a
-    sum with cancellation, whose FP32 rounding alone reaches ~1e-6 of its norm,
-    distributed or not); ``params``, of any one parameter after the step."""
+    ranks, with a collective on ``device``); ``grad_tensor``, of any one parameter's
+    gradient (a small bias gradient is a sum with cancellation, whose FP32 rounding alone
+    reaches ~1e-6 of its norm, distributed or not); ``params``, of any one parameter after
+    the step."""
     worst = {"grads": 0.0, "grad_tensor": 0.0, "params": 0.0}
     for got, want in zip(per_step, ref, strict=True):
         assert got["grads"], "nothing recorded"
-        num = torch.tensor(sum((got["grads"][n].double() - want["grads"][n]).square().sum().item()
-                               for n in got["grads"]), dtype=torch.float64)
+        num = torch.tensor(sum((got["grads"][n].cpu().double() - want["grads"][n]).square().sum().item()
+                               for n in got["grads"]), dtype=torch.float64, device=device)
         if across_ranks:
             torch.distributed.all_reduce(num)
         den = sum(g.square().sum().item() for g in want["grads"].values())

@@ -16,8 +16,8 @@ import torch
 
 import dwgraph
 import dwgraph.distributed as dwdist
-from dist_harness import Failure, run_scenarios
-from dist_models import (IN, OUT, ROWS, STEPS, assert_matches, batch, deferred_modules, fused_ids, gradients,
+from dist_harness import DEVICES, Failure, device_results, run_scenarios
+from dist_models import (IN, OUT, ROWS, STEPS, assert_matches, batch, deferred_modules, fused_ids, gradients, local,
                          loss_fn, make_model, max_errors, model_reference, sgd)
 
 BUCKET_MB = 2e-3  # about 2 KB: several buckets, launched in order from the hooks
@@ -36,16 +36,16 @@ class _GraphedNet(torch.nn.Module):
 
 
 def _train(ctx, fused: bool, graphed: bool, micro: int = 1, zero_to_none: bool = True):
-    model = make_model(fused)
+    model = make_model(fused, device=ctx.device)
     rows = ROWS // micro
-    g = dwgraph.make_graphed_callables(model, (torch.randn(rows, IN),), num_warmup_iters=1) if graphed else None
+    g = (dwgraph.make_graphed_callables(model, (torch.randn(rows, IN, device=ctx.device),), num_warmup_iters=1)
+         if graphed else None)
     ddp = dwdist.DistributedDataParallel(_GraphedNet(model, g) if graphed else model, deferred_bucket_cap_mb=BUCKET_MB)
     fused_set = fused_ids(model)
     per_step, ready, queued, launched = [], [], [], []
     for step in range(STEPS):
-        x, y = batch(step, ROWS * ctx.world_size)
-        xl, yl = x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
-        for k, (xm, ym) in enumerate(zip(xl.chunk(micro), yl.chunk(micro))):
+        x, y = batch(step, ROWS * ctx.world_size, ctx.device)
+        for k, (xm, ym) in enumerate(zip(local(ctx, x).chunk(micro), local(ctx, y).chunk(micro))):
             with ddp.no_sync() if k < micro - 1 else contextlib.nullcontext():
                 (loss_fn(ddp(xm), ym) / micro).backward()
             if graphed:
@@ -94,12 +94,12 @@ class _Tied(torch.nn.Module):
 
 def scenario_tied_and_reused_in_forward_order(ctx):
     """Against the same model in one process (FP32): weight steps in forward order."""
-    model, ref = _Tied(), _Tied()
+    model, ref = _Tied().to(ctx.device), _Tied().to(ctx.device)
     ddp = dwdist.DistributedDataParallel(model, deferred_bucket_cap_mb=BUCKET_MB)
     errors, ready = [], []
     for step in range(3):
-        x, y = batch(step, ROWS * ctx.world_size)
-        loss_fn(ddp(x.chunk(ctx.world_size)[ctx.rank]), y.chunk(ctx.world_size)[ctx.rank]).backward()
+        x, y = batch(step, ROWS * ctx.world_size, ctx.device)
+        loss_fn(ddp(local(ctx, x)), local(ctx, y)).backward()
         model.a.backward_dw()
         model.b.backward_dw()
         ddp.finish()
@@ -116,7 +116,7 @@ def scenario_tied_and_reused_in_forward_order(ctx):
 
 def _local_batch(ctx, step=0):
     x, y = batch(step, ROWS * ctx.world_size)
-    return x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
+    return local(ctx, x), local(ctx, y)
 
 
 def scenario_plain_ddp_eager(ctx):
@@ -201,13 +201,19 @@ def scenario_no_deferred_modules(ctx):
     dwdist.DataParallelReducer(torch.nn.Linear(4, 4))
 
 
-SCENARIOS = [*TRAIN, "tied_and_reused_in_forward_order", "plain_ddp_eager", "plain_ddp_graphed", "missing_finish_next_forward",
-             "missing_finish_optimizer", "rank_skips_backward_dw", "finish_twice", "no_deferred_modules"]
+SCENARIOS = [*TRAIN, "tied_and_reused_in_forward_order", "plain_ddp_eager", "plain_ddp_graphed",
+             "missing_finish_next_forward", "missing_finish_optimizer", "rank_skips_backward_dw", "finish_twice",
+             "no_deferred_modules"]
 
 
 @pytest.fixture(scope="module")
 def results():
     return run_scenarios(__file__, SCENARIOS)
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def trained(request):
+    return device_results(request, "results", [*TRAIN, "tied_and_reused_in_forward_order"])
 
 
 def _ok(results, name):
@@ -218,8 +224,8 @@ def _ok(results, name):
 
 
 @pytest.mark.parametrize("name", list(TRAIN))
-def test_training_matches_single_process(results, name):
-    for res in _ok(results, name):
+def test_training_matches_single_process(trained, name):
+    for res in _ok(trained, name):
         assert_matches(res["errors"])
         assert res["buckets"] > 1
         # Each module's gradients were handed to the reduction once per step, and every
@@ -229,8 +235,8 @@ def test_training_matches_single_process(results, name):
         assert res["queued"] == [0] * STEPS
 
 
-def test_tied_and_reused_parameters_in_any_weight_step_order(results):
-    for res in _ok(results, "tied_and_reused_in_forward_order"):
+def test_tied_and_reused_parameters_in_any_weight_step_order(trained):
+    for res in _ok(trained, "tied_and_reused_in_forward_order"):
         assert max(res["errors"]) < 1e-6, res["errors"]
         assert all(r == {"a": 1, "b": 1, "c": 1} for r in res["ready"]), res["ready"]
 

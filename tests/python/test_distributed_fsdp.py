@@ -19,15 +19,15 @@ from torch.distributed.fsdp import fully_shard
 
 import dwgraph
 import dwgraph.distributed as dwdist
-from dist_harness import Failure, run_scenarios
-from dist_models import (LR, ROWS, STEPS, assert_matches, batch, deferred_modules, loss_fn, make_model, max_errors,
-                         model_reference)
+from dist_harness import DEVICES, Failure, device_results, run_scenarios
+from dist_models import (LR, ROWS, STEPS, assert_matches, batch, deferred_modules, local, loss_fn, make_model,
+                         max_errors, model_reference)
 
 
 
 def _sharded(ctx, fused: bool):
-    model = make_model(fused)
-    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    model = make_model(fused, device=ctx.device)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[3], mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -60,10 +60,9 @@ def _train(ctx, fused: bool, micro: int):
     reducer = dwdist.FullyShardReducer(model)
     per_step, reduce_scatters, landings, queued = [], [], [], []
     for step in range(STEPS):
-        x, y = batch(step, ROWS * ctx.world_size)
-        xl, yl = x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
+        x, y = batch(step, ROWS * ctx.world_size, ctx.device)
         with _CountingReduceScatter() as rs:
-            for k, (xm, ym) in enumerate(zip(xl.chunk(micro), yl.chunk(micro))):
+            for k, (xm, ym) in enumerate(zip(local(ctx, x).chunk(micro), local(ctx, y).chunk(micro))):
                 with reducer.no_sync() if k < micro - 1 else contextlib.nullcontext():
                     (loss_fn(model(xm), ym) / micro).backward()
                 for m in reversed(deferred_modules(model)):
@@ -90,7 +89,7 @@ for _name, _args in TRAIN.items():
 
 def _local_batch(ctx):
     x, y = batch(0, ROWS * ctx.world_size)
-    return x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
+    return local(ctx, x), local(ctx, y)
 
 
 def scenario_plain_fully_shard(ctx):
@@ -155,9 +154,14 @@ def results():
     return run_scenarios(__file__, SCENARIOS)
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def trained(request):
+    return device_results(request, "results", list(TRAIN))
+
+
 @pytest.mark.parametrize("name", list(TRAIN))
-def test_training_matches_single_process(results, name):
-    for res in results[name]:
+def test_training_matches_single_process(trained, name):
+    for res in trained[name]:
         assert not isinstance(res, Failure), f"{res.type}: {res.message}\n{res.traceback}"
         assert_matches(res["errors"])
         # FSDP's own reduce-scatter, once per parameter group (model[0], model[3], root)

@@ -20,7 +20,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleI
 
 import dwgraph
 import dwgraph.distributed.pipelining as dwpp
-from dist_harness import Failure, run_scenarios
+from dist_harness import DEVICES, Failure, device_results, run_scenarios
 from dist_models import (LR, STEPS, assert_matches, deferred_modules, fused_ids, gradient, loss_fn, max_errors,
                          reference_run, sgd)
 
@@ -68,12 +68,12 @@ def _run(ctx, kind: str, fused: bool, graphed: bool = False, stage_cls=dwpp.Pipe
     num_stages, mine = _layout(kind, ctx.rank, ctx.world_size)
     blocks = _blocks(fused)
     per = BLOCKS // num_stages
-    modules = {s: torch.nn.Sequential(*blocks[s * per:(s + 1) * per]) for s in mine}
-    stages = [stage_cls(modules[s], s, num_stages, torch.device("cpu")) for s in mine]
+    modules = {s: torch.nn.Sequential(*blocks[s * per:(s + 1) * per]).to(ctx.device) for s in mine}
+    stages = [stage_cls(modules[s], s, num_stages, ctx.device) for s in mine]
     schedule = SCHEDULES[kind](stages[0] if kind == "1f1b" else stages, MICROBATCHES, loss_fn=loss_fn)
     if graphed:
-        dwpp.make_graphed_stages(schedule, {s: (torch.randn(MB_ROWS, D, requires_grad=s > 0),) for s in mine},
-                                 num_warmup_iters=1)
+        sample = {s: (torch.randn(MB_ROWS, D, device=ctx.device, requires_grad=s > 0),) for s in mine}
+        dwpp.make_graphed_stages(schedule, sample, num_warmup_iters=1)
     hooks = {}
     for s in mine:
         for m in deferred_modules(modules[s]):
@@ -88,7 +88,7 @@ def _run(ctx, kind: str, fused: bool, graphed: bool = False, stage_cls=dwpp.Pipe
 
     per_step, hook_counts, queued = [], [], []
     for step in range(steps):
-        x, y = _batch(step)
+        x, y = (t.to(ctx.device) for t in _batch(step))
         kwargs = {}
         if 0 in mine:
             kwargs["x"] = x
@@ -104,7 +104,8 @@ def _run(ctx, kind: str, fused: bool, graphed: bool = False, stage_cls=dwpp.Pipe
         per_step.append(dict(grads=grads, params={name(s, n): p.detach().clone()
                                                   for s in mine for n, p in modules[s].named_parameters()}))
     ref = reference_run(torch.nn.Sequential(*_blocks(fused)), [_batch(step) for step in range(steps)])
-    return dict(errors=max_errors(per_step, ref, across_ranks=True), hooks=hook_counts, queued=queued)
+    return dict(errors=max_errors(per_step, ref, across_ranks=True, device=ctx.device), hooks=hook_counts,
+                queued=queued)
 
 
 TRAIN = {f"{kind}_{grad}_{mode}": (kind, grad == "main_grad", mode == "graphed")
@@ -161,9 +162,14 @@ def results():
     return run_scenarios(__file__, SCENARIOS)
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def trained(request):
+    return device_results(request, "results", [*TRAIN, *NAIVE], min_world=2)
+
+
 @pytest.mark.parametrize("name", [*TRAIN, *NAIVE])
-def test_training_matches_single_process(results, name):
-    for res in results[name]:
+def test_training_matches_single_process(trained, name):
+    for res in trained[name]:
         assert not isinstance(res, Failure), f"{res.type}: {res.message}\n{res.traceback}"
         assert_matches(res["errors"])
         assert res["hooks"] == [[MICROBATCHES]] * STEPS, res["hooks"]  # once per module per microbatch

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 import dwgraph
 import dwgraph.distributed as dwdist
-from dist_harness import Failure, run_scenarios
-from dist_models import (HIDDEN, ROWS, STEPS, assert_matches, batch, deferred_modules, fused_ids, gradient, loss_fn,
-                         make_model, max_errors, model_reference, sgd)
+from dist_harness import DEVICES, Failure, device_results, run_scenarios
+from dist_models import (HIDDEN, ROWS, STEPS, assert_matches, batch, deferred_modules, fused_ids, gradient, local,
+                         loss_fn, make_model, max_errors, model_reference, sgd)
 
 SHARDED = [(0, "weight"), (3, "fc1_weight"), (3, "fc2_weight"), (4, "weight")]  # (4: not deferred)
 
@@ -32,21 +32,21 @@ def _shard(model):
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """All ranks' dim-0 shards of `t`, concatenated."""
-    out = torch.empty((t.shape[0] * dist.get_world_size(), *t.shape[1:]), dtype=t.dtype)
+    out = torch.empty((t.shape[0] * dist.get_world_size(), *t.shape[1:]), dtype=t.dtype, device=t.device)
     dist.all_gather_into_tensor(out, t.detach().contiguous())
     return out
 
 
 def _train(ctx, fused: bool):
-    model = _shard(make_model(fused))
+    model = _shard(make_model(fused, device=ctx.device))
     ddp = dwdist.DistributedDataParallel(model, deferred_bucket_cap_mb=2e-3)
     fused_set = fused_ids(model)
     sharded = {id(getattr(model[i], n)) for i, n in SHARDED}
     per_step, reductions, queued = [], [], []
     for step in range(STEPS):
-        x, y = batch(step, ROWS * ctx.world_size)
+        x, y = batch(step, ROWS * ctx.world_size, ctx.device)
         with ddp.deferred_step():
-            loss_fn(ddp(x.chunk(ctx.world_size)[ctx.rank]), y.chunk(ctx.world_size)[ctx.rank]).backward()
+            loss_fn(ddp(local(ctx, x)), local(ctx, y)).backward()
             for m in reversed(deferred_modules(model)):
                 m.backward_dw()
         reductions.append([getattr(model[i], n).reduce_count for i, n in SHARDED])
@@ -57,7 +57,7 @@ def _train(ctx, fused: bool):
         per_step.append(dict(grads=grads, params={n: _full(p) if id(p) in sharded else p.detach().clone()
                                                   for n, p in model.named_parameters()}))
     return dict(errors=max_errors(per_step, model_reference(fused, ctx.world_size)), reductions=reductions,
-                queued=queued, shard_rows=model[0].weight.shape[0])
+                queued=queued, shard_rows=model[0].weight.shape[0], world=ctx.world_size)
 
 
 def scenario_train_grad(ctx):
@@ -123,11 +123,16 @@ def results():
     return run_scenarios(__file__, SCENARIOS)
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def trained(request):
+    return device_results(request, "results", ["train_grad", "train_main_grad"])
+
+
 @pytest.mark.parametrize("name", ["train_grad", "train_main_grad"])
-def test_training_matches_single_process(results, name):
-    for res in results[name]:
+def test_training_matches_single_process(trained, name):
+    for res in trained[name]:
         assert not isinstance(res, Failure), f"{res.type}: {res.message}\n{res.traceback}"
-        assert res["shard_rows"] == HIDDEN // 2
+        assert res["shard_rows"] == HIDDEN // res["world"]
         assert_matches(res["errors"])
         # One reduce-scatter per sharded weight per step; nothing left queued.
         assert res["reductions"] == [[s] * len(SHARDED) for s in range(1, STEPS + 1)], res["reductions"]
