@@ -186,7 +186,7 @@ void DataParallelReducer::finish(const std::vector<std::vector<at::Tensor>>& buf
     next_launch_ = buckets_.size();
     for (auto& b : buckets_) b.work->wait();
   } catch (...) {
-    reset_step();
+    reset_step(/*fresh_buckets=*/true);
     throw;
   }
   const int64_t world = group_->getSize();
@@ -234,10 +234,13 @@ void DataParallelReducer::finish(const std::vector<std::vector<at::Tensor>>& buf
 
 void DataParallelReducer::abandon() {
   const std::lock_guard<std::mutex> lock(mu_);
-  reset_step();
+  reset_step(/*fresh_buckets=*/true);
 }
 
-void DataParallelReducer::reset_step() {
+void DataParallelReducer::reset_step(bool fresh_buckets) {
+  // An all-reduce nobody waited for may still write its bucket (its work keeps the old
+  // buffer alive): the next step gets new ones.
+  for (size_t b = 0; fresh_buckets && b < next_launch_; ++b) buckets_[b].flat = at::empty_like(buckets_[b].flat);
   last_ready_count_ = ready_count_;
   ready_count_.assign(modules_.size(), 0);
   filled_.assign(params_.size(), false);

@@ -64,7 +64,8 @@ class DataParallelReducer {
   // buffers, used for what no hook started. Raises GraphStateError on every rank when a
   // rank's contribution is incomplete, before writing any gradient.
   void finish(const std::vector<std::vector<at::Tensor>>& buffers);
-  // Forgets the step (after an exception): launched reductions are left to complete.
+  // Forgets the step (after an exception) without waiting: launched reductions complete
+  // into buffers the next step no longer uses.
   void abandon();
 
   // Something landed or was launched since the last finish().
@@ -90,7 +91,7 @@ class DataParallelReducer {
   void launch_ready();
   bool drained(size_t m) const;
   std::string describe_module(size_t m) const;
-  void reset_step();
+  void reset_step(bool fresh_buckets = false);
 
   mutable std::mutex mu_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

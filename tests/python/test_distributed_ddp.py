@@ -189,6 +189,24 @@ def scenario_rank_skips_backward_dw(ctx):
     return dict(error=None)
 
 
+def scenario_abandoned_step_then_clean_step(ctx):
+    """A step that raises inside deferred_step() (on every rank) is abandoned without
+    waiting; the next step reduces into fresh buckets and matches the reference."""
+    model = make_model(False)
+    ddp = dwdist.DistributedDataParallel(model, deferred_bucket_cap_mb=BUCKET_MB)
+    try:
+        with ddp.deferred_step():
+            _one_step(ctx, ddp, model)
+            raise KeyError("the user's own error")
+    except KeyError:
+        pass
+    model.zero_grad(set_to_none=True)
+    with ddp.deferred_step():
+        _one_step(ctx, ddp, model)
+    got = dict(grads=gradients(model), params={})
+    return max_errors([got], [dict(grads=model_reference(False, ctx.world_size, steps=1)[0]["grads"])])
+
+
 def scenario_finish_twice(ctx):
     model = make_model(False)
     ddp = dwdist.DistributedDataParallel(model, deferred_bucket_cap_mb=BUCKET_MB)
@@ -202,8 +220,8 @@ def scenario_no_deferred_modules(ctx):
 
 
 SCENARIOS = [*TRAIN, "tied_and_reused_in_forward_order", "plain_ddp_eager", "plain_ddp_graphed",
-             "missing_finish_next_forward", "missing_finish_optimizer", "rank_skips_backward_dw", "finish_twice",
-             "no_deferred_modules"]
+             "missing_finish_next_forward", "missing_finish_optimizer", "rank_skips_backward_dw",
+             "abandoned_step_then_clean_step", "finish_twice", "no_deferred_modules"]
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +278,11 @@ def test_a_rank_that_skips_backward_dw_fails_every_rank_before_writing(results):
         assert r["error"] is not None and r["untouched"], r
         assert "1 of 2 ranks" in r["error"]
     assert "this rank: module '0'" in results["rank_skips_backward_dw"][1]["error"]
+
+
+def test_an_abandoned_step_leaves_the_next_one_exact(results):
+    for res in _ok(results, "abandoned_step_then_clean_step"):
+        assert res["grads"] < 1e-6 and res["grad_tensor"] < 1e-5, res
 
 
 def test_finish_with_nothing_landed_is_an_error_on_every_rank(results):
