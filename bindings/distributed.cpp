@@ -3,7 +3,7 @@
 #include "bindings/bindings.h"
 
 #include "distributed/data_parallel.h"
-#include "graphs/recorder.h"
+#include "graphs/capture_dispatch.h"
 
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -90,7 +90,7 @@ void init_distributed(py::module_& parent) {
       .def_property_readonly("num_launched", &DataParallelReducer::num_launched);
 
   // Whether this thread is capturing a host graph (CUDA captures: torch.cuda tells).
-  m.def("host_capturing", [] { return graphs::detail::current_recorder() != nullptr; });
+  m.def("host_capturing", [] { return graphs::detail::this_thread_records(); });
 
   m.def(
       "count_agreeing",
