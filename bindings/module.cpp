@@ -15,4 +15,5 @@ PYBIND11_MODULE(_C, m) {
   dwgraph::bindings::init_nn(m);
   dwgraph::bindings::init_graphs(m);
   dwgraph::bindings::init_manager(m);
+  dwgraph::bindings::init_distributed(m);
 }

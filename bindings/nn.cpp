@@ -51,9 +51,14 @@ void init_nn(py::module_& parent) {
       .def("num_units", &WgradStore::num_units)
       .def("clear", &WgradStore::clear)
       .def("hooks_suppressed", &WgradStore::hooks_suppressed)
+      .def("take_after", &WgradStore::take_after, py::arg("keep"))
       // A copied module starts with nothing queued: queued work belongs to the original's
       // autograd graphs.
       .def("__deepcopy__", [](const WgradStore&, py::dict) { return std::make_shared<WgradStore>(); });
+
+  py::class_<ops::WgradUnits, std::shared_ptr<ops::WgradUnits>>(m, "WgradUnits")
+      .def("__len__", &ops::WgradUnits::size)
+      .def("run", &ops::WgradUnits::run, py::arg("owner"), py::call_guard<py::gil_scoped_release>());
 
   py::class_<WeightRef, RefPtr>(m, "WeightRef")
       .def(py::init([](at::Tensor param, std::string name, std::optional<at::Tensor> main_grad,

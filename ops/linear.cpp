@@ -64,6 +64,9 @@ class DeferredGemmNode : public torch::autograd::Node {
     x_ = SavedVariable(x2d, /*is_output=*/false);
     x_sizes_ = std::move(x_sizes);
   }
+  // Shapes of the weights the forward materialised (a distributed weight's parameter may
+  // be a shard of it): the weight gradient has these.
+  void set_weight_sizes(std::vector<std::vector<int64_t>> sizes) { weight_sizes_ = std::move(sizes); }
 
  protected:
   // dx [M, K] from dy [M, N] and the weights materialised for backward.
@@ -83,37 +86,44 @@ class DeferredGemmNode : public torch::autograd::Node {
     // Unpacking applies the saved-tensor hooks to the activation; the weights are ours.
     const at::Tensor x = x_.unpack();
 
-    if (should_compute_output(0)) {
+    if (task_should_compute_output(0)) {
       std::vector<at::Tensor> wb;
       wb.reserve(nw);
       for (const auto& w : weights_) wb.push_back(w->for_backward().contiguous());
       out[0] = dgrad(dy, wb).view(x_sizes_);
     }
 
+    // Only what the engine asked for: a backward for the inputs alone (torch.autograd.grad
+    // w.r.t. activations, as pipelining's shape inference and dI step run) has no weight
+    // work, and queues no unit that a later backward_dw() would mistake for its own.
     std::vector<bool> need_w(nw), need_b(biases_.size());
-    for (size_t i = 0; i < nw; ++i) need_w[i] = should_compute_output(1 + i) || weights_[i]->finalize;
-    for (size_t i = 0; i < biases_.size(); ++i) need_b[i] = should_compute_output(1 + nw + i);
+    for (size_t i = 0; i < nw; ++i) need_w[i] = task_should_compute_output(1 + i);
+    for (size_t i = 0; i < biases_.size(); ++i) need_b[i] = task_should_compute_output(1 + nw + i);
 
     // The GEMM closures hold the tensors the weight-gradient work needs (not this node),
     // so queued work keeps dy and x alive and nothing else.
     const bool deferred = cfg_.delay_wgrad_compute;
     std::vector<detail::WgradGemm> gemms(nw);
     std::vector<at::Tensor> bias_only(nw);
+    bool any_work = false;
     for (size_t i = 0; i < nw; ++i) {
       if (need_w[i]) {
         gemms[i] = wgrad_gemm_for(i, dy, x);
+        any_work = true;
       } else if (biases_.size() == nw && need_b[i]) {
         bias_only[i] = bias_only_grad(i, dy);  // frozen weight: just the column sum
+        any_work = true;
       }
     }
+    if (!any_work) return out;
     auto work = [cfg = cfg_, weights = weights_, biases = biases_, need_b, gemms = std::move(gemms),
-                 bias_only = std::move(bias_only)](bool land, variable_list* result) {
+                 bias_only = std::move(bias_only), sizes = weight_sizes_](bool land, variable_list* result) {
       const size_t nw = weights.size();
       for (size_t i = 0; i < nw; ++i) {
         const WeightRef* bias = (biases.size() == nw && need_b[i]) ? biases[i].get() : nullptr;
         detail::WgradResult r;
         if (gemms[i]) {
-          r = detail::compute_wgrad(*weights[i], bias, gemms[i], land, cfg.module_name);
+          r = detail::compute_wgrad(*weights[i], bias, gemms[i], land, cfg.module_name, sizes[i]);
         } else if (bias != nullptr) {
           r.bias = bias_only[i];
           if (land) {
@@ -143,6 +153,7 @@ class DeferredGemmNode : public torch::autograd::Node {
   std::vector<WeightRefPtr> biases_;
   SavedVariable x_;
   std::vector<int64_t> x_sizes_;
+  std::vector<std::vector<int64_t>> weight_sizes_;
 };
 
 class LinearBackward final : public DeferredGemmNode {
@@ -211,8 +222,8 @@ class GroupedLinearBackward final : public DeferredGemmNode {
 
 template <class NodeT, class... Extra>
 void connect(const at::Tensor& y, const at::Tensor& x, const at::Tensor& x2d, const WgradConfig& cfg,
-             const std::vector<WeightRefPtr>& weights, const std::vector<WeightRefPtr>& biases,
-             Extra&&... extra) {
+             const std::vector<WeightRefPtr>& weights, const std::vector<at::Tensor>& materialized,
+             const std::vector<WeightRefPtr>& biases, Extra&&... extra) {
   std::vector<const at::Tensor*> inputs = {&x};
   for (const auto& w : weights) inputs.push_back(&w->param);
   for (const auto& b : biases) inputs.push_back(&b->param);
@@ -234,6 +245,9 @@ void connect(const at::Tensor& y, const at::Tensor& x, const at::Tensor& x2d, co
   }
   node->set_next_edges(std::move(edges));
   node->save_input(x2d, x.sizes().vec());
+  std::vector<std::vector<int64_t>> sizes;
+  for (const auto& w : materialized) sizes.push_back(w.sizes().vec());
+  node->set_weight_sizes(std::move(sizes));
   torch::autograd::set_history(y, base);
 }
 
@@ -265,7 +279,7 @@ at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightR
     shape.back() = w.size(0);
     y = y.view(shape);
   }
-  connect<LinearBackward>(y, x, x2d, cfg, {weight}, non_null({bias}));
+  connect<LinearBackward>(y, x, x2d, cfg, {weight}, {w}, non_null({bias}));
   return y;
 }
 
@@ -290,9 +304,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
                     ": expected one bias per weight (", weights.size(), "), got ", biases.size());
   check_fused_weights(cfg, weights);
   at::Tensor y;
+  std::vector<at::Tensor> w;
   {
     BelowAutograd below;
-    std::vector<at::Tensor> w;
     for (const auto& r : weights) w.push_back(r->for_forward().contiguous());
     if (packed) {
       y = grouped_fwd_gemm(x.contiguous(), w[0], m_splits,
@@ -309,7 +323,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
     BelowAutograd below;
     x2d = x.contiguous();
   }
-  connect<GroupedLinearBackward>(y, x, x2d, cfg, weights, biases, m_splits);
+  connect<GroupedLinearBackward>(y, x, x2d, cfg, weights, w, biases, m_splits);
   return y;
 }
 

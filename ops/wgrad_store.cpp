@@ -107,4 +107,25 @@ void WgradStore::clear() {
   consumed_.clear();
 }
 
+WgradUnits WgradStore::take_after(size_t keep) {
+  WgradUnits taken;
+  const std::lock_guard<std::mutex> lock(mu_);
+  while (units_.size() > keep) {
+    taken.units_.insert(taken.units_.begin(), std::move(units_.back().work));
+    units_.pop_back();
+  }
+  return taken;
+}
+
+void WgradUnits::run(const std::string& owner) {
+  DWGRAPH_CHECK_STATE(!ran_, owner, ": these weight-gradient units already ran; each microbatch's weight "
+                      "step runs once");
+  ran_ = true;
+  auto units = std::move(units_);
+  units_.clear();
+  for (auto& unit : units) {
+    for (auto& w : unit) w();
+  }
+}
+
 }  // namespace dwgraph::ops

@@ -17,6 +17,8 @@
 
 namespace dwgraph::ops {
 
+class WgradUnits;
+
 class WgradStore {
  public:
   using Work = std::function<void()>;
@@ -44,6 +46,10 @@ class WgradStore {
   bool empty() const { return num_units() == 0; }
   // Drops every queued unit without running it.
   void clear();
+  // Takes every unit after the oldest `keep` out of the FIFO: with `keep` the count before a
+  // backward, the units that backward queued. A pipeline schedule runs them at the weight
+  // step it chose for that microbatch, whatever else is queued by then.
+  WgradUnits take_after(size_t keep);
 
   // Graph capture must not run (or lose) work the caller queued before it, nor leave
   // work of its own behind: it takes the queued units out first and puts them back, in
@@ -82,6 +88,20 @@ class WgradStore {
     std::vector<Unit> consumed;
     bool retain_consumed = false;
   };
+};
+
+// Units taken out of a store (WgradStore::take_after), run once by their owner.
+class WgradUnits {
+ public:
+  size_t size() const { return units_.size(); }
+  // Runs every unit in queue order; afterwards nothing is left. Throws GraphStateError
+  // naming `owner` when the units already ran.
+  void run(const std::string& owner);
+
+ private:
+  friend class WgradStore;
+  std::vector<std::vector<WgradStore::Work>> units_;
+  bool ran_ = false;
 };
 
 }  // namespace dwgraph::ops

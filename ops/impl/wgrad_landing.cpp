@@ -51,7 +51,7 @@ at::Tensor fresh_like(const WeightRef& w, at::ScalarType dtype) {
 }  // namespace
 
 WgradResult compute_wgrad(const WeightRef& w, const WeightRef* bias, const WgradGemm& gemm,
-                          bool deferred, const std::string& module) {
+                          bool deferred, const std::string& module, at::IntArrayRef materialized_sizes) {
   WgradResult r;
   // The GEMM writes the bias gradient in its output's dtype; `bias_out` is made to match
   // and converted to the bias's own gradient dtype afterwards when they differ.
@@ -61,7 +61,7 @@ WgradResult compute_wgrad(const WeightRef& w, const WeightRef* bias, const Wgrad
   };
 
   if (w.finalize) {
-    at::Tensor g = fresh_like(w, w.param.scalar_type());
+    at::Tensor g = at::empty(materialized_sizes, w.param.options());
     make_bias_out(g.scalar_type());
     gemm(g, /*accumulate=*/false, bias_out);
     w.finalize(g);

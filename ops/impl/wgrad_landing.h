@@ -20,14 +20,15 @@ struct WgradResult {
 };
 
 // Computes one weight's (and optionally its bias's) gradient with `gemm` and delivers it:
-//  - distributed weight: the fresh wgrad goes to WeightRef::finalize;
+//  - distributed weight: the fresh wgrad, of the materialised weight's shape
+//    `materialized_sizes` (a sharded parameter is smaller), goes to WeightRef::finalize;
 //  - main_grad: accumulated into it by the GEMM (beta = 1), then on_main_grad_accumulated;
 //  - grad_dtype: the GEMM writes a fresh .grad (beta = 0) or accumulates into it (beta = 1);
 //  - otherwise a fresh wgrad.
 // With `deferred`, everything lands now (.grad initialised when None, added otherwise) and
 // the result is empty; without, plain gradients are returned for autograd to accumulate.
 WgradResult compute_wgrad(const WeightRef& w, const WeightRef* bias, const WgradGemm& gemm,
-                          bool deferred, const std::string& module);
+                          bool deferred, const std::string& module, at::IntArrayRef materialized_sizes);
 
 // .grad = g when None, .grad += g otherwise (a dtype or shape mismatch is an error).
 void land_grad(const at::Tensor& param, const at::Tensor& g, const std::string& what);

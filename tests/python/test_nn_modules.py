@@ -353,3 +353,57 @@ def test_each_backward_of_a_retained_graph_queues_its_own_unit(kind):
     assert torch.equal(weight.grad, 2 * once)
     with pytest.raises(dwgraph.GraphStateError):
         mod.backward_dw()
+
+
+# ---- a backward queues work only for the gradients it asks for ------------------------------
+
+def _deferred_module(kind):
+    if kind == "linear":
+        return dwgraph.nn.Linear(6, 5, delay_wgrad_compute=True), lambda m, x: m(x)
+    if kind == "grouped":
+        return dwgraph.nn.GroupedLinear(2, 6, 5, delay_wgrad_compute=True), lambda m, x: m(x, [3, 4])
+    return dwgraph.nn.LayerNormMLP(6, 10, delay_wgrad_compute=True), lambda m, x: m(x)
+
+
+@pytest.mark.parametrize("kind", ["linear", "grouped", "layernorm_mlp"])
+def test_backward_for_the_inputs_only_queues_no_unit(kind):
+    """torch.autograd.grad w.r.t. the input (pipelining's shape inference and its dI step)
+    asks for no weight gradient: nothing is queued, and the input gradient is the one plain
+    autograd gives. A later full backward queues exactly one unit."""
+    torch.manual_seed(10)
+    mod, call = _deferred_module(kind)
+    ref = copy.deepcopy(mod)
+    ref.delay_wgrad_compute = False
+    x = torch.randn(7, 6, requires_grad=True)
+    g = torch.randn(7, 5 if kind != "layernorm_mlp" else 6)
+    y = call(mod, x)
+    (dx,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    assert mod.num_queued_wgrad_units() == 0
+    (dx_ref,) = torch.autograd.grad(call(ref, x), x, g)
+    assert torch.equal(dx, dx_ref)
+    assert all(p.grad is None for p in mod.parameters())
+    y.backward(g)
+    assert mod.num_queued_wgrad_units() == 1
+    mod.backward_dw()
+    assert mod.num_queued_wgrad_units() == 0
+
+
+@pytest.mark.parametrize("frozen", ["weight", "weight-and-bias"])
+def test_frozen_parameters_queue_only_the_remaining_work(frozen):
+    torch.manual_seed(11)
+    lin = dwgraph.nn.Linear(6, 5, delay_wgrad_compute=True)
+    lin.weight.requires_grad_(False)
+    if frozen == "weight-and-bias":
+        lin.bias.requires_grad_(False)
+    x = torch.randn(4, 6, requires_grad=True)
+    g = torch.randn(4, 5)
+    lin(x).backward(g)
+    if frozen == "weight-and-bias":
+        assert lin.num_queued_wgrad_units() == 0
+        with pytest.raises(dwgraph.GraphStateError, match="no deferred"):
+            lin.backward_dw()
+    else:
+        assert lin.num_queued_wgrad_units() == 1
+        lin.backward_dw()
+        assert torch.allclose(lin.bias.grad, g.sum(0)) and lin.weight.grad is None
+    assert torch.equal(x.grad, g @ lin.weight)

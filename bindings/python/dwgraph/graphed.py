@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C
+from . import _C, _guards
 from .errors import ArgumentError
 
 __all__ = ["make_graphed_callables", "GraphedCallable", "graphed_handle"]
@@ -198,8 +198,11 @@ class GraphedCallable:
         self._forward = forward
         self._in_sig = in_sig
         self._out = out_sig
+        self._dw_modules = ([m for m in target.modules() if _is_dwgraph_module(m)]
+                            if isinstance(target, torch.nn.Module) else [])
 
     def __call__(self, *args, **kwargs):
+        _guards.check_data_parallel(self._dw_modules)  # a replay runs no module forward
         if not self._native.replays():
             return self._forward(*args, **kwargs)  # a mode the graphs were not captured in
         out_sig = self._out["sig"]

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import _C, _traced
+from . import _C, _guards, _traced
 from .errors import GraphStateError
 
 __all__ = ["DistributedWeight", "Linear", "GroupedLinear", "LayerNormMLP"]
@@ -79,6 +79,9 @@ class _DeferredWgradModule(torch.nn.Module):
         self._wgrad_store = _C.nn.WgradStore()
         # OrderedDict: RemovableHandle keeps a weak reference to it (a dict cannot have one).
         self._wgrad_hooks: Dict[int, Callable] = collections.OrderedDict()
+        # The parameter objects the last forward used: backward_dw() lands on those.
+        self._forward_params: Dict[str, torch.Tensor] = {}
+        _guards.track_module(self)
 
     # -- the deferred-wgrad protocol (also what make_graphed_callables looks for) --------
     def need_backward_dw(self) -> bool:
@@ -98,12 +101,28 @@ class _DeferredWgradModule(torch.nn.Module):
                 "weight-gradient work is ever queued; expected a module built with "
                 "delay_wgrad_compute=True"
             )
+        self._check_forward_params()
         self._wgrad_store.run_oldest(self._display_name())
 
     def _parameters_by_role(self, role: str):
         # The one rule (C++ ops/param_roles.h) decides which parameter lands where.
         return [(n, p) for n, p in self.named_parameters(recurse=False)
                 if _C.nn.classify_parameter(n, self.delay_wgrad_compute, self.fuse_wgrad_accumulation) == role]
+
+    def _check_forward_params(self) -> None:
+        # A queued unit lands on the parameter objects its forward used, as autograd would.
+        # FSDP2 swaps the module's parameters: unsharded for forward and backward, sharded
+        # DTensors after its post-backward, which has then already reduce-scattered and
+        # freed the unsharded ones: a landing there would never reach the sharded .grad.
+        for name, used in self._forward_params.items():
+            now = getattr(self, name, None)
+            if now is used or type(now).__name__ != "DTensor" or type(used).__name__ == "DTensor":
+                continue
+            raise GraphStateError(
+                f"{self._display_name()}.backward_dw(): parameter '{name}' is sharded by FSDP2 (fully_shard), "
+                "which resharded it after the backward: the deferred gradient would land on the freed "
+                "unsharded parameter and never reach the sharded .grad. Build a "
+                "dwgraph.distributed.FullyShardReducer(root) to keep it until the weight step (docs/distributed.md)")
 
     def _deferred_parameters(self):
         """(name, parameter) of every parameter whose gradient lands in backward_dw()."""
@@ -161,6 +180,7 @@ class _DeferredWgradModule(torch.nn.Module):
     def _config(self) -> dict:
         _step_context.saw(self)
         grad = torch.is_grad_enabled()
+        _guards.check_data_parallel((self,))
         return dict(
             delay_wgrad_compute=self.delay_wgrad_compute,
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
@@ -172,6 +192,7 @@ class _DeferredWgradModule(torch.nn.Module):
     def _ref(self, name: str, param: Optional[torch.Tensor], *, is_weight: bool):
         if param is None:
             return None
+        self._forward_params[name] = param
         fused = self.fuse_wgrad_accumulation and is_weight
         kwargs = {}
         if fused:

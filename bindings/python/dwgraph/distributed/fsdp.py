@@ -1,0 +1,192 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with deferred weight gradients (SPEC C9).
+
+FSDP2 reduce-scatters a parameter group's gradients and frees its unsharded parameters in
+the group's post-backward, during the main backward; a deferred weight's gradient lands
+later, in ``backward_dw()``, on the unsharded parameter. :class:`FullyShardReducer` uses
+FSDP2's own controls so that the deferred gradient reaches the sharded ``.grad`` exactly as
+an undeferred one does: manual backward finalization on the root, and, for the FSDP modules
+that hold deferred parameters, no gradient sync and no reshard after backward (the
+unsharded parameters and their gradients stay) until :meth:`finish`, which turns both back
+on and lets ``finalize_backward()`` run FSDP's reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Dict, List, Tuple
+
+import torch
+
+from .. import _C, _guards
+from ..errors import ArgumentError, GraphStateError
+from ..nn import DistributedWeight, _DeferredWgradModule
+
+__all__ = ["FullyShardReducer"]
+
+
+def _fsdp_module_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    return FSDPModule
+
+
+class FullyShardReducer:
+    """Drives FSDP2 for the dwgraph modules inside ``root`` (the root ``fully_shard``
+    module). Each step: forward, backward, every ``backward_dw()``, then :meth:`finish`
+    (or the :meth:`deferred_step` block), then ``optimizer.step()``; microbatches that
+    accumulate into the step run inside :meth:`no_sync` but the last. A forward after the
+    step's last one without ``finish()`` raises GraphStateError.
+
+    Fused modules (``fuse_wgrad_accumulation=True``) accumulate into an FP32 ``main_grad``
+    that this reducer attaches to FSDP's unsharded parameter; :meth:`finish` hands it to
+    FSDP as that parameter's gradient and zeroes it, so the sharded ``.grad`` is the same
+    as without fusion. FSDP modules holding deferred parameters must not have their
+    gradient sync or reshard-after-backward changed by the caller while this reducer is in
+    use.
+    """
+
+    def __init__(self, root: torch.nn.Module):
+        fsdp_cls = _fsdp_module_class()
+        if fsdp_cls is None or not isinstance(root, fsdp_cls):
+            raise ArgumentError(f"dwgraph.distributed.FullyShardReducer: argument 'root' must be the root module "
+                                f"torch.distributed.fsdp.fully_shard was applied to, got {type(root).__name__}")
+        if not hasattr(root, "finalize_backward") or not hasattr(root, "set_manual_backward_finalization"):
+            raise ArgumentError("dwgraph.distributed.FullyShardReducer: this torch's FSDP2 has no manual backward "
+                                "finalization (FSDPModule.finalize_backward); it needs torch 2.15 or newer")
+        self.root = root
+        managers = {n: m for n, m in root.named_modules() if isinstance(m, fsdp_cls)}
+        self._modules: List[Tuple[str, _DeferredWgradModule]] = []
+        holders: Dict[str, torch.nn.Module] = {}
+        for name, m in root.named_modules():
+            if not isinstance(m, _DeferredWgradModule) or not (m.delay_wgrad_compute or m.fuse_wgrad_accumulation):
+                continue
+            if any(isinstance(p, DistributedWeight) for p in m.parameters(recurse=False)):
+                raise ArgumentError(f"dwgraph.distributed.FullyShardReducer: module '{name}' has a DistributedWeight; "
+                                    "FSDP2 shards its parameters itself, use plain parameters")
+            owner = max((n for n in managers if n == "" or name == n or name.startswith(n + ".")), key=len)
+            holders[owner] = managers[owner]
+            self._modules.append((name, m))
+        if not self._modules:
+            raise ArgumentError("dwgraph.distributed.FullyShardReducer: 'root' holds no dwgraph module with "
+                                "delay_wgrad_compute or fuse_wgrad_accumulation; fully_shard alone handles it")
+        self._holders = list(holders.values())
+        self._landings = [0] * len(self._modules)
+        self._last_landings = [0] * len(self._modules)
+        self._accumulating = False  # inside no_sync()
+        self._closed = False  # the step's last forward (outside no_sync) ran
+        self._handles = [m.register_wgrad_hook(functools.partial(self._landed, i))
+                         for i, (_, m) in enumerate(self._modules)]
+        self._handles += [m.register_forward_pre_hook(self._attach_main_grads)
+                          for _, m in self._modules if m.fuse_wgrad_accumulation]
+        # First, so a refused forward has started no collective of FSDP.
+        self._handles.append(root.register_forward_pre_hook(self._before_forward, prepend=True))
+        sharded = next(p for p in root.parameters())
+        mesh = getattr(sharded, "device_mesh", None)
+        if mesh is None:
+            raise ArgumentError("dwgraph.distributed.FullyShardReducer: the root's parameters are not sharded "
+                                "DTensors; build it after fully_shard(root)")
+        self._group = mesh.get_group()
+        # The sharded parameters, which the optimizer steps (the module registers the
+        # unsharded ones between forward and reshard).
+        self._sharded = list(root.named_parameters())
+        self._device = sharded.device
+        root.set_manual_backward_finalization(True)
+        self._arm()
+        _guards.track_reducer(self)
+
+    def _arm(self) -> None:
+        # Until finish(): FSDP keeps the unsharded parameters and their gradients after the
+        # backward instead of reduce-scattering and freeing them.
+        for h in self._holders:
+            h.set_requires_gradient_sync(False, recurse=False)
+            h.set_reshard_after_backward(False, recurse=False)
+
+    def _before_forward(self, _module, _args) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self._closed:
+            raise GraphStateError(
+                "dwgraph.distributed.FullyShardReducer: a new forward after the previous step's last forward "
+                "without finish(); call finish() after the last backward_dw() of each step and before "
+                "optimizer.step(), and run the microbatches that accumulate into one step but the last "
+                "inside reducer.no_sync()")
+        self._closed = not self._accumulating
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Forwards inside accumulate into the step without ending it (the step's last
+        forward runs outside; finish() follows its backward_dw())."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    @staticmethod
+    def _attach_main_grads(module, _args) -> None:
+        # The forward sees FSDP's unsharded parameter (created once, reused every step).
+        for _, p in module._fused_parameters():
+            if getattr(p, "main_grad", None) is None:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+    def _landed(self, i: int, _module) -> None:
+        self._landings[i] += 1
+
+    def pending(self) -> bool:
+        """True when weight gradients landed since the last finish()."""
+        return any(self._landings)
+
+    def landings(self) -> Dict[str, int]:
+        """How many weight steps each module landed in the last finished step."""
+        return {n: c for (n, _), c in zip(self._modules, self._last_landings)}
+
+    def named_parameters(self):
+        return list(self._sharded)
+
+    def finish(self) -> None:
+        """Lets FSDP reduce-scatter every gradient of the step into the sharded ``.grad``.
+        Raises GraphStateError on every rank, before any collective of FSDP, when a rank
+        still has queued weight-gradient work."""
+        problems = [f"module '{n}': {m.num_queued_wgrad_units()} backward(s) still queued; call backward_dw() "
+                    "once per backward before finish()" for n, m in self._modules if m.num_queued_wgrad_units()]
+        agreeing = _C.distributed.count_agreeing(self._group, not problems, self._device)
+        world = torch.distributed.get_world_size(self._group)
+        if agreeing != world:
+            details = "".join(f"\n  this rank: {p}" for p in problems)
+            raise GraphStateError(f"dwgraph.distributed.FullyShardReducer.finish(): {world - agreeing} of {world} "
+                                  f"ranks have weight-gradient work still queued; FSDP reduced nothing (call "
+                                  f"root.reset_iter_state() before retrying the step).{details}")
+        for _, m in self._modules:
+            for _, p in m._fused_parameters():
+                # p is FSDP's unsharded parameter (no reshard after this step's backward).
+                mg = getattr(p, "main_grad", None)
+                if mg is None:
+                    continue
+                g = mg.to(p.dtype, copy=True)  # main_grad is zeroed below
+                p.grad = g if p.grad is None else p.grad.add_(g)
+                mg.zero_()
+        for h in self._holders:
+            h.set_requires_gradient_sync(True, recurse=False)
+            h.set_reshard_after_backward(True, recurse=False)
+        try:
+            self.root.finalize_backward()
+        finally:
+            self._arm()
+            self._last_landings, self._landings = self._landings, [0] * len(self._modules)
+            self._closed = False
+
+    @contextlib.contextmanager
+    def deferred_step(self):
+        """``with reducer.deferred_step():`` forward, backward, every ``backward_dw()``;
+        :meth:`finish` on exit."""
+        yield self
+        self.finish()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.root.set_manual_backward_finalization(False)

@@ -1,0 +1,195 @@
+"""FSDP2 (fully_shard) with deferred weight gradients on two gloo processes (SPEC C9).
+
+The training scenarios shard a model mixing deferred and plain modules with fully_shard
+(each deferred block, then the root), drive it with dwgraph.distributed.FullyShardReducer,
+and compare every sharded gradient (gathered) and parameter with a single-process run on
+the concatenated batch (FP32, 1e-6 relative), for 5 steps. Eager only: FSDP2 swaps the
+module's parameters between sharded and unsharded tensors in module hooks, which a graph
+replay does not run (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dwgraph
+import dwgraph.distributed as dwdist
+from dist_harness import DEVICES, Failure, device_results, run_scenarios
+from dist_models import (LR, ROWS, STEPS, assert_matches, batch, deferred_modules, local, loss_fn, make_model,
+                         max_errors, model_reference)
+
+
+
+def _sharded(ctx, fused: bool):
+    model = make_model(fused, device=ctx.device)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[3], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+class _CountingReduceScatter:
+    """Counts FSDP's reduce-scatters (torch.distributed.reduce_scatter_single calls)."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.count, self._orig = 0, dist.reduce_scatter_single
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self._orig(*args, **kwargs)
+
+        dist.reduce_scatter_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.reduce_scatter_single = self._orig
+
+
+def _train(ctx, fused: bool, micro: int):
+    model = _sharded(ctx, fused)
+    reducer = dwdist.FullyShardReducer(model)
+    per_step, reduce_scatters, landings, queued = [], [], [], []
+    for step in range(STEPS):
+        x, y = batch(step, ROWS * ctx.world_size, ctx.device)
+        with _CountingReduceScatter() as rs:
+            for k, (xm, ym) in enumerate(zip(local(ctx, x).chunk(micro), local(ctx, y).chunk(micro))):
+                with reducer.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                    (loss_fn(model(xm), ym) / micro).backward()
+                for m in reversed(deferred_modules(model)):
+                    m.backward_dw()
+            reducer.finish()
+        reduce_scatters.append(rs.count)
+        landings.append(reducer.landings())
+        queued.append(sum(m.num_queued_wgrad_units() for m in deferred_modules(model)))
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(LR * p.grad)
+                p.grad = None
+        per_step.append(dict(grads=grads, params={n: p.full_tensor() for n, p in model.named_parameters()}))
+    return dict(errors=max_errors(per_step, model_reference(fused, ctx.world_size)), reduce_scatters=reduce_scatters,
+                landings=landings, queued=queued)
+
+
+TRAIN = {f"train_{grad}{suffix}": (grad == "main_grad", micro)
+         for grad in ("grad", "main_grad") for suffix, micro in (("", 1), ("_accumulate", 2))}
+for _name, _args in TRAIN.items():
+    globals()[f"scenario_{_name}"] = lambda ctx, _args=_args: _train(ctx, *_args)
+
+
+def _local_batch(ctx):
+    x, y = batch(0, ROWS * ctx.world_size)
+    return local(ctx, x), local(ctx, y)
+
+
+def scenario_plain_fully_shard(ctx):
+    """What a user tries first: fully_shard alone. FSDP reshards after the backward, so
+    backward_dw() would land on the freed unsharded parameter: a typed error instead."""
+    model = _sharded(ctx, False)
+    x, y = _local_batch(ctx)
+    loss_fn(model(x), y).backward()
+    queued = model[0].num_queued_wgrad_units()
+    try:
+        model[0].backward_dw()
+    except dwgraph.GraphStateError as e:
+        return dict(error=str(e), queued_after=model[0].num_queued_wgrad_units(), queued_before=queued)
+    return dict(error=None)
+
+
+def scenario_rank_skips_backward_dw(ctx):
+    model = _sharded(ctx, False)
+    reducer = dwdist.FullyShardReducer(model)
+    x, y = _local_batch(ctx)
+    loss_fn(model(x), y).backward()
+    for m in deferred_modules(model):
+        if not (ctx.rank == 1 and m is model[0]):
+            m.backward_dw()
+    reducer.finish()
+
+
+def scenario_missing_finish_optimizer(ctx):
+    model = _sharded(ctx, False)
+    reducer = dwdist.FullyShardReducer(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = _local_batch(ctx)
+    loss_fn(model(x), y).backward()
+    for m in deferred_modules(model):
+        m.backward_dw()
+    try:
+        opt.step()
+    finally:
+        reducer.finish()
+
+
+def scenario_missing_finish_next_forward(ctx):
+    model = _sharded(ctx, False)
+    dwdist.FullyShardReducer(model)
+    x, y = _local_batch(ctx)
+    for _ in range(2):
+        loss_fn(model(x), y).backward()
+        for m in deferred_modules(model):
+            m.backward_dw()
+
+
+def scenario_root_must_be_fully_sharded(ctx):
+    dwdist.FullyShardReducer(make_model(False))
+
+
+SCENARIOS = [*TRAIN, "plain_fully_shard", "rank_skips_backward_dw", "missing_finish_optimizer",
+             "missing_finish_next_forward", "root_must_be_fully_sharded"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_scenarios(__file__, SCENARIOS)
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def trained(request):
+    return device_results(request, "results", list(TRAIN))
+
+
+@pytest.mark.parametrize("name", list(TRAIN))
+def test_training_matches_single_process(trained, name):
+    for res in trained[name]:
+        assert not isinstance(res, Failure), f"{res.type}: {res.message}\n{res.traceback}"
+        assert_matches(res["errors"])
+        # FSDP's own reduce-scatter, once per parameter group (model[0], model[3], root)
+        # per step; each deferred module landed once per microbatch; nothing left queued.
+        assert res["reduce_scatters"] == [3] * STEPS, res["reduce_scatters"]
+        micro = 2 if name.endswith("accumulate") else 1
+        assert all(set(l.values()) == {micro} for l in res["landings"]), res["landings"]
+        assert res["queued"] == [0] * STEPS
+
+
+def test_plain_fully_shard_is_a_typed_error_before_landing(results):
+    for r in results["plain_fully_shard"]:
+        assert not isinstance(r, Failure), f"{r.type}: {r.message}"
+        assert r["error"] is not None and "FullyShardReducer" in r["error"], r
+        assert r["queued_before"] == r["queued_after"] == 1  # nothing ran
+
+
+def test_a_rank_that_skips_backward_dw_fails_every_rank(results):
+    for r in results["rank_skips_backward_dw"]:
+        assert isinstance(r, Failure) and r.type == "GraphStateError" and "1 of 2 ranks" in r.message, r
+
+
+@pytest.mark.parametrize("name", ["missing_finish_optimizer", "missing_finish_next_forward"])
+def test_missing_finish_is_caught_at_the_next_step(results, name):
+    for r in results[name]:
+        assert isinstance(r, Failure) and r.type == "GraphStateError" and "finish()" in r.message, r
+
+
+def test_root_must_be_fully_sharded(results):
+    for r in results["root_must_be_fully_sharded"]:
+        assert isinstance(r, Failure) and r.type == "ArgumentError", r
