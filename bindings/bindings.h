@@ -5,6 +5,7 @@
 namespace dwgraph::bindings {
 
 void init_errors(pybind11::module_& m);
+void init_log(pybind11::module_& m);
 void init_nn(pybind11::module_& m);
 void init_graphs(pybind11::module_& m);
 void init_manager(pybind11::module_& m);  // after init_graphs

@@ -61,6 +61,15 @@ py::dict stats_dict(const GraphedStats& s) {
   d["contribution_bytes"] = s.contribution_bytes;
   d["static_bytes"] = s.static_bytes;
   d["num_graphs"] = s.num_graphs;
+  py::list graphs;
+  for (const auto& g : s.graphs) {
+    py::dict info;
+    info["callable"] = g.callable;
+    info["kind"] = g.kind;
+    info["num_kernels"] = g.num_kernels;
+    graphs.append(info);
+  }
+  d["graphs"] = graphs;
   return d;
 }
 

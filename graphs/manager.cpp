@@ -2,6 +2,7 @@
 
 #include "common/autograd_node.h"
 #include "common/check.h"
+#include "graphs/capture_log.h"
 #include "graphs/handoff.h"
 
 #include <ATen/Context.h>
@@ -13,6 +14,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <set>
@@ -781,8 +783,13 @@ GraphedStats GraphManager::stats() const {
     }
     st.static_bytes += bytes(slot.static_inputs) + bytes(slot.static_outputs) + bytes(slot.static_grad_outputs) +
                        bytes(slot.static_grad_inputs);
-    for (const auto* g : {&slot.fwd, &slot.bwd, &slot.dw}) st.num_graphs += *g ? 1 : 0;
+    const std::pair<const char*, const std::unique_ptr<graphs::Graph>*> kinds[] = {
+        {"forward", &slot.fwd}, {"backward", &slot.bwd}, {"backward-dw", &slot.dw}};
+    for (const auto& [kind, g] : kinds) {
+      if (*g) st.graphs.push_back(GraphInfo{where(s), kind, (*g)->num_kernels()});
+    }
   }
+  st.num_graphs = st.graphs.size();
   return st;
 }
 
@@ -800,12 +807,14 @@ const std::string& GraphedCallable::name() const { return manager_->name(index_)
 std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
     std::vector<GraphableCallable> callables, const std::vector<std::vector<at::Tensor>>& sample_args,
     GraphedCallableOptions options) {
+  const auto started = std::chrono::steady_clock::now();  // for the capture log below
   auto manager = std::make_shared<GraphManager>(std::move(callables), std::move(options));
   manager->build(sample_args);
   std::vector<std::shared_ptr<GraphedCallable>> out;
   for (size_t s = 0; s < manager->num_slots(); ++s) {
     out.push_back(std::shared_ptr<GraphedCallable>(new GraphedCallable(manager, s)));
   }
+  graphs::log_capture(out, started);  // INFO line per capture, DEBUG per graph (docs/logging.md)
   return out;
 }
 

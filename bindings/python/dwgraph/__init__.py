@@ -1,7 +1,8 @@
 """dwgraph: CUDA graphs for training steps with deferred weight gradients.
 
 ``import dwgraph`` loads the native library, which registers the ``torch.ops.dwgraph.*``
-operators. See README.md and docs/ for the contract.
+operators. The native code logs to ``logging.getLogger("dwgraph")`` (docs/logging.md).
+See README.md and docs/contract.md for the contract.
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
@@ -11,7 +12,7 @@ from . import _C
 from . import ops
 from . import nn
 from . import graphs
-from .graphed import GraphedCallable, make_graphed_callables
+from .graphed import GraphedCallable, make_graphed_callables, summary
 from .step import GraphedStep, graphed_step
 
 __version__ = _C.version()
@@ -36,6 +37,7 @@ __all__ = [
     "graphs",
     "make_graphed_callables",
     "GraphedCallable",
+    "summary",
     "graphed_step",
     "GraphedStep",
     "DwgraphError",

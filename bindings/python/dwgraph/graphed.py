@@ -1,5 +1,5 @@
 """``dwgraph.make_graphed_callables``: capture and replay training steps with deferred
-weight gradients (SPEC C3, C4, C7).
+weight gradients (contract C3, C4, C7, docs/contract.md).
 
 Each callable gets a forward graph, a backward graph and, when any of its modules defers
 its weight gradients, a backward-dw graph, all on one private pool. After every
@@ -19,7 +19,7 @@ from . import _C
 from .errors import _translated
 from .graphs import GraphPool
 
-__all__ = ["make_graphed_callables", "GraphedCallable"]
+__all__ = ["make_graphed_callables", "GraphedCallable", "summary"]
 
 _MISSING = object()
 
@@ -123,8 +123,11 @@ class GraphedCallable:
     def contribution_bytes(self) -> int:
         return self._native.contribution_bytes()
 
-    def stats(self) -> Dict[str, int]:
-        """Pool bytes, contribution bytes and static-buffer bytes of the whole set."""
+    def stats(self) -> Dict[str, Any]:
+        """Of the whole set: ``pool_reserved_bytes``, ``pool_allocated_bytes`` (live),
+        ``pool_peak_allocated_bytes``, ``contribution_bytes``, ``static_bytes``,
+        ``num_graphs`` and ``graphs`` (one dict per graph: ``callable``, ``kind``,
+        ``num_kernels``)."""
         return self._native.stats()
 
     def __repr__(self) -> str:
@@ -253,3 +256,29 @@ def _module_of_slot(slot: int, n_modules: int, order, num_layers_per_chunk) -> i
             return offset + within % n
         offset += n
     raise IndexError(slot)
+
+
+def summary(graphed) -> str:
+    """A small table of a set of graphed callables: each graph with its kernel count, then
+    the pool's reserved and live bytes, the contribution and static-buffer bytes.
+
+    ``graphed`` is what :func:`make_graphed_callables` returned (one ``GraphedCallable``
+    or the tuple): the table covers the whole set it belongs to. ``print(dwgraph.summary(g))``.
+    """
+    first = graphed[0] if isinstance(graphed, (tuple, list)) and graphed else graphed
+    if not isinstance(first, GraphedCallable):
+        raise TypeError(f"dwgraph.summary: argument 'graphed' must be a GraphedCallable or the tuple "
+                        f"make_graphed_callables returned, got {type(graphed).__name__}")
+    st = first.stats()
+    fmt = _C.format_bytes
+    kernels = sum(g["num_kernels"] for g in st["graphs"])
+    rows = [(g["callable"], g["kind"], str(g["num_kernels"])) for g in st["graphs"]]
+    header = ("callable", "graph", "kernels")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(3)]
+    line = lambda r: f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}"  # noqa: E731
+    out = [f"dwgraph: {st['num_graphs']} graphs, {kernels} kernels", line(header)]
+    out += [line(r) for r in rows]
+    out += [f"  {name:<15} {fmt(st[key])}" for name, key in (
+        ("pool reserved", "pool_reserved_bytes"), ("pool live", "pool_allocated_bytes"),
+        ("contributions", "contribution_bytes"), ("static buffers", "static_bytes"))]
+    return "\n".join(out)
