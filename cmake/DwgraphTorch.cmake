@@ -100,7 +100,7 @@ if(DWGRAPH_WITH_CUDA)
   endif()
   set(Torch_DIR "${DWGRAPH_TORCH_CMAKE_PREFIX}/Torch")  # the Python environment's torch, always
   find_package(Torch REQUIRED)
-  dwgraph_torch_target(CUDA LIBRARIES ${TORCH_LIBRARIES})
+  dwgraph_torch_target(CUDA ROOT "${TORCH_INSTALL_PREFIX}" LIBRARIES ${TORCH_LIBRARIES})
 
   # cuBLASLt: the copy the torch wheel ships (the one torch itself loads), headers from the
   # toolkit. Linking the toolkit's copy could load an older libcublasLt.so.N first.
