@@ -34,6 +34,7 @@ lap "fresh venv with torch from $WHEELHOUSE"
 
 cd "$SRC"
 export CCACHE_STATSLOG=$WORK/ccache.log
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 "${PIP[@]}" install --no-build-isolation --no-index -C build-dir=build . >"$WORK/install.log" 2>&1 \
   || { tail -n 60 "$WORK/install.log"; fail "pip install --no-build-isolation . failed"; }
 hits=$(grep -cE '^(direct|preprocessed)_cache_hit$' "$CCACHE_STATSLOG" || true)

@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import pathlib
 import re
-from typing import List
+from typing import List, Optional
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONTINUED = "# (continued)"
@@ -40,12 +40,16 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        return f"{_shown(self.path)}:{self.line}"
 
     @property
     def name(self) -> str:
         """A file and CMake target name: README_md_120."""
-        return re.sub(r"[^A-Za-z0-9]+", "_", str(self.path.relative_to(ROOT))) + f"_{self.line}"
+        return re.sub(r"[^A-Za-z0-9]+", "_", _shown(self.path)) + f"_{self.line}"
+
+
+def _shown(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def documents() -> List[pathlib.Path]:
@@ -70,7 +74,7 @@ def blocks(path: pathlib.Path) -> List[Block]:
             body.append(line[len(indent):] if line.startswith(indent) else line)
             i += 1
         if i == len(lines):
-            raise ValueError(f"{path.relative_to(ROOT)}:{start}: code block is never closed")
+            raise ValueError(f"{_shown(path)}:{start}: code block is never closed")
         out.append(Block(path, start, info.strip().split(" ")[0] if info.strip() else "", "\n".join(body) + "\n"))
         i += 1
     return out
@@ -80,10 +84,10 @@ def all_blocks() -> List[Block]:
     return [b for doc in documents() for b in blocks(doc)]
 
 
-def python_programs() -> List[Block]:
+def python_programs(docs: Optional[List[pathlib.Path]] = None) -> List[Block]:
     """One Block per program: a python block with the continuations that follow it."""
     programs: List[Block] = []
-    for doc in documents():
+    for doc in documents() if docs is None else docs:
         last = None
         for b in blocks(doc):
             if b.lang != "python":

@@ -50,6 +50,17 @@ def test_cpp_blocks_are_programs():
     assert not bad, "cpp blocks are compiled as programs and need main():\n" + "\n".join(bad)
 
 
+def test_continued_blocks_run_as_one_program(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("```python\nx = 1\n```\ntext\n```bash\nls\n```\n```python\n# (continued)\nprint(x)\n```\n"
+                   "```python\ny = 2\n```\n", encoding="utf-8")
+    programs = docs_blocks.python_programs([doc])
+    assert [(p.line, p.code) for p in programs] == [(1, "x = 1\n# (continued)\nprint(x)\n"), (12, "y = 2\n")]
+    doc.write_text("```python\n# (continued)\nprint(x)\n```\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="no python block comes before it"):
+        docs_blocks.python_programs([doc])
+
+
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
