@@ -126,6 +126,15 @@ else()
   dwgraph_torch_target(HOST ROOT "${DWGRAPH_TORCH_ROOT}" CXX11_ABI ${DWGRAPH_TORCH_CXX11_ABI})
 endif()
 
+# Used through add_subdirectory, the parent links dwgraph::dwgraph from its own directory,
+# where the imported targets it names (dwgraph::torch and TorchConfig's) must be visible.
+if(NOT PROJECT_IS_TOP_LEVEL)
+  get_property(_dw_imported DIRECTORY PROPERTY IMPORTED_TARGETS)
+  foreach(_dw_target IN LISTS _dw_imported)
+    set_property(TARGET ${_dw_target} PROPERTY IMPORTED_GLOBAL TRUE)
+  endforeach()
+endif()
+
 # The same directories relative to the installed package site-packages/dwgraph, so a wheel
 # finds torch's own libraries (and the nvidia wheels') wherever the environment lives.
 set(DWGRAPH_PACKAGE_RPATH "$ORIGIN")
