@@ -12,7 +12,7 @@ void log_capture(const std::vector<std::shared_ptr<GraphedCallable>>& graphed,
   size_t kernels = 0;
   for (const auto& g : st.graphs) kernels += g.num_kernels;
   char time[32];
-  std::snprintf(time, sizeof(time), "%.2f s", seconds);
+  std::snprintf(time, sizeof(time), "%.3f s", seconds);
   log::info("make_graphed_callables: captured ", graphed.size(), " callables in ", time, ": ", st.num_graphs,
             " graphs, ", kernels, " kernels; pool ", log::format_bytes(st.pool.reserved_bytes), " reserved, ",
             log::format_bytes(st.pool.allocated_bytes), " live; contributions ",

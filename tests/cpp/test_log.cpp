@@ -49,7 +49,7 @@ TEST_CASE("log: a capture writes one INFO line and one DEBUG line per graph", "[
   size_t kernels = 0;
   for (const auto& gi : st.graphs) kernels += gi.num_kernels;
   const std::regex info(
-      "make_graphed_callables: captured 1 callables in [0-9]+\\.[0-9][0-9] s: 3 graphs, ([0-9]+) kernels; "
+      "make_graphed_callables: captured 1 callables in [0-9]+\\.[0-9]{3} s: 3 graphs, ([0-9]+) kernels; "
       "pool (.+) reserved, (.+) live; contributions (.+), static buffers (.+)");
   std::smatch m;
   REQUIRE(std::regex_match(keep.lines[0].second, m, info));
