@@ -12,7 +12,13 @@ namespace {
 // Looked up per line rather than held: no Python object may outlive the interpreter.
 py::object logger() { return py::module_::import("logging").attr("getLogger")("dwgraph"); }
 
-bool python_alive() { return Py_IsInitialized() != 0 && !_Py_IsFinalizing(); }
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() != 0 && Py_IsFinalizing() == 0;
+#else
+  return Py_IsInitialized() != 0 && !_Py_IsFinalizing();
+#endif
+}
 
 std::shared_ptr<const log::Sink> python_sink() {
   auto sink = std::make_shared<log::Sink>();

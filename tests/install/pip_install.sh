@@ -35,14 +35,20 @@ PIP=("$SRC/.venv/bin/python" -m pip)
 "${PIP[@]}" install -q --no-compile --no-deps --no-index --find-links "$WHEELHOUSE" -r "$WORK/requirements.txt"
 lap "fresh venv with torch from $WHEELHOUSE"
 
+# --no-deps: the venv has torch; pip would otherwise look for torch's triton.
 cd "$SRC"
 export CCACHE_STATSLOG=$WORK/ccache.log
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 "${PIP[@]}" install --no-build-isolation --no-deps --no-index -C build-dir=build . >"$WORK/install.log" 2>&1 \
   || { tail -n 60 "$WORK/install.log"; fail "pip install --no-build-isolation . failed"; }
-hits=$(grep -cE '^(direct|preprocessed)_cache_hit$' "$CCACHE_STATSLOG" || true)
-misses=$(grep -c '^cache_miss$' "$CCACHE_STATSLOG" || true)
-lap "pip install --no-build-isolation . (ccache: $hits hits, $misses misses)"
+if [ -f "$CCACHE_STATSLOG" ]; then
+  hits=$(grep -cE '^(direct|preprocessed)_cache_hit$' "$CCACHE_STATSLOG" || true)  # grep -c exits 1 on 0
+  misses=$(grep -c '^cache_miss$' "$CCACHE_STATSLOG" || true)
+  cache="ccache: $hits hits, $misses misses"
+else
+  cache="no ccache"
+fi
+lap "pip install --no-build-isolation . ($cache)"
 "${PIP[@]}" wheel --no-build-isolation --no-index --no-deps -C build-dir=build -w "$WORK/dist" . >"$WORK/wheel.log" 2>&1 \
   || { tail -n 60 "$WORK/wheel.log"; fail "pip wheel --no-build-isolation . failed"; }
 unset CCACHE_STATSLOG
