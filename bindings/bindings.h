@@ -12,6 +12,7 @@ namespace dwgraph::bindings {
 pybind11::dict pool_stats_dict(const allocator::PoolStats& s, const std::string& prefix);
 
 void init_errors(pybind11::module_& m);
+void init_log(pybind11::module_& m);
 void init_nn(pybind11::module_& m);
 void init_graphs(pybind11::module_& m);
 void init_manager(pybind11::module_& m);  // after init_graphs

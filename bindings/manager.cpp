@@ -54,6 +54,15 @@ py::dict stats_dict(const GraphedStats& s) {
   d["static_bytes"] = s.static_bytes;
   d["num_graphs"] = s.num_graphs;
   d["num_kernels"] = s.num_kernels;
+  py::list graphs;
+  for (const auto& g : s.graphs) {
+    py::dict info;
+    info["callable"] = g.callable;
+    info["kind"] = g.kind;
+    info["num_kernels"] = g.num_kernels;
+    graphs.append(info);
+  }
+  d["graphs"] = graphs;
   return d;
 }
 
@@ -164,8 +173,7 @@ void init_manager(py::module_& parent) {
   py::class_<GraphedStep>(m, "GraphedStep")
       .def(py::init([](StepFn step, int warmup_iters, std::shared_ptr<GraphPool> pool, int64_t max_graphs,
                        std::function<NamedTensors()> params, std::function<std::vector<ModuleSpec>()> modules,
-                       std::function<std::vector<at::Tensor>()> buffers,
-                       std::function<void(const std::string&, const std::string&, size_t, size_t, double)> on_event) {
+                       std::function<std::vector<at::Tensor>()> buffers, std::string name) {
              GraphedStepOptions o;
              o.warmup_iters = warmup_iters;
              o.pool = std::move(pool);
@@ -174,19 +182,11 @@ void init_manager(py::module_& parent) {
              o.modules = std::move(modules);
              o.buffers = std::move(buffers);
              auto g = std::make_unique<GraphedStep>(std::move(step), std::move(o));
-             if (on_event) {
-               g->on_event = [on_event](const std::string& event, const std::string& key, const Graph* graph,
-                                        double seconds) {
-                 const size_t kernels = graph != nullptr ? graph->num_kernels() : 0;
-                 const size_t pool_bytes =
-                     graph != nullptr && graph->pool() ? static_cast<size_t>(graph->pool()->stats().reserved_bytes) : 0;
-                 on_event(event, key, kernels, pool_bytes, seconds);
-               };
-             }
+             g->set_name(std::move(name));
              return g;
            }),
            py::arg("step"), py::kw_only(), py::arg("warmup_iters"), py::arg("pool"), py::arg("max_graphs"),
-           py::arg("params"), py::arg("modules"), py::arg("buffers"), py::arg("on_event"))
+           py::arg("params"), py::arg("modules"), py::arg("buffers"), py::arg("name"))
       // Warmup and capture run the autograd engine: no GIL (the step takes it back).
       .def("__call__", &GraphedStep::operator(), py::arg("tensors"), py::arg("key"),
            py::call_guard<py::gil_scoped_release>())

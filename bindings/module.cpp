@@ -12,6 +12,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_built", &dwgraph::cuda_built);
   m.def("cuda_available", &dwgraph::cuda_available);
   dwgraph::bindings::init_errors(m);
+  dwgraph::bindings::init_log(m);
   dwgraph::bindings::init_nn(m);
   dwgraph::bindings::init_graphs(m);
   dwgraph::bindings::init_manager(m);

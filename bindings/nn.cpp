@@ -2,6 +2,7 @@
 // the modules themselves are Python (bindings/python/dwgraph/nn.py).
 #include "bindings/bindings.h"
 
+#include "common/check.h"
 #include "ops/linear.h"
 #include "ops/param_roles.h"
 #include "ops/wgrad_store.h"
@@ -54,7 +55,17 @@ void init_nn(py::module_& parent) {
       .def("take_after", &WgradStore::take_after, py::arg("keep"))
       // A copied module starts with nothing queued: queued work belongs to the original's
       // autograd graphs.
-      .def("__deepcopy__", [](const WgradStore&, py::dict) { return std::make_shared<WgradStore>(); });
+      .def("__deepcopy__", [](const WgradStore&, py::dict) { return std::make_shared<WgradStore>(); })
+      // Only an empty store pickles (it is rebuilt empty): queued units hold autograd state
+      // that cannot be saved. dwgraph.nn modules refuse first, naming themselves.
+      .def(py::pickle(
+          [](const WgradStore& s) {
+            DWGRAPH_CHECK_STATE(s.num_units() == 0, "dwgraph._C.nn.WgradStore: cannot pickle a store with ",
+                                s.num_units(), " queued weight-gradient units; expected none (run backward_dw() "
+                                "for each first)");
+            return py::tuple();
+          },
+          [](const py::tuple&) { return std::make_shared<WgradStore>(); }));
 
   py::class_<ops::WgradUnits, std::shared_ptr<ops::WgradUnits>>(m, "WgradUnits")
       .def("__len__", &ops::WgradUnits::size)

@@ -1,16 +1,25 @@
 # Finds LibTorch (from the Python environment's torch wheel) and decides whether the CUDA
 # sources are compiled. Produces:
 #   DWGRAPH_WITH_CUDA        ON when the CUDA sources are compiled
-#   dwgraph::torch           LibTorch (host libraries, plus the CUDA ones when built with CUDA)
+#   dwgraph::torch           LibTorch (host libraries, plus the CUDA ones when built with CUDA);
+#                            an imported target, made by cmake/dwgraphTorchTarget.cmake, which
+#                            the installed dwgraphConfig.cmake uses the same way
 #   dwgraph::torch_python    libtorch_python, for the extension
 #   dwgraph::cublaslt        cuBLASLt (only when DWGRAPH_WITH_CUDA)
 #   DWGRAPH_RUNTIME_RPATH    where the built binaries find LibTorch and the CUDA libraries
+#                            (absolute: build tree and `cmake --install`)
+#   DWGRAPH_PACKAGE_RPATH    the same relative to the installed Python package dwgraph/
+#                            ($ORIGIN/../torch/lib, ...: the wheel finds torch's own libraries)
+#   DWGRAPH_TORCH_CMAKE_PREFIX, DWGRAPH_TORCH_ROOT, DWGRAPH_TORCH_VERSION,
+#   DWGRAPH_TORCH_CXX11_ABI, DWGRAPH_NVCC, DWGRAPH_CUDA_ROOT   recorded in the installed config
 #
 # Note [Why two ways to import LibTorch]: TorchConfig.cmake of a CUDA wheel insists on a
 # CUDA toolkit (it enables the CUDA language and fails without nvcc). We use it whenever
 # the CUDA sources are compiled, which is the supported configuration. For a host-only
 # build (DWGRAPH_CUDA=OFF, or AUTO with no matching nvcc) we import the host libraries
 # directly, so a machine without a toolkit can still build and test the host path.
+
+include("${CMAKE_CURRENT_LIST_DIR}/dwgraphTorchTarget.cmake")
 
 execute_process(
   COMMAND "${Python3_EXECUTABLE}" -c
@@ -31,7 +40,11 @@ get_filename_component(DWGRAPH_TORCH_ROOT "${DWGRAPH_TORCH_CMAKE_PREFIX}/../.." 
 message(STATUS "dwgraph: torch ${DWGRAPH_TORCH_VERSION} at ${DWGRAPH_TORCH_ROOT}, CUDA '${DWGRAPH_TORCH_CUDA_VERSION}'")
 
 # --- decide whether to compile the CUDA sources -------------------------------------------
-# nvcc: CUDA_HOME, then PATH, then /usr/local/cuda, then a PyPI nvidia-cuda-nvcc in the venv.
+# nvcc: the user's CMAKE_CUDA_COMPILER, else CUDA_HOME, then PATH, then /usr/local/cuda, then
+# a PyPI nvidia-cuda-nvcc in the venv.
+if(CMAKE_CUDA_COMPILER AND NOT DWGRAPH_NVCC)
+  set(DWGRAPH_NVCC "${CMAKE_CUDA_COMPILER}" CACHE FILEPATH "nvcc dwgraph compiles against")
+endif()
 find_program(DWGRAPH_NVCC nvcc
   HINTS "$ENV{CUDA_HOME}/bin" "$ENV{CUDA_PATH}/bin" /usr/local/cuda/bin
         "${DWGRAPH_SITE_PACKAGES}/nvidia/cu13/bin" "${DWGRAPH_SITE_PACKAGES}/nvidia/cuda_nvcc/bin")
@@ -66,24 +79,28 @@ else()
 endif()
 
 set(DWGRAPH_RUNTIME_RPATH "${DWGRAPH_TORCH_ROOT}/lib")
+set(DWGRAPH_CUDA_ROOT "")
 
 if(DWGRAPH_WITH_CUDA)
   get_filename_component(_dw_cuda_root "${DWGRAPH_NVCC}" DIRECTORY)
   get_filename_component(_dw_cuda_root "${_dw_cuda_root}" DIRECTORY)
-  set(CUDA_TOOLKIT_ROOT_DIR "${_dw_cuda_root}" CACHE PATH "" FORCE)
-  set(CMAKE_CUDA_COMPILER "${DWGRAPH_NVCC}" CACHE FILEPATH "" FORCE)
-  # Only the architectures we test on; every extra one multiplies nvcc time.
+  set(DWGRAPH_CUDA_ROOT "${_dw_cuda_root}")
+  # TorchConfig enables the CUDA language and runs FindCUDA: point both at the nvcc checked
+  # above, unless the user chose a compiler or a toolkit (defaults, never forced).
+  if(NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX})
+    set(CMAKE_CUDA_COMPILER "${DWGRAPH_NVCC}" CACHE FILEPATH "CUDA compiler")
+  endif()
+  if(NOT CUDA_TOOLKIT_ROOT_DIR)
+    set(CUDA_TOOLKIT_ROOT_DIR "${_dw_cuda_root}" CACHE PATH "CUDA toolkit (FindCUDA, used by TorchConfig)")
+  endif()
+  # Only the architectures we test on; every extra one multiplies nvcc time. (Read by
+  # TorchConfig in this configure process only.)
   if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
     set(ENV{TORCH_CUDA_ARCH_LIST} "8.0;9.0")
   endif()
-  set(Torch_DIR "${DWGRAPH_TORCH_CMAKE_PREFIX}/Torch")
+  set(Torch_DIR "${DWGRAPH_TORCH_CMAKE_PREFIX}/Torch")  # the Python environment's torch, always
   find_package(Torch REQUIRED)
-  add_library(dwgraph_torch INTERFACE)
-  target_link_libraries(dwgraph_torch INTERFACE ${TORCH_LIBRARIES})
-  target_include_directories(dwgraph_torch SYSTEM INTERFACE ${TORCH_INCLUDE_DIRS})
-  separate_arguments(_dw_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
-  target_compile_options(dwgraph_torch INTERFACE $<$<COMPILE_LANGUAGE:CXX>:${_dw_torch_flags}>)
-  add_library(dwgraph::torch ALIAS dwgraph_torch)
+  dwgraph_torch_target(CUDA ROOT "${TORCH_INSTALL_PREFIX}" LIBRARIES ${TORCH_LIBRARIES})
 
   # cuBLASLt: the copy the torch wheel ships (the one torch itself loads), headers from the
   # toolkit. Linking the toolkit's copy could load an older libcublasLt.so.N first.
@@ -106,21 +123,25 @@ if(DWGRAPH_WITH_CUDA)
     endif()
   endforeach()
 else()
-  set(_dw_tlib "${DWGRAPH_TORCH_ROOT}/lib")
-  add_library(dwgraph_torch INTERFACE)
-  target_include_directories(dwgraph_torch SYSTEM INTERFACE
-    "${DWGRAPH_TORCH_ROOT}/include" "${DWGRAPH_TORCH_ROOT}/include/torch/csrc/api/include")
-  target_link_libraries(dwgraph_torch INTERFACE
-    "${_dw_tlib}/libtorch.so" "${_dw_tlib}/libtorch_cpu.so" "${_dw_tlib}/libc10.so")
-  target_compile_definitions(dwgraph_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${DWGRAPH_TORCH_CXX11_ABI})
-  # Recent LibTorch headers need C++20 (TorchConfig.cmake then requires cxx_std_20);
-  # dwgraph's own code is C++17 and compiles as either.
-  file(READ "${DWGRAPH_TORCH_CMAKE_PREFIX}/Torch/TorchConfig.cmake" _dw_torch_config)
-  if(_dw_torch_config MATCHES "cxx_std_20")
-    target_compile_features(dwgraph_torch INTERFACE cxx_std_20)
-  endif()
-  add_library(dwgraph::torch ALIAS dwgraph_torch)
+  dwgraph_torch_target(HOST ROOT "${DWGRAPH_TORCH_ROOT}" CXX11_ABI ${DWGRAPH_TORCH_CXX11_ABI})
 endif()
+
+# Used through add_subdirectory, the parent links dwgraph::dwgraph from its own directory,
+# where the imported targets it names (dwgraph::torch and TorchConfig's) must be visible.
+if(NOT PROJECT_IS_TOP_LEVEL)
+  get_property(_dw_imported DIRECTORY PROPERTY IMPORTED_TARGETS)
+  foreach(_dw_target IN LISTS _dw_imported)
+    set_property(TARGET ${_dw_target} PROPERTY IMPORTED_GLOBAL TRUE)
+  endforeach()
+endif()
+
+# The same directories relative to the installed package site-packages/dwgraph, so a wheel
+# finds torch's own libraries (and the nvidia wheels') wherever the environment lives.
+set(DWGRAPH_PACKAGE_RPATH "$ORIGIN")
+foreach(_dw_dir IN LISTS DWGRAPH_RUNTIME_RPATH)
+  file(RELATIVE_PATH _dw_rel "${DWGRAPH_SITE_PACKAGES}" "${_dw_dir}")
+  list(APPEND DWGRAPH_PACKAGE_RPATH "$ORIGIN/../${_dw_rel}")
+endforeach()
 
 add_library(dwgraph_torch_python INTERFACE)
 target_link_libraries(dwgraph_torch_python INTERFACE "${DWGRAPH_TORCH_ROOT}/lib/libtorch_python.so")
@@ -140,6 +161,7 @@ function(dwgraph_add_component name)
   set(_target dwgraph_${name})
   add_library(${_target} OBJECT ${_srcs})
   set_target_properties(${_target} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  target_compile_features(${_target} PUBLIC cxx_std_17)
   target_include_directories(${_target} PUBLIC "${PROJECT_SOURCE_DIR}")
   target_link_libraries(${_target} PUBLIC dwgraph::torch)
   foreach(_dep IN LISTS ARG_DEPENDS)

@@ -1,6 +1,7 @@
 #include "graphs/graphed_step.h"
 
 #include "common/check.h"
+#include "common/log.h"
 #include "graphs/caller_state.h"
 
 #include <ATen/core/grad_mode.h>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <sstream>
 
 namespace dwgraph::graphs {
@@ -89,7 +91,8 @@ void GraphedStep::evict_until_room() {
     auto& e = *entries_.at(key);
     auto it = e.variants.find(pattern);
     if (it == e.variants.end()) continue;
-    if (on_event) on_event("evict", key, it->second->graph.get(), 0.0);
+    log::info("graphed_step ", name_, ": released the graph of key ", key, " (max_graphs=", opts_.max_graphs,
+              " reached)");
     if (it->second->graph) it->second->graph->reset();
     e.variants.erase(it);
   }
@@ -298,9 +301,14 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
   v.graph = std::move(graph);
   ++captures_;
   lru_.emplace_front(key, v.pattern);
-  if (on_event) {
-    on_event("capture", key, v.graph.get(),
-             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  if (log::enabled(log::Level::kInfo)) {
+    const auto pool_stats = pool_->stats();
+    char time[32];
+    std::snprintf(time, sizeof(time), "%.3f s",
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    log::info("graphed_step ", name_, ": captured key ", key, " in ", time, ": ", v.graph->num_kernels(),
+              " kernels; pool ", log::format_bytes(pool_stats.reserved_bytes), " reserved, ",
+              log::format_bytes(pool_stats.allocated_bytes), " live");
   }
   // The capture changed nothing the caller sees; this call's step happens by replaying.
   return replay(e, v, tensors);

@@ -68,8 +68,8 @@ class GraphedStep {
 
   size_t num_graphs() const;
   size_t num_captures() const { return captures_; }
-  // Called after each capture and eviction: (what, key, graph) for logs. Optional.
-  std::function<void(const std::string& event, const std::string& key, const Graph* graph, double seconds)> on_event;
+  // Names the step in log lines (Python: the decorated function's name).
+  void set_name(std::string name) { name_ = std::move(name); }
   // Releases every graph and the pool.
   void reset();
 
@@ -87,6 +87,7 @@ class GraphedStep {
   std::map<std::string, std::unique_ptr<Entry>> entries_;
   std::list<std::pair<std::string, std::string>> lru_;  // captured (key, variant), most recent first
   size_t captures_ = 0;
+  std::string name_ = "step";
   c10::Device device_ = c10::Device(c10::kCPU);
   bool device_known_ = false;
 };

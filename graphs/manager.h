@@ -65,6 +65,13 @@ struct GraphedCallableOptions {
 
 class GraphManager;
 
+// One captured graph of a set (the capture log and dwgraph.summary list them).
+struct GraphInfo {
+  std::string callable;  // "graphed callable 0 ('Linear')", as in error messages
+  std::string kind;      // "forward", "backward" or "backward-dw"
+  size_t num_kernels = 0;
+};
+
 // Pool statistics and bytes of a set of graphed callables.
 struct GraphedStats {
   allocator::PoolStats pool;
@@ -72,6 +79,7 @@ struct GraphedStats {
   int64_t static_bytes = 0;        // static inputs, outputs, grad outputs and grad inputs
   size_t num_graphs = 0;
   size_t num_kernels = 0;
+  std::vector<GraphInfo> graphs;  // per slot: forward, backward, backward-dw
 };
 
 // One graphed (callable, microbatch) slot. operator() replays its forward graph and

@@ -3,6 +3,7 @@
 #include "graphs/manager_impl.h"
 
 #include "common/check.h"
+#include "graphs/capture_log.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty_like.h>
@@ -11,6 +12,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <algorithm>
+#include <chrono>
 #include <unordered_set>
 
 namespace dwgraph::graphs {
@@ -502,12 +504,14 @@ void GraphManager::share_static_buffers() {
 std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
     std::vector<GraphableCallable> callables, const std::vector<std::vector<at::Tensor>>& sample_args,
     GraphedCallableOptions options) {
+  const auto started = std::chrono::steady_clock::now();
   auto manager = std::make_shared<GraphManager>(std::move(callables), std::move(options));
   manager->build(sample_args);
   std::vector<std::shared_ptr<GraphedCallable>> out;
   for (size_t s = 0; s < manager->num_slots(); ++s) {
     out.push_back(std::shared_ptr<GraphedCallable>(new GraphedCallable(manager, s)));
   }
+  log_capture(out, started);  // INFO line per capture, DEBUG per graph (docs/logging.md)
   return out;
 }
 

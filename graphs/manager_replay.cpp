@@ -288,12 +288,16 @@ GraphedStats GraphManager::stats() const {
     // Shared buffers (reuse_static_buffers) count once.
     st.static_bytes += distinct(slot.buffers->inputs.tensors()) + bytes(slot.static_outputs) +
                        distinct(slot.static_grad_outputs) + bytes(slot.static_grad_inputs);
-    for (const auto* g : {&slot.fwd, &slot.bwd, &slot.dw}) {
+    const std::pair<Phase, const std::unique_ptr<Graph>*> kinds[] = {
+        {Phase::kForward, &slot.fwd}, {Phase::kBackward, &slot.bwd}, {Phase::kBackwardDw, &slot.dw}};
+    for (const auto& [phase, g] : kinds) {
       if (!*g) continue;
-      ++st.num_graphs;
+      st.graphs.push_back(GraphInfo{where(static_cast<size_t>(&slot - slots_.data())), to_string(phase),
+                                    (*g)->num_kernels()});
       st.num_kernels += (*g)->num_kernels();
     }
   }
+  st.num_graphs = st.graphs.size();
   return st;
 }
 

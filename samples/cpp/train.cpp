@@ -4,9 +4,7 @@
 // gradients later. The graphed copy is captured once with dwgraph::make_graphed_callables
 // and replayed every step; gradients are reset to None (zero_grad(set_to_none=True))
 // between steps. The two loss curves must be identical, bit for bit.
-#include "common/build_info.h"
-#include "graphs/manager.h"
-#include "nn/modules.h"
+#include <dwgraph/dwgraph.h>  // as an installed dwgraph is used (docs/install.md)
 
 #include <ATen/ATen.h>
 

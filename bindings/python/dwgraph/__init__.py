@@ -1,7 +1,8 @@
 """dwgraph: CUDA graphs for training steps with deferred weight gradients.
 
 ``import dwgraph`` loads the native library, which registers the ``torch.ops.dwgraph.*``
-operators. See README.md and docs/ for the contract.
+operators. The native code logs to ``logging.getLogger("dwgraph")`` (docs/logging.md).
+See README.md and docs/contract.md for the contract.
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
@@ -11,7 +12,7 @@ from . import _C
 from . import ops
 from . import nn
 from . import graphs
-from .graphed import GraphedCallable, graphed_handle, make_graphed_callables
+from .graphed import GraphedCallable, graphed_handle, make_graphed_callables, summary
 from .step import GraphedStep, graphed_step
 
 __version__ = _C.version()
@@ -47,6 +48,7 @@ __all__ = [
     "make_graphed_callables",
     "GraphedCallable",
     "graphed_handle",
+    "summary",
     "graphed_step",
     "GraphedStep",
     "DwgraphError",

@@ -1,5 +1,5 @@
 """``dwgraph.make_graphed_callables``: capture and replay training steps with deferred
-weight gradients (SPEC C3, C4, C7, C8).
+weight gradients (contract C3, C4, C7, C8, docs/contract.md).
 
 Each callable gets a forward graph, a backward graph and, when any of its modules defers
 its weight gradients, a backward-dw graph, all on one private pool. After every
@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from . import _C, _guards
 from .errors import ArgumentError
 
-__all__ = ["make_graphed_callables", "GraphedCallable", "graphed_handle"]
+__all__ = ["make_graphed_callables", "GraphedCallable", "graphed_handle", "summary"]
 
 _UNSET = object()
 _HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -233,8 +233,11 @@ class GraphedCallable:
     def contribution_bytes(self) -> int:
         return self._native.contribution_bytes()
 
-    def stats(self) -> Dict[str, int]:
-        """Pool bytes, contribution bytes, static-buffer bytes and graph counts of the whole set."""
+    def stats(self) -> Dict[str, Any]:
+        """Of the whole set: ``pool_reserved_bytes``, ``pool_allocated_bytes`` (live),
+        ``pool_peak_allocated_bytes``, ``contribution_bytes``, ``static_bytes``,
+        ``num_graphs``, ``num_kernels`` and ``graphs`` (one dict per graph: ``callable``, ``kind``,
+        ``num_kernels``)."""
         return self._native.stats()
 
     @property
@@ -475,3 +478,30 @@ def make_graphed_callables(
         else:
             out.append(handle)
     return out[0] if single else tuple(out)
+
+
+def summary(graphed) -> str:
+    """A small table of a set of graphed callables: each graph with its kernel count, then
+    the pool's reserved and live bytes, the contribution and static-buffer bytes.
+
+    ``graphed`` is what :func:`make_graphed_callables` returned (a graphed module, a
+    ``GraphedCallable`` or their tuple): the table covers the whole set it belongs to. ``print(dwgraph.summary(g))``.
+    """
+    first = graphed[0] if isinstance(graphed, (tuple, list)) and graphed else graphed
+    first = graphed_handle(first) if isinstance(first, torch.nn.Module) else first
+    if not isinstance(first, GraphedCallable):
+        raise ArgumentError(f"dwgraph.summary: argument 'graphed' must be what make_graphed_callables returned "
+                            f"(a graphed module, a GraphedCallable or their tuple), got {type(graphed).__name__}")
+    st = first.stats()
+    fmt = _C.format_bytes
+    kernels = sum(g["num_kernels"] for g in st["graphs"])
+    rows = [(g["callable"], g["kind"], str(g["num_kernels"])) for g in st["graphs"]]
+    header = ("callable", "graph", "kernels")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(3)]
+    line = lambda r: f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}"  # noqa: E731
+    out = [f"dwgraph: {st['num_graphs']} graphs, {kernels} kernels", line(header)]
+    out += [line(r) for r in rows]
+    out += [f"  {name:<15} {fmt(st[key])}" for name, key in (
+        ("pool reserved", "pool_reserved_bytes"), ("pool live", "pool_allocated_bytes"),
+        ("contributions", "contribution_bytes"), ("static buffers", "static_bytes"))]
+    return "\n".join(out)

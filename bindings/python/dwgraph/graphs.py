@@ -1,4 +1,4 @@
-"""Graph backends (SPEC C6, C7): one ``Graph`` for CUDA and for the host.
+"""Graph backends (contract C6, C7, docs/contract.md): one ``Graph`` for CUDA and for the host.
 
 ``Graph("cuda")`` wraps ``torch.cuda.CUDAGraph`` (captured on a side stream, thread-local
 capture mode, on a private pool); ``Graph("cpu")`` is the host graph, which follows CUDA

@@ -1,4 +1,4 @@
-"""Deferred-wgrad modules: ``Linear``, ``GroupedLinear``, ``LayerNormMLP`` (SPEC C1, C2, C5).
+"""Deferred-wgrad modules: ``Linear``, ``GroupedLinear``, ``LayerNormMLP`` (contract C1, C2, C5, docs/contract.md).
 
 Each is an ordinary ``torch.nn.Module`` with ordinary ``Parameter``s whose forward applies
 dwgraph's C++ autograd functions. With ``delay_wgrad_compute=True`` the backward returns
@@ -35,7 +35,7 @@ class DistributedWeight(torch.nn.Parameter):
     example an all-gather of a sharded weight; they may differ) and :meth:`finalize_wgrad`
     (for example a reduce-scatter into the shard's gradient). dwgraph's autograd functions
     keep the object itself as a plain reference, never as a saved tensor, so installed
-    ``torch.autograd.graph.saved_tensors_hooks`` cannot strip its type (SPEC C5).
+    ``torch.autograd.graph.saved_tensors_hooks`` cannot strip its type (contract C5, docs/contract.md).
     """
 
     def materialize_forward(self) -> torch.Tensor:
@@ -221,6 +221,16 @@ class _DeferredWgradModule(torch.nn.Module):
             if mg is not None and (not hasattr(p, "main_grad") or p.main_grad.device != p.device):
                 p.main_grad = mg.to(device=p.device)
         return out
+
+    def __getstate__(self):
+        # torch.save(module) / pickle: queued wgrad units belong to live autograd graphs and
+        # cannot be saved; an empty store pickles and comes back empty.
+        queued = self._wgrad_store.num_units()
+        if queued:
+            raise GraphStateError(
+                f"{self._display_name()}: cannot pickle a module with {queued} queued weight-gradient "
+                "unit(s); expected none: run backward_dw() for each queued backward before saving")
+        return super().__getstate__()
 
     def __deepcopy__(self, memo):
         new = self.__class__.__new__(self.__class__)

@@ -27,7 +27,6 @@ import copy
 import dataclasses
 import enum
 import functools
-import logging
 import threading
 import types
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -41,8 +40,6 @@ from . import _C
 from .errors import ArgumentError, GraphStateError
 
 __all__ = ["graphed_step", "GraphedStep"]
-
-_log = logging.getLogger("dwgraph")
 
 
 # -- what a step touches, seen from its own thread ----------------------------------------------
@@ -207,7 +204,8 @@ class GraphedStep:
         self._version = _C.graphs.registration_version()
         self._native = _C.graphs.GraphedStep(
             self._run_flat, warmup_iters=warmup_iters, pool=pool, max_graphs=max_graphs,
-            params=self._params, modules=self._module_specs, buffers=None, on_event=self._on_event)
+            params=self._params, modules=self._module_specs, buffers=None,
+            name=getattr(fn, "__name__", type(fn).__name__))
 
     @staticmethod
     def _named(params):
@@ -322,13 +320,6 @@ class GraphedStep:
         from .graphed import _dwgraph_module_spec
 
         return [_dwgraph_module_spec(type(m).__name__, m) for m in self._modules.values()]
-
-    def _on_event(self, event: str, key: str, kernels: int, pool_bytes: int, seconds: float) -> None:
-        if event == "capture":
-            _log.info("dwgraph.graphed_step %s: captured key %s: %d kernels, pool %d bytes, %.3f s",
-                      self.__name__, key, kernels, pool_bytes, seconds)
-        else:
-            _log.info("dwgraph.graphed_step %s: evicted the graph of key %s (max_graphs reached)", self.__name__, key)
 
     # -- reporting ---------------------------------------------------------------------------
     @property

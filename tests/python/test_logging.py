@@ -1,0 +1,111 @@
+"""The log (docs/logging.md): C++ lines reach logging.getLogger("dwgraph") at their level,
+one INFO line per make_graphed_callables capture and one DEBUG line per graph, with the
+numbers of GraphedCallable.stats(); and dwgraph.summary's table of the same numbers."""
+
+import logging
+import re
+
+import pytest
+import torch
+
+import dwgraph
+
+
+@pytest.fixture
+def records():
+    logger = logging.getLogger("dwgraph")
+    kept = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            kept.append(record)
+
+    handler = Keep(level=logging.DEBUG)
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield kept
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+
+
+def _capture(device="cpu"):
+    torch.manual_seed(0)
+    a = dwgraph.nn.Linear(16, 32, delay_wgrad_compute=True, device=device)
+    b = dwgraph.nn.LayerNormMLP(32, 64, delay_wgrad_compute=True, device=device)
+    return dwgraph.make_graphed_callables(
+        (a, b), ((torch.randn(4, 16, device=device),), (torch.randn(4, 32, device=device, requires_grad=True),)))
+
+
+def test_cpp_lines_reach_python_logging_at_their_level(records):
+    for level in (logging.DEBUG, logging.INFO, logging.WARNING):
+        dwgraph._C._log_for_test(level, f"line at {level}")
+    assert [(r.name, r.levelno, r.getMessage()) for r in records] == [
+        ("dwgraph", logging.DEBUG, "line at 10"), ("dwgraph", logging.INFO, "line at 20"),
+        ("dwgraph", logging.WARNING, "line at 30")]
+
+
+def test_lines_below_the_loggers_level_are_not_formatted_or_sent(records):
+    logging.getLogger("dwgraph").setLevel(logging.WARNING)
+    dwgraph._C._log_for_test(logging.INFO, "dropped")
+    _capture()
+    assert records == []
+
+
+def test_one_info_line_per_capture_and_one_debug_line_per_graph(records, device):
+    ga, gb = _capture(device)
+    st = dwgraph.graphed_handle(ga).stats()
+    infos = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    debugs = [r.getMessage() for r in records if r.levelno == logging.DEBUG]
+    assert len(infos) == 1, infos
+    kernels = sum(g["num_kernels"] for g in st["graphs"])
+    fmt = dwgraph._C.format_bytes
+    m = re.fullmatch(r"make_graphed_callables: captured 2 callables in (\d+\.\d{3}) s: (\d+) graphs, (\d+) kernels; "
+                     r"pool (.+) reserved, (.+) live; contributions (.+), static buffers (.+)", infos[0])
+    assert m, infos[0]
+    assert int(m[2]) == st["num_graphs"] == 6 and int(m[3]) == kernels > 0
+    assert m.group(4, 5, 6, 7) == (fmt(st["pool_reserved_bytes"]), fmt(st["pool_allocated_bytes"]),
+                                   fmt(st["contribution_bytes"]), fmt(st["static_bytes"]))
+    assert debugs == [f"make_graphed_callables: {g['kind']} graph of {g['callable']}: {g['num_kernels']} kernels"
+                      for g in st["graphs"]]
+    assert [(g["callable"], g["kind"]) for g in st["graphs"]] == [
+        (f"graphed callable {i} ('{name}')", kind) for i, name in enumerate(("Linear", "LayerNormMLP"))
+        for kind in ("forward", "backward", "backward-dw")]
+
+
+def test_a_failed_capture_logs_nothing(records):
+    lin = dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True)
+    with pytest.raises(dwgraph.ArgumentError):
+        dwgraph.make_graphed_callables(lin, (torch.randn(2, 7),))  # wrong inner size
+    assert [r for r in records if r.levelno >= logging.INFO] == []
+
+
+def test_summary_tabulates_the_sets_stats():
+    ga, gb = _capture()
+    st = dwgraph.graphed_handle(ga).stats()
+    text = dwgraph.summary((ga, gb))
+    assert text == dwgraph.summary(gb)  # any callable of the set describes the whole set
+    lines = text.splitlines()
+    kernels = sum(g["num_kernels"] for g in st["graphs"])
+    assert lines[0] == f"dwgraph: 6 graphs, {kernels} kernels"
+    assert lines[1].split() == ["callable", "graph", "kernels"]
+    rows = lines[2:8]
+    assert [(r.rsplit(None, 2)[0].strip(), r.split()[-2], int(r.split()[-1])) for r in rows] == [
+        (g["callable"], g["kind"], g["num_kernels"]) for g in st["graphs"]]
+    fmt = dwgraph._C.format_bytes
+    assert lines[8:] == [f"  {name:<15} {fmt(st[key])}" for name, key in (
+        ("pool reserved", "pool_reserved_bytes"), ("pool live", "pool_allocated_bytes"),
+        ("contributions", "contribution_bytes"), ("static buffers", "static_bytes"))]
+
+
+def test_summary_rejects_what_is_not_a_graphed_callable():
+    with pytest.raises(dwgraph.ArgumentError, match=r"Linear was not returned by make_graphed_callables"):
+        dwgraph.summary(dwgraph.nn.Linear(2, 2))
+    with pytest.raises(dwgraph.ArgumentError, match=r"dwgraph.summary: argument 'graphed' must be .* got int"):
+        dwgraph.summary(3)
+
+
+@pytest.mark.parametrize("nbytes, text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"),
+                                          (5 * 2**20, "5.0 MiB"), (3 * 2**30 + 2**29, "3.5 GiB")])
+def test_format_bytes(nbytes, text):
+    assert dwgraph._C.format_bytes(nbytes) == text
