@@ -16,7 +16,7 @@ const char* to_string(Ownership o) {
   return "?";
 }
 
-size_t Ledger::record(const c10::Storage& storage, bool owned) {
+size_t Ledger::record(const c10::Storage& storage, bool owned, bool fresh_output) {
   const void* data = storage.data();
   auto it = by_data_.find(data);
   if (it != by_data_.end()) {
@@ -34,6 +34,7 @@ size_t Ledger::record(const c10::Storage& storage, bool owned) {
   LedgerEntry e;
   e.data = data;
   e.nbytes = storage.nbytes();
+  e.born_in_capture = owned && fresh_output;
   if (owned) {
     e.ownership = Ownership::kGraph;
   } else {

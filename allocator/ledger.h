@@ -26,13 +26,17 @@ struct LedgerEntry {
   size_t owner_nbytes = 0;     // non-owned: the size of the storage the weak reference names
   c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};  // non-owned
   std::string role;            // e.g. "parameter 'fc1.weight'"; empty when unknown
+  // First seen as the fresh output of a captured call: memory this capture allocated, so
+  // nothing it reads there before writing it comes from another graph.
+  bool born_in_capture = false;
 };
 
 class Ledger {
  public:
   // The entry of `storage`, added on first sight. `owned` says it is a block of the
   // graph's pool. Entries are keyed by the data pointer seen at capture.
-  size_t record(const c10::Storage& storage, bool owned);
+  // `fresh_output`: the storage is the fresh output of a captured call.
+  size_t record(const c10::Storage& storage, bool owned, bool fresh_output = false);
   const LedgerEntry& entry(size_t i) const { return entries_.at(i); }
   size_t size() const { return entries_.size(); }
 

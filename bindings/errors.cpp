@@ -46,6 +46,10 @@ void set_python_error(ErrorCode code, const std::string& msg) {
 
 void init_errors(py::module_& m) {
   set_error_raiser(&raise_python);
+  set_error_indicator_clearer([] {
+    const py::gil_scoped_acquire gil;
+    PyErr_Clear();  // the python_error in flight keeps the exception; the translator restores it
+  });
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

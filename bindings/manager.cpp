@@ -5,6 +5,7 @@
 #include "bindings/bindings.h"
 
 #include "common/check.h"
+#include "graphs/capture_dispatch.h"
 #include "graphs/graphed_step.h"
 #include "graphs/manager.h"
 
@@ -72,6 +73,8 @@ void init_manager(py::module_& parent) {
   auto m = parent.attr("graphs").cast<py::module_>();
 
   m.def("registration_version", &registration_version);
+  // True while the calling thread (or, on CUDA, its current stream) is inside a capture.
+  m.def("capturing", [] { return graphs::detail::this_thread_records(); });
   m.def("bump_registration_version", &bump_registration_version);
 
   py::class_<FusedParameter>(m, "FusedParameter")
@@ -117,7 +120,9 @@ void init_manager(py::module_& parent) {
       .def_readwrite("current_parameters", &GraphableCallable::current_parameters)
       .def_readwrite("parameters_version", &GraphableCallable::parameters_version)
       .def_readwrite("modules", &GraphableCallable::modules)
-      .def_readwrite("is_training", &GraphableCallable::is_training)
+      .def_readwrite("training_mode", &GraphableCallable::training_mode)
+      .def_readwrite("buffer_names", &GraphableCallable::buffer_names)
+      .def_readwrite("current_buffers", &GraphableCallable::current_buffers)
       .def_readwrite("capture_time_hook", &GraphableCallable::capture_time_hook)
       .def_readwrite("buffers", &GraphableCallable::buffers);
 
@@ -152,7 +157,7 @@ void init_manager(py::module_& parent) {
       [](std::vector<GraphableCallable> callables, const std::vector<std::vector<at::Tensor>>& sample_args,
          int num_warmup_iters, bool allow_unused_input, std::optional<Schedule> schedule,
          std::shared_ptr<GraphPool> pool, bool retain_graph_in_backward, bool reuse_static_buffers,
-         bool unsafe_capture_with_caller_grad) {
+         bool clone_outputs, bool unsafe_capture_with_caller_grad) {
         GraphedCallableOptions o;
         o.num_warmup_iters = num_warmup_iters;
         o.allow_unused_input = allow_unused_input;
@@ -160,6 +165,7 @@ void init_manager(py::module_& parent) {
         o.pool = std::move(pool);
         o.retain_graph_in_backward = retain_graph_in_backward;
         o.reuse_static_buffers = reuse_static_buffers;
+        o.clone_outputs = clone_outputs;
         o.unsafe_capture_with_caller_grad = unsafe_capture_with_caller_grad;
         // Warmup and capture run the autograd engine, which must not hold the GIL; the
         // Python forward functions and hooks take it back when they are called.
@@ -168,12 +174,13 @@ void init_manager(py::module_& parent) {
       },
       py::arg("callables"), py::arg("sample_args"), py::kw_only(), py::arg("num_warmup_iters"),
       py::arg("allow_unused_input"), py::arg("schedule"), py::arg("pool"), py::arg("retain_graph_in_backward"),
-      py::arg("reuse_static_buffers"), py::arg("unsafe_capture_with_caller_grad"));
+      py::arg("reuse_static_buffers"), py::arg("clone_outputs"), py::arg("unsafe_capture_with_caller_grad"));
 
   py::class_<GraphedStep>(m, "GraphedStep")
       .def(py::init([](StepFn step, int warmup_iters, std::shared_ptr<GraphPool> pool, int64_t max_graphs,
                        std::function<NamedTensors()> params, std::function<std::vector<ModuleSpec>()> modules,
-                       std::function<std::vector<at::Tensor>()> buffers, std::string name) {
+                       std::function<std::vector<at::Tensor>()> buffers, std::function<std::string()> variant_state,
+                       std::string name) {
              GraphedStepOptions o;
              o.warmup_iters = warmup_iters;
              o.pool = std::move(pool);
@@ -181,17 +188,19 @@ void init_manager(py::module_& parent) {
              o.params = std::move(params);
              o.modules = std::move(modules);
              o.buffers = std::move(buffers);
+             o.variant_state = std::move(variant_state);
              auto g = std::make_unique<GraphedStep>(std::move(step), std::move(o));
              g->set_name(std::move(name));
              return g;
            }),
            py::arg("step"), py::kw_only(), py::arg("warmup_iters"), py::arg("pool"), py::arg("max_graphs"),
-           py::arg("params"), py::arg("modules"), py::arg("buffers"), py::arg("name"))
+           py::arg("params"), py::arg("modules"), py::arg("buffers"), py::arg("variant_state"), py::arg("name"))
       // Warmup and capture run the autograd engine: no GIL (the step takes it back).
       .def("__call__", &GraphedStep::operator(), py::arg("tensors"), py::arg("key"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_graphs", &GraphedStep::num_graphs)
       .def_property_readonly("num_captures", &GraphedStep::num_captures)
+      .def_property_readonly("last_variant", &GraphedStep::last_variant)
       .def("reset", &GraphedStep::reset);
 }
 

@@ -5,9 +5,16 @@
 namespace dwgraph {
 namespace {
 std::atomic<ErrorRaiser> g_raiser{nullptr};
+std::atomic<ErrorIndicatorClearer> g_clearer{nullptr};
 }  // namespace
 
 void set_error_raiser(ErrorRaiser raiser) { g_raiser.store(raiser); }
+
+void set_error_indicator_clearer(ErrorIndicatorClearer clearer) { g_clearer.store(clearer); }
+
+void clear_error_indicator() noexcept {
+  if (ErrorIndicatorClearer clear = g_clearer.load()) clear();
+}
 
 int error_code(const std::exception& e) {
   if (dynamic_cast<const ArgumentError*>(&e) != nullptr) return static_cast<int>(ErrorCode::kArgument);

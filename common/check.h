@@ -56,6 +56,27 @@ void set_error_raiser(ErrorRaiser raiser);
 // The code of a dwgraph error, or 0 when `e` is not one.
 int error_code(const std::exception& e);
 
+// torch's Python autograd engine, when Python code inside a backward raises, throws
+// python_error and also leaves the Python error indicator set: it expects to return to
+// Python at once. Code that runs the engine from C++ and then calls Python again (a failed
+// capture rolls back through Python callbacks) must clear the indicator first, or CPython
+// misreads the stale error in those calls (it can even drop a class's __getattr__ hook for
+// good). The exception object keeps the error. Installed by the Python extension.
+using ErrorIndicatorClearer = void (*)();
+void set_error_indicator_clearer(ErrorIndicatorClearer clearer);
+void clear_error_indicator() noexcept;
+
+// Runs an autograd engine call; when it throws, clears the indicator and rethrows.
+template <class Fn>
+decltype(auto) run_autograd_engine(Fn&& fn) {
+  try {
+    return fn();
+  } catch (...) {
+    clear_error_indicator();
+    throw;
+  }
+}
+
 namespace detail {
 [[noreturn]] void throw_error(ErrorCode code, const char* func, const char* file, uint32_t line,
                               const std::string& msg);

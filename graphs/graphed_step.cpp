@@ -36,8 +36,13 @@ enum class GradBack {
 };
 
 struct GradSlot {
+  // The static buffer standing for the caller's .grad in the graph (when one existed at
+  // the call), and whether the graph reads or writes it: then the caller's .grad is copied
+  // in before every replay, whatever the step leaves in .grad afterwards.
+  at::Tensor stand_in;
+  bool copy_in = false;
   GradBack back = GradBack::kUntouched;
-  at::Tensor buffer;  // kCopy: the static buffer standing for the caller's .grad; kAssign: the tensor produced
+  at::Tensor out;  // kCopy: stand_in; kAssign: the tensor the step produced
   std::string name;
 };
 
@@ -116,8 +121,12 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
   if (it == entries_.end()) it = entries_.emplace(full, std::make_unique<Entry>()).first;
   Entry& e = *it->second;
   ++e.calls;
-  if (e.calls <= opts_.warmup_iters) return step_(tensors);  // warmup: the real step, eagerly
+  if (e.calls <= opts_.warmup_iters) {
+    last_variant_.clear();
+    return step_(tensors);  // warmup: the real step, eagerly
+  }
   Variant& v = variant_for(e, full, tensors);
+  last_variant_ = full + "#" + v.pattern;
   if (!v.graph) {
     try {
       return capture(e, v, full, tensors);
@@ -136,8 +145,10 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
 
 namespace {
 
-std::string pattern_of(const NamedTensors& params, const std::vector<at::Tensor>& tensors) {
+std::string pattern_of(const NamedTensors& params, const std::vector<at::Tensor>& tensors,
+                       const std::function<std::string()>& state) {
   std::ostringstream os;
+  if (state) os << state() << '|';
   for (const auto& [name, p] : params) {
     os << (p.grad().defined() ? 'G' : '-') << (p.requires_grad() ? 'R' : '-') << p.data_ptr() << ';';
   }
@@ -155,13 +166,13 @@ GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::string& key,
     e.modules = opts_.modules ? opts_.modules() : std::vector<ModuleSpec>{};
     e.known = true;
   }
-  std::string pattern = pattern_of(e.params, tensors);
+  std::string pattern = pattern_of(e.params, tensors, opts_.variant_state);
   auto it = e.variants.find(pattern);
   if (it == e.variants.end() || !it->second->graph) {
     // About to capture: what the step trains may have grown since (a parameter unfrozen).
     e.params = opts_.params ? opts_.params() : NamedTensors{};
     e.modules = opts_.modules ? opts_.modules() : std::vector<ModuleSpec>{};
-    pattern = pattern_of(e.params, tensors);
+    pattern = pattern_of(e.params, tensors, opts_.variant_state);
     it = e.variants.find(pattern);
   }
   if (it == e.variants.end()) {
@@ -228,7 +239,7 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
         s.copy_(caller_grad);
       }
       leaf.mutable_grad() = s;
-      slot.buffer = s;
+      slot.stand_in = s;
     };
     v.param_grads.resize(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
@@ -247,8 +258,8 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
     }
     for (size_t i = 0; i < params.size(); ++i) {
       graph->set_role(params[i].storage(), c10::str("parameter '", names[i], "'"), true);
-      if (v.param_grads[i].buffer.defined()) {
-        graph->set_role(v.param_grads[i].buffer.storage(), c10::str(".grad of parameter '", names[i], "'"), true);
+      if (v.param_grads[i].stand_in.defined()) {
+        graph->set_role(v.param_grads[i].stand_in.storage(), c10::str(".grad of parameter '", names[i], "'"), true);
       }
     }
     for (const auto& f : fused) graph->set_role(f.main_grad().storage(), c10::str("main_grad of parameter '", f.name, "'"), true);
@@ -262,27 +273,27 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
     }
     graph->capture_end();
     // What the step left in each .grad decides what the caller gets back.
-    auto settle = [&](const at::Tensor& leaf, bool existed, GradSlot& slot) {
+    auto settle = [&](const at::Tensor& leaf, GradSlot& slot) {
       const at::Tensor f = leaf.grad();
-      const at::Tensor& s = slot.buffer;
+      const at::Tensor& s = slot.stand_in;
+      slot.copy_in = s.defined() && graph->touches(s.storage());
       if (s.defined() && f.defined() && f.unsafeGetTensorImpl() == s.unsafeGetTensorImpl()) {
-        slot.back = graph->touches(s.storage()) ? GradBack::kCopy : GradBack::kUntouched;
+        slot.back = slot.copy_in ? GradBack::kCopy : GradBack::kUntouched;
+        slot.out = s;
       } else if (!f.defined()) {
-        slot.back = existed ? GradBack::kClear : GradBack::kUntouched;
-        slot.buffer = at::Tensor();
+        slot.back = s.defined() ? GradBack::kClear : GradBack::kUntouched;
       } else {
         DWGRAPH_CHECK_STATE(graph->writes(f.storage()), kApi, ": the step sets the .grad of ", slot.name,
                             " to a tensor the captured kernels do not produce; assign gradients computed inside "
                             "the step");
         slot.back = GradBack::kAssign;
-        slot.buffer = f;
+        slot.out = f;
       }
+      if (!slot.copy_in) slot.stand_in = at::Tensor();  // nothing reads it: no need to keep it
       leaf.mutable_grad() = at::Tensor();
     };
-    for (size_t i = 0; i < params.size(); ++i) settle(params[i], v.param_grads[i].buffer.defined(), v.param_grads[i]);
-    for (size_t k = 0; k < v.grad_inputs.size(); ++k) {
-      settle(v.inputs.tensors()[v.grad_inputs[k]], v.input_grads[k].buffer.defined(), v.input_grads[k]);
-    }
+    for (size_t i = 0; i < params.size(); ++i) settle(params[i], v.param_grads[i]);
+    for (size_t k = 0; k < v.grad_inputs.size(); ++k) settle(v.inputs.tensors()[v.grad_inputs[k]], v.input_grads[k]);
   }
   for (const auto& o : outs) v.static_outputs.push_back(o.defined() ? o.detach() : at::Tensor());
   v.inputs.note_writes(*graph);
@@ -320,11 +331,11 @@ std::vector<at::Tensor> GraphedStep::replay(Entry&, Variant& v, const std::vecto
   v.inputs.check(tensors, kApi);
   // Every gradient the graph reads must fit its buffer, checked before anything is written.
   auto check_grad = [](const at::Tensor& caller, const GradSlot& slot) {
-    if (slot.back != GradBack::kCopy) return;
-    DWGRAPH_CHECK_ARG(caller.defined() && caller.scalar_type() == slot.buffer.scalar_type() &&
-                          caller.sizes() == slot.buffer.sizes() && caller.device() == slot.buffer.device(),
+    if (!slot.copy_in) return;
+    DWGRAPH_CHECK_ARG(caller.defined() && caller.scalar_type() == slot.stand_in.scalar_type() &&
+                          caller.sizes() == slot.stand_in.sizes() && caller.device() == slot.stand_in.device(),
                       kApi, ": .grad of ", slot.name, " is ", describe(caller), " but the graph was captured with ",
-                      describe(slot.buffer), " (no silent cast); reset() the step after changing gradient dtypes");
+                      describe(slot.stand_in), " (no silent cast); reset() the step after changing gradient dtypes");
   };
   const auto& params = v.params.tensors();
   for (size_t i = 0; i < v.param_grads.size(); ++i) check_grad(params[i].grad(), v.param_grads[i]);
@@ -333,10 +344,10 @@ std::vector<at::Tensor> GraphedStep::replay(Entry&, Variant& v, const std::vecto
   {
     const at::NoGradGuard no_grad;
     for (size_t i = 0; i < v.param_grads.size(); ++i) {
-      if (v.param_grads[i].back == GradBack::kCopy) v.param_grads[i].buffer.copy_(params[i].grad());
+      if (v.param_grads[i].copy_in) v.param_grads[i].stand_in.copy_(params[i].grad());
     }
     for (size_t k = 0; k < v.grad_inputs.size(); ++k) {
-      if (v.input_grads[k].back == GradBack::kCopy) v.input_grads[k].buffer.copy_(tensors[v.grad_inputs[k]].grad());
+      if (v.input_grads[k].copy_in) v.input_grads[k].stand_in.copy_(tensors[v.grad_inputs[k]].grad());
     }
   }
   v.graph->replay();
@@ -348,10 +359,10 @@ std::vector<at::Tensor> GraphedStep::replay(Entry&, Variant& v, const std::vecto
         case GradBack::kUntouched:
           break;
         case GradBack::kCopy:
-          leaf.grad().copy_(slot.buffer);
+          leaf.grad().copy_(slot.out);
           break;
         case GradBack::kAssign:
-          leaf.mutable_grad() = slot.buffer.clone();
+          leaf.mutable_grad() = slot.out.clone();
           break;
         case GradBack::kClear:
           leaf.mutable_grad() = at::Tensor();

@@ -52,6 +52,10 @@ struct GraphedStepOptions {
   std::function<std::vector<ModuleSpec>()> modules;
   // Module buffers, restored after the capture (BatchNorm statistics). Optional.
   std::function<std::vector<at::Tensor>()> buffers;
+  // Other state the captured kernels bake in, asked at every call after the warmup calls
+  // (Python: the training flags of the modules the step runs, the optimizers' Python-number
+  // hyperparameters): a change selects (captures) another variant. Optional.
+  std::function<std::string()> variant_state;
 };
 
 class GraphedStep {
@@ -68,6 +72,9 @@ class GraphedStep {
 
   size_t num_graphs() const;
   size_t num_captures() const { return captures_; }
+  // Which graph the last call ran: key and gradient pattern ("" for an eager warmup call).
+  // Python keeps each graph's output structure under it.
+  const std::string& last_variant() const { return last_variant_; }
   // Names the step in log lines (Python: the decorated function's name).
   void set_name(std::string name) { name_ = std::move(name); }
   // Releases every graph and the pool.
@@ -88,6 +95,7 @@ class GraphedStep {
   std::list<std::pair<std::string, std::string>> lru_;  // captured (key, variant), most recent first
   size_t captures_ = 0;
   std::string name_ = "step";
+  std::string last_variant_;
   c10::Device device_ = c10::Device(c10::kCPU);
   bool device_known_ = false;
 };

@@ -108,6 +108,12 @@ std::vector<MemoryAccess> pool_accesses(const allocator::Ledger& ledger, const s
     if (e.ownership != allocator::Ownership::kGraph) return;
     const Extent x = extent_of(t, e.data);
     if (x.begin == x.end) return;
+    // Memory this capture allocated holds nothing of another graph: reading it before
+    // writing it (an in-place random fill of a fresh buffer) expects no other graph's data.
+    if (kind != MemoryAccess::Kind::kWrite && e.born_in_capture) {
+      if (kind == MemoryAccess::Kind::kRead) return;
+      kind = MemoryAccess::Kind::kWrite;
+    }
     // A write that leaves gaps keeps the bytes between: count it as read-and-write.
     if (kind == MemoryAccess::Kind::kWrite && !x.dense) kind = MemoryAccess::Kind::kReadWrite;
     out.push_back(MemoryAccess{x.begin, x.end, kind});

@@ -35,13 +35,19 @@ struct GraphableCallable {
   // dwgraph modules (deferring or not: hooks, main_grad) and other modules with
   // backward_dw()/need_backward_dw() found in the callable.
   std::vector<ModuleSpec> modules;
-  std::function<bool()> is_training;  // optional: replay only in the mode captured
+  // Optional: the training mode of every module the callable runs, as a string ("1101":
+  // train, train, eval, train). The graphs replay only in the mode captured; in any other
+  // (a module switched to eval, BatchNorm frozen) the callable runs eagerly.
+  std::function<std::string()> training_mode;
   // Optional: run before (after=false) and after (after=true) each forward ("forward") and
   // backward ("backward") of warmup and capture, outside the captured region, never
   // replayed (TransformerEngine's capture_time_hooks).
   std::function<void(const std::string& phase, bool after)> capture_time_hook;
-  // Module buffers: warmup and capture leave their contents unchanged.
+  // Module buffers: warmup and capture leave their contents unchanged, and replays check
+  // that they are still the ones captured (a replaced buffer is refused, as a parameter).
   std::vector<at::Tensor> buffers;
+  std::vector<std::string> buffer_names;          // optional (default "buffer <i>")
+  std::function<NamedTensors()> current_buffers;  // optional
   std::shared_ptr<void> keep_alive;  // held while the graphed callables exist
 };
 
@@ -58,6 +64,11 @@ struct GraphedCallableOptions {
   // their static inputs and grad outputs (TransformerEngine's
   // _reuse_graph_input_output_buffers; Note [Static buffers reused across microbatches]).
   bool reuse_static_buffers = false;
+  // Outputs are fresh clones the caller owns (default), so keeping one across calls or
+  // changing it in place cannot touch what the graphs hold. false: the graphs' static
+  // outputs themselves, overwritten by the slot's next call (torch's and
+  // TransformerEngine's behaviour; saves a copy per output per call).
+  bool clone_outputs = true;
   // Test-only: capture backward-dw with the caller's .grad in place and skip the
   // hand-off, i.e. the unfixed behaviour whose hazard the ledger must catch.
   bool unsafe_capture_with_caller_grad = false;

@@ -195,8 +195,10 @@ void GraphManager::warmup() {
                           " require grad through tensors that are neither its inputs nor its parameters; "
                           "make them parameters of the module or inputs of the callable");
         if (c.capture_time_hook) c.capture_time_hook("backward", false);
-        torch::autograd::grad(outs, targets, grads_out, /*retain_graph=*/false, /*create_graph=*/false,
-                              /*allow_unused=*/true);
+        run_autograd_engine([&] {
+          return torch::autograd::grad(outs, targets, grads_out, /*retain_graph=*/false, /*create_graph=*/false,
+                                       /*allow_unused=*/true);
+        });
         if (c.capture_time_hook) c.capture_time_hook("backward", true);
       }
       for (const auto& m : c.modules) {
@@ -211,7 +213,7 @@ void GraphManager::warmup() {
 void GraphManager::capture_fwd(size_t s) {
   Slot& slot = slots_[s];
   const auto& c = callables_[slot.info.callable];
-  slot.captured_training = c.is_training ? c.is_training() : true;
+  slot.captured_mode = c.training_mode ? c.training_mode() : std::string();
   std::vector<at::Tensor> outputs;
   capture(slot.fwd, Phase::kForward, s, [&] { outputs = c.forward(slot.buffers->inputs.tensors()); });
   slot.buffers->inputs.note_writes(*slot.fwd);
@@ -272,8 +274,10 @@ void GraphManager::capture_bwd(size_t s) {
   const GradsDetached detached(c.parameters);
   std::vector<at::Tensor> grads;
   capture(slot.bwd, Phase::kBackward, s, [&] {
-    grads = torch::autograd::grad(outs, targets, grad_outs, opts_.retain_graph_in_backward, /*create_graph=*/false,
-                                  /*allow_unused=*/true);
+    grads = run_autograd_engine([&] {
+      return torch::autograd::grad(outs, targets, grad_outs, opts_.retain_graph_in_backward, /*create_graph=*/false,
+                                   /*allow_unused=*/true);
+    });
   });
   if (!opts_.allow_unused_input) {
     for (size_t j = 0; j < slot.grad_input_indices.size(); ++j) {
@@ -284,6 +288,7 @@ void GraphManager::capture_bwd(size_t s) {
   }
   slot.static_grad_inputs = grads;
   if (!opts_.retain_graph_in_backward) slot.captured_outputs.clear();
+  for (const auto& o : slot.static_outputs) slot.output_read_by_bwd.push_back(slot.bwd->touches(o.storage()));
   // Modules without deferral: their main_grad was accumulated and their hooks run at the
   // end of each backward.
   for (const auto& m : c.modules) {
@@ -408,6 +413,10 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     std::vector<FusedParameter> fused;
     for (const auto& m : c.modules) fused.insert(fused.end(), m.fused.begin(), m.fused.end());
     params_.emplace_back(c.parameter_names, c.parameters, c.current_parameters, c.parameters_version);
+    std::vector<std::string> buffer_names = c.buffer_names;
+    for (size_t i = buffer_names.size(); i < c.buffers.size(); ++i) buffer_names.push_back(c10::str("buffer ", i));
+    buffer_names.resize(c.buffers.size());
+    buffers_.emplace_back(buffer_names, c.buffers, c.current_buffers, c.parameters_version, "buffer");
     main_grads_.emplace_back(std::move(fused));
   }
   if (opts_.reuse_static_buffers) share_static_buffers();

@@ -66,6 +66,7 @@ struct Slot {
   std::vector<at::Tensor> captured_outputs;  // with the capture's autograd graph, until bwd capture
   std::vector<at::Tensor> static_outputs;
   std::vector<bool> output_requires_grad;
+  std::vector<bool> output_read_by_bwd;  // the backward graph reads the static output (saved for backward)
   std::vector<at::Tensor> static_grad_outputs;
   // Gradient targets of the backward graph: inputs that require grad, then parameters
   // that require grad; the graph's results land in static_grad_inputs.
@@ -76,7 +77,7 @@ struct Slot {
   std::unique_ptr<Graph> fwd, bwd, dw;
   Landing after_backward;  // flags and hooks of modules without deferral
   Landing after_dw;        // hand-off, flags and hooks of deferring modules
-  bool captured_training = true;
+  std::string captured_mode;  // GraphableCallable::training_mode at capture
   // Replay state (Note [Slot states]), guarded by GraphManager::mu_.
   SlotState state = SlotState::kIdle;
   uint64_t generation = 0;  // of the latest forward that created an autograd node
@@ -134,6 +135,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   c10::Device device_ = c10::Device(c10::kCPU);
   std::vector<CapturedParameters> params_;    // per callable
   std::vector<CapturedMainGrads> main_grads_;  // per callable
+  std::vector<CapturedParameters> buffers_;    // per callable
   // Note [Contributions are shared across microbatches]: (callable, module) -> parameter -> buffer.
   std::map<std::pair<size_t, size_t>, std::map<const void*, at::Tensor>> shared_contributions_;
   mutable std::mutex mu_;  // slot states; never held while calling out

@@ -9,6 +9,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <unordered_set>
 
@@ -19,6 +20,12 @@ class GraphedBackward final : public torch::autograd::Node {
  public:
   GraphedBackward(std::shared_ptr<GraphManager> m, size_t slot, uint64_t generation)
       : manager_(std::move(m)), slot_(slot), generation_(generation) {}
+  // An output the backward graph reads (saved for backward): changing it in place before
+  // the backward is an error, as eager autograd's saved-tensor version check makes it.
+  void watch_output(const at::Tensor& t, size_t index) {
+    const auto& counter = torch::autograd::impl::version_counter(t);
+    watched_.push_back(Watched{counter, counter.current_version(), index});
+  }
   ~GraphedBackward() override { manager_->node_released(slot_, generation_); }
   std::string name() const override { return "dwgraph::GraphedBackward"; }
 
@@ -33,6 +40,14 @@ class GraphedBackward final : public torch::autograd::Node {
     DWGRAPH_CHECK_STATE(!released_, "dwgraph: backward through a graphed call a second time, but the first "
                         "backward did not keep the graph; specify retain_graph=True the first time (as eager "
                         "autograd requires)");
+    DWGRAPH_CHECK_STATE(!at::GradMode::is_enabled(), "dwgraph: a backward with create_graph=True (a double "
+                        "backward, a gradient penalty) through a graphed call: the backward graph computes "
+                        "gradients without an autograd graph of its own. Run that part eagerly");
+    for (const auto& w : watched_) {
+      DWGRAPH_CHECK_STATE(w.counter.current_version() == w.version, "dwgraph: output ", w.index,
+                          " of a graphed call was modified by an inplace operation after the call, but the "
+                          "backward needs its value (as eager autograd, which refuses this too)");
+    }
     // Did this backward ask for a deferred parameter's gradient? (torch.autograd.grad with
     // respect to the inputs only does not; then no backward-dw is pending, as eager
     // modules queue no unit.)
@@ -52,10 +67,16 @@ class GraphedBackward final : public torch::autograd::Node {
   }
 
  private:
+  struct Watched {
+    c10::VariableVersion counter;
+    uint32_t version;
+    size_t index;
+  };
   std::shared_ptr<GraphManager> manager_;
   size_t slot_;
   uint64_t generation_;
   bool released_ = false;
+  std::vector<Watched> watched_;
 };
 
 // A plain alias of `t` (no autograd view tracking), so a node can own its history.
@@ -74,7 +95,7 @@ void GraphManager::check_live(const char* what) const {
 bool GraphManager::replays(size_t s) const {
   const Slot& slot = slots_.at(s);
   const auto& c = callables_[slot.info.callable];
-  return !c.is_training || c.is_training() == slot.captured_training;
+  return !c.training_mode || c.training_mode() == slot.captured_mode;
 }
 
 std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tensor>& inputs) {
@@ -85,6 +106,7 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
   const std::string w = where(s);
   slot.buffers->inputs.check(inputs, w);
   params_[slot.info.callable].check(w);
+  buffers_[slot.info.callable].check(w);
   main_grads_[slot.info.callable].check(w);
   {
     const std::lock_guard<std::mutex> lock(mu_);
@@ -107,7 +129,7 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
   slot.buffers->inputs.copy_back(inputs);
   std::vector<at::Tensor> outs;
   outs.reserve(slot.static_outputs.size());
-  for (const auto& o : slot.static_outputs) outs.push_back(plain_alias(o));
+  for (const auto& o : slot.static_outputs) outs.push_back(opts_.clone_outputs ? o.clone() : plain_alias(o));
   bool needs_node = false;
   for (bool r : slot.output_requires_grad) needs_node = needs_node || r;
   if (!(needs_node && at::GradMode::is_enabled() && slot.bwd)) return outs;
@@ -129,6 +151,7 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
   dwgraph::detail::NodePtr base = node;
   for (size_t i = 0; i < outs.size(); ++i) {
     if (slot.output_requires_grad[i]) torch::autograd::set_history(outs[i], base);
+    if (i < slot.output_read_by_bwd.size() && slot.output_read_by_bwd[i]) node->watch_output(outs[i], i);
   }
   return outs;
 }

@@ -177,7 +177,7 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     auto mark_owned = [&](const at::Tensor& t) {
       if (t.defined() && t.storage().nbytes() > 0 && input_data.count(t.storage().data()) == 0 &&
           (!device_type_ || t.device().type() == *device_type_)) {
-        ledger_.record(t.storage(), /*owned=*/true);
+        ledger_.record(t.storage(), /*owned=*/true, /*fresh_output=*/true);
       }
     };
     if (v.isTensor()) {

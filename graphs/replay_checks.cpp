@@ -23,8 +23,13 @@ std::string describe(const at::Tensor& t) {
 }
 
 CapturedParameters::CapturedParameters(std::vector<std::string> names, std::vector<at::Tensor> params,
-                                       std::function<NamedTensors()> current, std::function<uint64_t()> version)
-    : names_(std::move(names)), params_(std::move(params)), current_(std::move(current)), version_(std::move(version)) {
+                                       std::function<NamedTensors()> current, std::function<uint64_t()> version,
+                                       std::string kind)
+    : names_(std::move(names)),
+      params_(std::move(params)),
+      current_(std::move(current)),
+      version_(std::move(version)),
+      kind_(std::move(kind)) {
   TORCH_INTERNAL_ASSERT(names_.size() == params_.size());
   for (const auto& p : params_) {
     requires_grad_.push_back(p.requires_grad());
@@ -39,11 +44,11 @@ CapturedParameters::CapturedParameters(std::vector<std::string> names, std::vect
 void CapturedParameters::check(const std::string& where) const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
-    DWGRAPH_CHECK_STATE(p.requires_grad() == requires_grad_[i], where, ": parameter '", names_[i], "' ",
+    DWGRAPH_CHECK_STATE(p.requires_grad() == requires_grad_[i], where, ": ", kind_, " '", names_[i], "' ",
                         requires_grad_[i] ? "no longer requires" : "now requires",
                         " grad, so the graphs would give gradients to other parameters than eager code would; "
                         "reset() and capture again after freezing or unfreezing parameters");
-    DWGRAPH_CHECK_STATE(p.data_ptr() == data_[i], where, ": parameter '", names_[i],
+    DWGRAPH_CHECK_STATE(p.data_ptr() == data_[i], where, ": ", kind_, " '", names_[i],
                         "' was reallocated since capture (its data moved); the graphs would use the old memory. "
                         "Update parameters in place, or reset() and capture again");
   }
@@ -55,16 +60,16 @@ void CapturedParameters::check(const std::string& where) const {
   for (size_t i = 0; i < params_.size(); ++i) captured.emplace(names_[i], params_[i].unsafeGetTensorImpl());
   for (const auto& [name, t] : now) {
     auto it = captured.find(name);
-    DWGRAPH_CHECK_STATE(it != captured.end(), where, ": parameter '", name, "' was added since capture; the graphs "
+    DWGRAPH_CHECK_STATE(it != captured.end(), where, ": ", kind_, " '", name, "' was added since capture; the graphs "
                         "do not use it. reset() and capture again after changing the module");
-    DWGRAPH_CHECK_STATE(it->second == t.unsafeGetTensorImpl(), where, ": parameter '", name,
-                        "' was replaced since capture (e.g. module.", name, " = nn.Parameter(...), "
+    DWGRAPH_CHECK_STATE(it->second == t.unsafeGetTensorImpl(), where, ": ", kind_, " '", name,
+                        "' was replaced since capture (e.g. module.", name, " = ...(...), "
                         "load_state_dict(..., assign=True) or a replaced submodule); the graphs would keep using "
                         "and updating the old one. Copy new values in place (load_state_dict without assign), or "
                         "reset() and capture again");
     captured.erase(it);
   }
-  DWGRAPH_CHECK_STATE(captured.empty(), where, ": parameter '", captured.empty() ? "" : captured.begin()->first,
+  DWGRAPH_CHECK_STATE(captured.empty(), where, ": ", kind_, " '", captured.empty() ? "" : captured.begin()->first,
                       "' was removed since capture; reset() and capture again after changing the module");
   verified_version_ = version;
   verified_ = version_ != nullptr;

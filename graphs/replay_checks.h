@@ -31,7 +31,8 @@ class CapturedParameters {
   // `current` (optional) lists the parameters the callable has now, by name; `version`
   // (optional) says when that list may have changed (registration_version).
   CapturedParameters(std::vector<std::string> names, std::vector<at::Tensor> params,
-                     std::function<NamedTensors()> current = nullptr, std::function<uint64_t()> version = nullptr);
+                     std::function<NamedTensors()> current = nullptr, std::function<uint64_t()> version = nullptr,
+                     std::string kind = "parameter");
 
   // GraphStateError naming the parameter when one was replaced, added or removed, changed
   // requires_grad, or had its memory moved (`.data = ...`, a re-allocation) since capture.
@@ -46,6 +47,7 @@ class CapturedParameters {
   std::vector<const void*> data_;
   std::function<NamedTensors()> current_;
   std::function<uint64_t()> version_;
+  std::string kind_ = "parameter";
   mutable uint64_t verified_version_ = 0;
   mutable bool verified_ = false;
 };

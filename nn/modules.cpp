@@ -121,7 +121,11 @@ graphs::GraphableCallable graphable(const std::string& name, std::shared_ptr<tor
     return out;
   };
   for (const auto& b : root->buffers(/*recurse=*/true)) c.buffers.push_back(b);
-  c.is_training = [root] { return root->is_training(); };
+  c.training_mode = [root] {
+    std::string mode;
+    for (const auto& m : root->modules(/*include_self=*/true)) mode += m->is_training() ? '1' : '0';
+    return mode;
+  };
   for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     auto* m = dynamic_cast<DeferredWgradModule*>(item.value().get());
     if (m != nullptr) c.modules.push_back(m->wgrad_spec(item.key(), item.value()));

@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <type_traits>
 #include <utility>
@@ -244,6 +245,10 @@ void connect(const at::Tensor& y, const at::Tensor& x, const at::Tensor& x2d, co
     if (!inputs[i]->requires_grad()) edges[i] = torch::autograd::Edge();
   }
   node->set_next_edges(std::move(edges));
+  // The GEMM input was made below autograd; when it is x's memory it must also carry x's
+  // version counter, so changing x in place before the backward is refused as for any
+  // saved tensor (eager torch.nn.Linear refuses it too).
+  if (x2d.is_alias_of(x)) torch::autograd::impl::set_version_counter(x2d, torch::autograd::impl::version_counter(x));
   node->save_input(x2d, x.sizes().vec());
   std::vector<std::vector<int64_t>> sizes;
   for (const auto& w : materialized) sizes.push_back(w.sizes().vec());

@@ -185,10 +185,12 @@ def test_autocast_with_the_cache_disabled():
     with pytest.raises(dwgraph.ArgumentError, match="cache_enabled=False"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             dwgraph.make_graphed_callables(copy.deepcopy(m), (torch.randn(B, H),))
+    with pytest.raises(dwgraph.ArgumentError, match=r"called with autocast off, captured with on \(cpu torch.bfloat16\)"):
+        g(torch.randn(B, H))  # eager would run without autocast: a replay would not
     for _ in range(3):
         x = torch.randn(B, H)
-        y = g(x)  # replays the autocast graph
         with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            y = g(x)  # replays the autocast graph
             ye = eager(x)
         assert y.dtype == torch.bfloat16 and torch.equal(y, ye)
         y.float().sum().backward()

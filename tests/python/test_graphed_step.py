@@ -376,8 +376,7 @@ def test_non_capturable_optimizer_inside_is_refused():
         return loss
 
     x = torch.randn(B, H)
-    step(x)  # warmup: eager, fine; it finds the optimizer, whose hyperparameters join the key
-    step(x)  # warmup of that key
+    step(x)  # warmup: eager, fine
     before = [p.detach().clone() for p in m.parameters()]
     state = {k: v.clone() for k, v in opt.state[m[0].weight].items()}
     with pytest.raises(dwgraph.GraphStateError, match=r"Adam\.step\(\).*cannot be captured"):

@@ -206,7 +206,7 @@ def test_capture_failing_between_backward_and_backward_dw_rolls_back():
     x = torch.randn(B, H)
     step(x)  # warmup: eager, .item() is fine
     body(eager, x, False)
-    with pytest.raises(dwgraph.GraphStateError, match=r"aten::(item|_local_scalar_dense)"):
+    with pytest.raises(dwgraph.GraphStateError, match=r"aten::(item|_local_scalar_dense)|Tensor\.item\(\)"):
         step(x)
     assert m[2].num_queued_wgrad_units() == 0, "the failed capture left its unit queued"
     _grads_equal(eager, m, "after the failed capture")

@@ -19,13 +19,14 @@ __version__ = _C.version()
 
 
 def _bump_registration_version(*_args):
-    # A parameter or submodule (re)registered anywhere: graphed callables re-check, at
-    # their next call, that their module still holds the parameters they captured.
+    # A parameter, buffer or submodule (re)registered anywhere: graphed callables re-check,
+    # at their next call, that their module still holds what they captured.
     _C.graphs.bump_registration_version()
 
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_bump_registration_version)
 torch.nn.modules.module.register_module_module_registration_hook(_bump_registration_version)
+torch.nn.modules.module.register_module_buffer_registration_hook(_bump_registration_version)
 
 
 def cuda_built() -> bool:

@@ -22,7 +22,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _C, _guards
-from .errors import ArgumentError
+from .errors import ArgumentError, GraphStateError
+from .graphs import RefuseHostReads
 
 __all__ = ["make_graphed_callables", "GraphedCallable", "graphed_handle", "summary"]
 
@@ -112,16 +113,29 @@ def _module_specs(module: torch.nn.Module) -> list:
     return specs
 
 
-def _refuse_hooks(index: int, module: torch.nn.Module) -> None:
-    """Hooks present at capture would run inside the captured region and never at replay."""
+def _first_hook(module: torch.nn.Module, include_self: bool):
+    """(where, what) of the first module or parameter hook inside `module`, or None."""
     for name, sub in module.named_modules():
+        if not name and not include_self:
+            continue
         for kind in _HOOK_KINDS:
             if getattr(sub, kind, None):
-                raise ArgumentError(
-                    f"dwgraph.make_graphed_callables: module {index} ('{type(module).__name__}') has "
-                    f"{kind[1:].replace('_', ' ')} registered on {'itself' if not name else repr(name)}; they would "
-                    "run during capture and never at replay. Register hooks after make_graphed_callables (they "
-                    "then run around each replay), or pass capture-time hooks with capture_time_hooks=")
+                return ("itself" if not name else repr(name)), kind[1:].replace("_", " ")
+    for name, p in module.named_parameters():
+        if getattr(p, "_backward_hooks", None):
+            return f"parameter {name!r}", "tensor hooks (register_hook)"
+    return None
+
+
+def _refuse_hooks(index: int, module: torch.nn.Module) -> None:
+    """Hooks present at capture would run inside the captured region and never at replay."""
+    hook = _first_hook(module, include_self=True)
+    if hook is not None:
+        raise ArgumentError(
+            f"dwgraph.make_graphed_callables: module {index} ('{type(module).__name__}') has {hook[1]} registered "
+            f"on {hook[0]}; they would run during capture and never at replay. Register module hooks after "
+            "make_graphed_callables on the module itself (they then run around each replay), or pass capture-time "
+            "hooks with capture_time_hooks=")
     for kind in _GLOBAL_HOOKS:
         if getattr(torch.nn.modules.module, kind, None):
             raise ArgumentError(
@@ -192,19 +206,48 @@ class GraphedCallable:
     over. In the sequential schedule each graphed module carries one as
     ``module.dwgraph_graphed`` (see :func:`graphed_handle`)."""
 
-    def __init__(self, native, target, forward: Callable, in_sig: "_Signature", out_sig: Dict[str, Any]):
+    def __init__(self, native, target, forward: Callable, in_sig: "_Signature", out_sig: Dict[str, Any],
+                 autocast):
         self._native = native
         self.module = target
         self._forward = forward
         self._in_sig = in_sig
         self._out = out_sig
-        self._dw_modules = ([m for m in target.modules() if _is_dwgraph_module(m)]
-                            if isinstance(target, torch.nn.Module) else [])
+        self._autocast = autocast
+        is_module = isinstance(target, torch.nn.Module)
+        self._dw_modules = [m for m in target.modules() if _is_dwgraph_module(m)] if is_module else []
+        self._tree = [id(m) for m in target.modules()] if is_module else []
+        self._tree_version = _C.graphs.registration_version()
+
+    def _check_call(self) -> None:
+        """What a replay would silently ignore: refused, naming it."""
+        now = _autocast_state()
+        if now != self._autocast:
+            raise ArgumentError(
+                f"graphed {self._native.name}: called with autocast {_describe_autocast(now)}, captured with "
+                f"{_describe_autocast(self._autocast)}; a graph replays the kernels of its capture. Call it under the "
+                "autocast state it was captured in (or capture it in this one)")
+        if not isinstance(self.module, torch.nn.Module):
+            return
+        hook = _first_hook(self.module, include_self=False)
+        if hook is not None:
+            raise ArgumentError(
+                f"graphed {self._native.name}: {hook[1]} registered on {hook[0]} after capture would not run: the "
+                "graphs replay the forward and backward as captured. Register hooks on the graphed module itself, or "
+                "remove them (or capture again)")
+        version = _C.graphs.registration_version()
+        if version != self._tree_version:
+            if [id(m) for m in self.module.modules()] != self._tree:
+                raise GraphStateError(
+                    f"graphed {self._native.name}: a submodule was added, removed or replaced since capture; the "
+                    "graphs would keep running the captured one. Capture again")
+            self._tree_version = version
 
     def __call__(self, *args, **kwargs):
         _guards.check_data_parallel(self._dw_modules)  # a replay runs no module forward
         if not self._native.replays():
             return self._forward(*args, **kwargs)  # a mode the graphs were not captured in
+        self._check_call()
         out_sig = self._out["sig"]
         if (self._in_sig.positional_tensors and not kwargs and len(args) == len(self._in_sig.is_tensor) and
                 all(isinstance(a, torch.Tensor) for a in args)):
@@ -248,6 +291,15 @@ class GraphedCallable:
         return f"GraphedCallable(slot {self._native.index}: {self._native.name})"
 
 
+def _autocast_state():
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
+def _describe_autocast(state) -> str:
+    on = [f"{d} {dtype}" for d, (enabled, dtype) in zip(("cpu", "cuda"), state) if enabled]
+    return "on (" + ", ".join(on) + ")" if on else "off"
+
+
 def graphed_handle(obj) -> GraphedCallable:
     """The :class:`GraphedCallable` of a graphed module (or the object itself)."""
     if isinstance(obj, GraphedCallable):
@@ -262,10 +314,14 @@ _INSTALLED = ("forward", "dwgraph_graphed", "backward_dw", "need_backward_dw", "
               "__getstate__")
 
 
+def _strip_graphs(module: torch.nn.Module) -> Dict[str, Any]:
+    return {k: module.__dict__.pop(k) for k in _INSTALLED if k in module.__dict__}
+
+
 def _without_graphs(module: torch.nn.Module, action):
     """Runs `action` on the module as it was before graphing (its graphs bake in this
     module's memory: a copy or a pickle gets the plain module)."""
-    saved = {k: module.__dict__.pop(k) for k in _INSTALLED if k in module.__dict__}
+    saved = _strip_graphs(module)
     try:
         return action()
     finally:
@@ -326,6 +382,7 @@ def make_graphed_callables(
     retain_graph_in_backward: bool = False,
     capture_time_hooks: Optional[Sequence[Optional[Dict[str, Dict]]]] = None,
     reuse_static_buffers: bool = False,
+    clone_outputs: bool = True,
     _order: Optional[Sequence[float]] = None,
     _num_layers_per_chunk: Optional[Sequence[int]] = None,
     _reuse_graph_input_output_buffers: Optional[bool] = None,
@@ -355,6 +412,9 @@ def make_graphed_callables(
     the captured region, never replayed. ``reuse_static_buffers`` (TransformerEngine's
     ``_reuse_graph_input_output_buffers``; pipeline schedule only): slots of one callable
     whose lifetimes in ``order`` do not overlap share their static inputs and grad outputs.
+    ``clone_outputs`` (default): outputs are fresh tensors the caller owns; ``False`` returns
+    the graphs' static outputs, overwritten by the slot's next call (torch's and
+    TransformerEngine's behaviour, one copy per output per call cheaper).
 
     ``_unsafe_capture_with_caller_grad`` is for tests only: it captures backward-dw with
     the caller's ``.grad`` in place and skips the hand-off (the unfixed hazard).
@@ -413,12 +473,46 @@ def make_graphed_callables(
                                 f"structure or other non-tensor values than the first slot of callable {c}")
         flat_args.append(_Signature.tensors_of((sample_args[s], dict(sample_kwargs[s] or {}))))
 
+    # A module graphed before is graphed again as the plain module (its earlier graphs keep
+    # their own handle); on failure it gets its earlier graphed attributes back.
+    previous = [_strip_graphs(m) if isinstance(m, torch.nn.Module) else {} for m in modules]
+    try:
+        specs, forwards, out_sigs, natives = _capture_all(
+            modules, schedule, in_sigs, flat_args, hooks, num_warmup_iters=num_warmup_iters,
+            allow_unused_input=allow_unused_input, pool=pool, retain_graph_in_backward=retain_graph_in_backward,
+            reuse_static_buffers=reuse_static_buffers, clone_outputs=clone_outputs,
+            unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
+    except BaseException:
+        for m, saved in zip(modules, previous):
+            if saved:
+                m.__dict__.update(saved)
+        raise
+    autocast = _autocast_state()
+    handles = []
+    for native in natives:
+        c = native.callable_index
+        handles.append(GraphedCallable(native, modules[c], forwards[c], in_sigs[c], out_sigs[c], autocast))
+    if order is not None:
+        return tuple(handles)
+    out = []
+    for module, handle in zip(modules, handles):
+        if isinstance(module, torch.nn.Module):
+            _install_on_module(module, handle)
+            out.append(module)
+        else:
+            out.append(handle)
+    return out[0] if single else tuple(out)
+
+
+def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
     specs, forwards, out_sigs = [], [], []
     for i, module in enumerate(modules):
         is_module = isinstance(module, torch.nn.Module)
         if is_module:
             _refuse_hooks(i, module)
-        forward = module.forward if is_module else module  # hooks of the module itself run around replays
+        # The module's own forward; hooks of the module itself run around the replays, as
+        # around eager calls.
+        forward = module.forward if is_module else module
         out_sig: Dict[str, Any] = {}
 
         def run(tensors, forward=forward, in_sig=in_sigs[i], out_sig=out_sig, i=i, module=module):
@@ -442,8 +536,11 @@ def make_graphed_callables(
             spec.current_parameters = lambda module=module: list(module.named_parameters())
             spec.parameters_version = _C.graphs.registration_version
             spec.modules = _module_specs(module)
-            spec.buffers = list(module.buffers())
-            spec.is_training = lambda module=module: module.training
+            named_buffers = list(module.named_buffers())
+            spec.buffers = [b for _, b in named_buffers]
+            spec.buffer_names = [n for n, _ in named_buffers]
+            spec.current_buffers = lambda module=module: list(module.named_buffers())
+            spec.training_mode = lambda module=module: "".join("1" if m.training else "0" for m in module.modules())
         h = hooks[i]
         if any(h.values()):
             def capture_time_hook(phase: str, after: bool, h=h, module=module):
@@ -459,25 +556,10 @@ def make_graphed_callables(
         forwards.append(forward)
         out_sigs.append(out_sig)
 
-    natives = _C.graphs.make_graphed_callables(
-        specs, flat_args, num_warmup_iters=num_warmup_iters, allow_unused_input=allow_unused_input,
-        schedule=schedule, pool=_resolve_pool(pool), retain_graph_in_backward=retain_graph_in_backward,
-        reuse_static_buffers=reuse_static_buffers, unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
-
-    handles = []
-    for native in natives:
-        c = native.callable_index
-        handles.append(GraphedCallable(native, modules[c], forwards[c], in_sigs[c], out_sigs[c]))
-    if order is not None:
-        return tuple(handles)
-    out = []
-    for module, handle in zip(modules, handles):
-        if isinstance(module, torch.nn.Module):
-            _install_on_module(module, handle)
-            out.append(module)
-        else:
-            out.append(handle)
-    return out[0] if single else tuple(out)
+    pool = _resolve_pool(options.pop("pool"))
+    with RefuseHostReads():
+        natives = _C.graphs.make_graphed_callables(specs, flat_args, schedule=schedule, pool=pool, **options)
+    return specs, forwards, out_sigs, natives
 
 
 def summary(graphed) -> str:

@@ -19,10 +19,36 @@ import contextlib
 from typing import Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import _C
+from .errors import GraphStateError
 
 GraphPool = _C.graphs.GraphPool
+
+# Tensor methods that read a value on the host without a dispatcher call the host graph
+# could refuse (the capture would bake the value in, and CUDA cannot capture them at all).
+_HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__bool__,
+               torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__complex__,
+               torch.Tensor.item}
+
+
+def refuse_host_read(func) -> None:
+    """Raises GraphStateError when `func` reads a tensor's value on the host while this thread
+    captures (warmup calls and replays are not captures: they may)."""
+    if func in _HOST_READS and _C.graphs.capturing():
+        raise GraphStateError(
+            f"dwgraph graph capture: Tensor.{getattr(func, '__name__', func)}() reads a tensor's value on the host "
+            "(e.g. .item(), .tolist(), bool(t)), which a graph cannot capture (it would replay the value of its "
+            "capture forever); move it out of the captured region")
+
+
+class RefuseHostReads(TorchFunctionMode):
+    """A torch function mode (this thread only) that refuses host reads inside captures."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        refuse_host_read(func)
+        return func(*args, **(kwargs or {}))
 
 
 def graph_pool_handle(device="cpu") -> GraphPool:
@@ -45,7 +71,8 @@ class Graph:
         pool reference and no capture mode remain, and the block can be captured again."""
         self._graph.capture_begin(pool)
         try:
-            yield self
+            with RefuseHostReads():
+                yield self
         except BaseException:
             self._graph.capture_abort()
             raise

@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from . import _C
 from .errors import ArgumentError, GraphStateError
+from .graphs import refuse_host_read
 
 __all__ = ["graphed_step", "GraphedStep"]
 
@@ -63,6 +64,17 @@ def _install_optimizer_hooks() -> None:
         if _watch.step is not None:
             _watch.step._optimizers.setdefault(id(opt), opt)
             _watch.optimizer = opt
+            if _C.graphs.capturing():
+                # State made inside a capture would live in the graph's pool and be the
+                # capture's, not the caller's: it must exist before (a warmup call makes it).
+                fresh = [p for g in opt.param_groups for p in g["params"] if p.grad is not None and p not in opt.state]
+                if fresh:
+                    err = GraphStateError(
+                        f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step would create its state for "
+                        f"{len(fresh)} parameter(s) during the capture; run at least one warmup call "
+                        "(warmup_iters >= 1) so the optimizer creates its state eagerly")
+                    err._dwgraph_complete = True  # already says what to do: not rewrapped below
+                    raise err
 
     def post(opt, args, kwargs):
         if _watch.step is not None:
@@ -118,6 +130,7 @@ class _GradientWatcher(TorchFunctionMode):
         elif getattr(func, "__self__", None) is torch.Tensor.grad and args:
             self._see(args[0])
         else:
+            refuse_host_read(func)
             for a in list(args) + list(kwargs.values()):
                 if isinstance(a, torch.nn.Parameter):
                     self._see(a)
@@ -199,12 +212,16 @@ class GraphedStep:
         self._modules: Dict[int, torch.nn.Module] = {}
         self._optimizers: Dict[int, torch.optim.Optimizer] = {}
         self._handed: Optional[Dict[int, torch.Tensor]] = None
-        self._out_specs: Dict[str, Any] = {}
+        self._out_specs: Dict[str, Any] = {}  # per graph (key and gradient pattern)
+        self._last_spec = None
+        self._all_modules: Dict[int, torch.nn.Module] = {}  # every module the step runs
         self._current = None
         self._version = _C.graphs.registration_version()
         self._native = _C.graphs.GraphedStep(
             self._run_flat, warmup_iters=warmup_iters, pool=pool, max_graphs=max_graphs,
-            params=self._params, modules=self._module_specs, buffers=None,
+            params=self._params, modules=self._module_specs,
+            buffers=lambda: [b for m in self._all_modules.values() for b in m.buffers(recurse=False)],
+            variant_state=self._variant_state,
             name=getattr(fn, "__name__", type(fn).__name__))
 
     @staticmethod
@@ -230,21 +247,65 @@ class GraphedStep:
             # have changed, so its graphs are dropped and found again (warmup, capture).
             self._native.reset()
             self._touched.clear()
+            self._all_modules.clear()
+            self._out_specs.clear()
             self._version = version
-        tensors: List[torch.Tensor] = []
-        key_args, rebuild_args = _flatten(args, tensors, "args")
-        key_kwargs, rebuild_kwargs = _flatten(kwargs, tensors, "kwargs")
-        key = f"{key_args}{key_kwargs}"
-        rebuild = lambda ts: (rebuild_args(ts), rebuild_kwargs(ts))  # noqa: E731
-        key = f"{key}|{torch.is_autocast_enabled('cpu')}{torch.is_autocast_enabled('cuda')}|" \
-              f"{_hyperparameters(self._optimizers.values())}"
+        found: List[torch.Tensor] = []
+        key_args, rebuild_args = _flatten(args, found, "args")
+        key_kwargs, rebuild_kwargs = _flatten(kwargs, found, "kwargs")
+        tensors, where = self._unique_arguments(found)
+        rebuild = lambda ts: (rebuild_args([ts[i] for i in where]), rebuild_kwargs([ts[i] for i in where]))  # noqa: E731
+        # What a graph bakes in beyond the arguments (docs/graphed-step.md, "The key"); the
+        # modules' training flags and the optimizers' hyperparameters select a variant
+        # (_variant_state), as they are known only after the warmup calls.
+        autocast = [(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+        key = f"{key_args}{key_kwargs}|aliases {where}|grad {torch.is_grad_enabled()}|autocast {autocast}"
         self._current = (rebuild, key, tensors)
         try:
             out = iter(self._native(tensors, key))
         except _FoundMore:
             out = iter(self._native(tensors, key))  # capture again, now knowing everything it trains
-        spec, is_tensor = self._out_specs[key]
+        variant = self._native.last_variant
+        if variant and variant in self._out_specs:
+            spec, is_tensor = self._out_specs[variant]
+        else:  # an eager call, or the capture that just recorded it
+            spec, is_tensor = self._last_spec
+            if variant:
+                self._out_specs[variant] = self._last_spec
         return pytree.tree_unflatten([next(out) if t else None for t in is_tensor], spec)
+
+    def _variant_state(self) -> str:
+        modes = "".join("1" if m.training else "0" for m in self._all_modules.values())
+        return f"training {modes}|{_hyperparameters(self._optimizers.values())}"
+
+    def _unique_arguments(self, found: List[torch.Tensor]):
+        """The distinct tensor arguments, and for each argument its index among them. The
+        same tensor twice is one static input; two tensors sharing memory, or a tensor the
+        step trains passed as an argument, cannot be copied into static inputs faithfully
+        and are refused."""
+        trained = set(self._touched) | ({id(p) for _, p in self._given} if self._given else set())
+        unique, where, index, memory = [], [], {}, {}
+        for i, t in enumerate(found):
+            if id(t) in index:
+                where.append(index[id(t)])
+                continue
+            if isinstance(t, torch.nn.Parameter) or id(t) in trained:
+                raise ArgumentError(
+                    f"dwgraph.graphed_step: tensor argument {i} is a tensor the step trains; a graphed step copies "
+                    "its arguments into static inputs, so it would train the copy. Reach parameters through "
+                    "modules or closures, not arguments")
+            if t.numel() > 0 and t.layout == torch.strided:
+                storage = t.untyped_storage().data_ptr()
+                if storage in memory:
+                    raise ArgumentError(
+                        f"dwgraph.graphed_step: tensor arguments {memory[storage]} and {i} share memory; a graphed "
+                        "step copies each argument into its own static input, so writes through one would not "
+                        "reach the other. Pass one tensor and take the views inside the step")
+                memory[storage] = i
+            index[id(t)] = len(unique)
+            where.append(len(unique))
+            unique.append(t)
+        return unique, where
 
     def _run_flat(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         rebuild, key, _ = self._current
@@ -255,18 +316,29 @@ class GraphedStep:
         saved_modules = _step_context.modules
         _watch.step, _watch.optimizer = self, None
         _step_context.modules = self._modules
+        thread = threading.get_ident()
+
+        def seen(module, _inputs):
+            if threading.get_ident() == thread:
+                self._all_modules.setdefault(id(module), module)
+
+        # Installed for this call only (warmup and capture; replays run no module), and a
+        # no-op on every other thread: it finds the modules whose training flags and
+        # buffers the graph depends on.
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
         try:
             with _GradientWatcher(touched):
                 out = self._fn(*args, **kwargs)
         except Exception as e:
             opt = _watch.optimizer
-            if opt is not None and self._handed is not None:
+            if opt is not None and self._handed is not None and not getattr(e, "_dwgraph_complete", False):
                 raise GraphStateError(
                     f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step cannot be captured ({e}); "
                     "an optimizer that reads tensor values on the host (Adam/AdamW without capturable=True, for "
                     "example) must run after the step returns") from e
             raise
         finally:
+            handle.remove()
             _watch.step, _watch.optimizer = saved
             _step_context.modules = saved_modules
         inputs = {id(t) for t in tensors}
@@ -298,7 +370,7 @@ class GraphedStep:
                     f"dwgraph.graphed_step: the step must return tensors (or None), got a {type(leaf).__name__}; "
                     "a graph would return the value of its capture forever. Return the tensor, not its .item()")
         is_tensor = [isinstance(leaf, torch.Tensor) for leaf in out_leaves]
-        self._out_specs[key] = (out_spec, is_tensor)
+        self._last_spec = (out_spec, is_tensor)
         return [leaf for leaf in out_leaves if leaf is not None]
 
     # -- what the native step asks -------------------------------------------------------
@@ -332,6 +404,7 @@ class GraphedStep:
 
     def reset(self) -> None:
         self._native.reset()
+        self._out_specs.clear()
 
 
 class _FoundMore(GraphStateError):
