@@ -2,6 +2,7 @@
 
 #include "common/autograd_node.h"
 #include "common/check.h"
+#include "ops/autocast.h"
 #include "ops/gemm.h"
 #include "ops/impl/wgrad_landing.h"
 
@@ -30,12 +31,17 @@ void check_config(const WgradConfig& cfg) {
                     ": delay_wgrad_compute=True needs a WgradStore, got none");
 }
 
-void check_input(const WgradConfig& cfg, const at::Tensor& x, const at::Tensor& w, int64_t k) {
+// `gemm_dtype`: the autocast dtype of the call (nullopt outside autocast).
+void check_input(const WgradConfig& cfg, const at::Tensor& x, const at::Tensor& w, int64_t k,
+                 std::optional<at::ScalarType> gemm_dtype) {
   DWGRAPH_CHECK_ARG(x.defined() && x.dim() >= 1 && x.size(-1) == k, cfg.module_name,
                     ": input must have in_features = ", k, " as its last dimension, got shape ",
                     x.defined() ? x.sizes() : at::IntArrayRef{});
-  DWGRAPH_CHECK_ARG(x.scalar_type() == w.scalar_type(), cfg.module_name, ": input must have the weight's dtype ",
-                    w.scalar_type(), ", got ", x.scalar_type());
+  const at::ScalarType xt = autocast_operand_dtype(x, gemm_dtype);
+  const at::ScalarType wt = autocast_operand_dtype(w, gemm_dtype);
+  DWGRAPH_CHECK_ARG(xt == wt, cfg.module_name, ": input must have the weight's dtype ", w.scalar_type(), ", got ",
+                    x.scalar_type(), gemm_dtype ? " (under autocast, where both would run in " : "",
+                    gemm_dtype ? c10::toString(*gemm_dtype) : "", gemm_dtype ? ")" : "");
   DWGRAPH_CHECK_ARG(x.device() == w.device(), cfg.module_name, ": input must be on the weight's device ",
                     w.device(), ", got ", x.device());
 }
@@ -47,9 +53,11 @@ void check_fused_weights(const WgradConfig& cfg, const std::vector<WeightRefPtr>
   }
 }
 
-// The GEMMs run on plain tensors, below autograd: our node is the only history.
+// The GEMMs run on plain tensors, below autograd (our node is the only history) and
+// below autocast (operands are cast to the call's autocast dtype explicitly).
 struct BelowAutograd {
   at::AutoDispatchBelowADInplaceOrView guard;
+  NoAutocast no_autocast;
 };
 
 // The shared part of the single and grouped backward: input gradient now, weight
@@ -68,6 +76,8 @@ class DeferredGemmNode : public torch::autograd::Node {
   // Shapes of the weights the forward materialised (a distributed weight's parameter may
   // be a shard of it): the weight gradient has these.
   void set_weight_sizes(std::vector<std::vector<int64_t>> sizes) { weight_sizes_ = std::move(sizes); }
+  // The forward's autocast dtype: the backward's GEMMs use the weights in it too.
+  void set_gemm_dtype(std::optional<at::ScalarType> dtype) { gemm_dtype_ = dtype; }
 
  protected:
   // dx [M, K] from dy [M, N] and the weights materialised for backward.
@@ -78,6 +88,8 @@ class DeferredGemmNode : public torch::autograd::Node {
   virtual at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) = 0;
 
   variable_list apply(variable_list&& grads) override {
+    // The forward's precision, whatever autocast region the backward runs in.
+    const NoAutocast no_autocast;
     const size_t nw = weights_.size();
     variable_list out(1 + nw + biases_.size());
     const at::Tensor& grad = grads[0];
@@ -90,7 +102,7 @@ class DeferredGemmNode : public torch::autograd::Node {
     if (task_should_compute_output(0)) {
       std::vector<at::Tensor> wb;
       wb.reserve(nw);
-      for (const auto& w : weights_) wb.push_back(w->for_backward().contiguous());
+      for (const auto& w : weights_) wb.push_back(autocast_operand(w->for_backward(), gemm_dtype_).contiguous());
       out[0] = dgrad(dy, wb).view(x_sizes_);
     }
 
@@ -139,8 +151,9 @@ class DeferredGemmNode : public torch::autograd::Node {
     };
     if (deferred) {
       cfg_.store->push(cfg_.unit_id, this, [work = std::move(work)] {
-        // backward_dw() runs outside the autograd engine, maybe with grad mode on.
+        // backward_dw() runs outside the autograd engine, maybe with grad mode or autocast on.
         const at::NoGradGuard no_grad;
+        const NoAutocast no_autocast;
         work(true, nullptr);
       });
     } else {
@@ -155,6 +168,7 @@ class DeferredGemmNode : public torch::autograd::Node {
   SavedVariable x_;
   std::vector<int64_t> x_sizes_;
   std::vector<std::vector<int64_t>> weight_sizes_;
+  std::optional<at::ScalarType> gemm_dtype_;
 };
 
 class LinearBackward final : public DeferredGemmNode {
@@ -173,7 +187,9 @@ class LinearBackward final : public DeferredGemmNode {
                  bias_out.defined() ? std::optional<at::Tensor>(bias_out) : std::nullopt);
     };
   }
-  at::Tensor bias_only_grad(size_t, const at::Tensor& dy) override { return dy.sum(0); }
+  at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) override {
+    return at::sum(dy, {0}, false, biases_[i]->param.scalar_type());
+  }
 };
 
 class GroupedLinearBackward final : public DeferredGemmNode {
@@ -210,9 +226,10 @@ class GroupedLinearBackward final : public DeferredGemmNode {
     };
   }
   at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) override {
-    if (!packed()) return rows(dy, i).sum(0);
+    const at::ScalarType dtype = biases_[i]->param.scalar_type();
+    if (!packed()) return at::sum(rows(dy, i), {0}, false, dtype);
     std::vector<at::Tensor> sums;
-    for (size_t g = 0; g < m_splits_.size(); ++g) sums.push_back(rows(dy, g).sum(0));
+    for (size_t g = 0; g < m_splits_.size(); ++g) sums.push_back(at::sum(rows(dy, g), {0}, false, dtype));
     return at::stack(sums);
   }
 
@@ -221,10 +238,13 @@ class GroupedLinearBackward final : public DeferredGemmNode {
   std::vector<int64_t> offsets_;
 };
 
+// `x`: the GEMM's input as autograd sees it (after its autocast cast, which autograd
+// differentiates back to the caller's dtype).
 template <class NodeT, class... Extra>
 void connect(const at::Tensor& y, const at::Tensor& x, const at::Tensor& x2d, const WgradConfig& cfg,
-             const std::vector<WeightRefPtr>& weights, const std::vector<at::Tensor>& materialized,
-             const std::vector<WeightRefPtr>& biases, Extra&&... extra) {
+             std::optional<at::ScalarType> gemm_dtype, const std::vector<WeightRefPtr>& weights,
+             const std::vector<at::Tensor>& materialized, const std::vector<WeightRefPtr>& biases,
+             Extra&&... extra) {
   std::vector<const at::Tensor*> inputs = {&x};
   for (const auto& w : weights) inputs.push_back(&w->param);
   for (const auto& b : biases) inputs.push_back(&b->param);
@@ -253,6 +273,7 @@ void connect(const at::Tensor& y, const at::Tensor& x, const at::Tensor& x2d, co
   std::vector<std::vector<int64_t>> sizes;
   for (const auto& w : materialized) sizes.push_back(w.sizes().vec());
   node->set_weight_sizes(std::move(sizes));
+  node->set_gemm_dtype(gemm_dtype);
   torch::autograd::set_history(y, base);
 }
 
@@ -272,19 +293,21 @@ at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightR
   DWGRAPH_CHECK_ARG(weight != nullptr && weight->param.defined() && weight->param.dim() == 2,
                     cfg.module_name, ": weight must be a 2-D [out_features, in_features] parameter");
   const at::Tensor& wp = weight->param;
-  check_input(cfg, x, wp, wp.size(1));
+  const auto gemm_dtype = autocast_gemm_dtype(x.device().type());
+  check_input(cfg, x, wp, wp.size(1), gemm_dtype);
   check_fused_weights(cfg, {weight});
-  const at::Tensor w = weight->for_forward().contiguous();
-  at::Tensor x2d, y;
+  const at::Tensor xin = autocast_operand(x, gemm_dtype);
+  at::Tensor w, x2d, y;
   {
     BelowAutograd below;
-    x2d = x.reshape({-1, x.size(-1)}).contiguous();
-    y = fwd_gemm(x2d, w, bias ? std::optional<at::Tensor>(bias->param) : std::nullopt);
-    std::vector<int64_t> shape = x.sizes().vec();
+    w = autocast_operand(weight->for_forward(), gemm_dtype).contiguous();
+    x2d = xin.reshape({-1, xin.size(-1)}).contiguous();
+    y = fwd_gemm(x2d, w, bias ? std::optional<at::Tensor>(autocast_operand(bias->param, gemm_dtype)) : std::nullopt);
+    std::vector<int64_t> shape = xin.sizes().vec();
     shape.back() = w.size(0);
     y = y.view(shape);
   }
-  connect<LinearBackward>(y, x, x2d, cfg, {weight}, {w}, non_null({bias}));
+  connect<LinearBackward>(y, xin, x2d, cfg, gemm_dtype, {weight}, {w}, non_null({bias}));
   return y;
 }
 
@@ -296,7 +319,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
   const bool packed = weights.size() == 1 && weights[0]->param.dim() == 3;
   const at::Tensor& w0 = weights[0]->param;
   const int64_t groups = packed ? w0.size(0) : static_cast<int64_t>(weights.size());
-  check_input(cfg, x, w0, w0.size(-1));
+  const auto gemm_dtype = autocast_gemm_dtype(x.device().type());
+  check_input(cfg, x, w0, w0.size(-1), gemm_dtype);
   DWGRAPH_CHECK_ARG(x.dim() == 2, cfg.module_name, ": input must be 2-D [tokens, in_features], got shape ",
                     x.sizes());
   int64_t total = 0;
@@ -308,27 +332,23 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
   DWGRAPH_CHECK_ARG(biases.empty() || biases.size() == weights.size(), cfg.module_name,
                     ": expected one bias per weight (", weights.size(), "), got ", biases.size());
   check_fused_weights(cfg, weights);
-  at::Tensor y;
+  const at::Tensor xin = autocast_operand(x, gemm_dtype);
+  at::Tensor y, x2d;
   std::vector<at::Tensor> w;
   {
     BelowAutograd below;
-    for (const auto& r : weights) w.push_back(r->for_forward().contiguous());
+    for (const auto& r : weights) w.push_back(autocast_operand(r->for_forward(), gemm_dtype).contiguous());
+    std::vector<at::Tensor> b;
+    for (const auto& r : biases) b.push_back(autocast_operand(r->param, gemm_dtype));
+    x2d = xin.contiguous();
     if (packed) {
-      y = grouped_fwd_gemm(x.contiguous(), w[0], m_splits,
-                           biases.empty() ? std::nullopt : std::optional<at::Tensor>(biases[0]->param));
+      y = grouped_fwd_gemm(x2d, w[0], m_splits, biases.empty() ? std::nullopt : std::optional<at::Tensor>(b[0]));
     } else {
-      std::vector<at::Tensor> b;
-      for (const auto& r : biases) b.push_back(r->param);
-      y = grouped_fwd_gemm(x.contiguous(), at::TensorList(w), m_splits,
+      y = grouped_fwd_gemm(x2d, at::TensorList(w), m_splits,
                            biases.empty() ? std::nullopt : std::optional<at::TensorList>(at::TensorList(b)));
     }
   }
-  at::Tensor x2d;
-  {
-    BelowAutograd below;
-    x2d = x.contiguous();
-  }
-  connect<GroupedLinearBackward>(y, x, x2d, cfg, weights, w, biases, m_splits);
+  connect<GroupedLinearBackward>(y, xin, x2d, cfg, gemm_dtype, weights, w, biases, m_splits);
   return y;
 }
 

@@ -6,7 +6,9 @@
 #include "common/check.h"
 #include "nn/modules.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
 
 using dwgraph::nn::DeferredOptions;
 
@@ -155,4 +157,41 @@ TEST_CASE("C++ modules: errors name the module and the parameter", "[nn][errors]
     CHECK_THAT(e.what_without_backtrace(), Catch::Contains("LayerNormMLP") && Catch::Contains("'fc2_weight'") &&
                                                Catch::Contains("[12, 8]"));
   }
+}
+
+TEST_CASE("C++ Linear under autocast runs its GEMMs in the autocast dtype, as at::linear", "[nn][cpu]") {
+  at::manual_seed(12);
+  DeferredOptions opts;
+  opts.delay_wgrad_compute = GENERATE(false, true);
+  CAPTURE(opts.delay_wgrad_compute);
+  dwgraph::nn::Linear a(8, 4, opts);
+  const auto w = leaf_copy(a.weight), b = leaf_copy(a.bias);
+  const auto x = at::randn({3, 8}).requires_grad_(true);
+  const auto xr = leaf_copy(x);
+  at::Tensor y, yr;
+  {
+    // What torch.autocast("cpu", dtype=torch.bfloat16) sets, restored at scope exit.
+    const bool was = at::autocast::is_autocast_enabled(at::kCPU);
+    const auto dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    y = a.forward(x);
+    yr = at::linear(xr, w, b);
+    at::autocast::set_autocast_enabled(at::kCPU, was);
+    at::autocast::set_autocast_dtype(at::kCPU, dtype);
+    at::autocast::clear_cache();
+  }
+  CHECK(y.scalar_type() == at::kBFloat16);
+  CHECK(yr.scalar_type() == at::kBFloat16);
+  CHECK(at::equal(y, yr));
+  const auto g = at::randn({3, 4}, at::kBFloat16);
+  y.backward(g);
+  yr.backward(g);
+  if (opts.delay_wgrad_compute) a.backward_dw();
+  CHECK(x.grad().scalar_type() == at::kFloat);
+  CHECK(at::equal(x.grad(), xr.grad()));
+  // FP32 from the bf16 operands (torch rounds to bf16 first): compare in float64.
+  const auto ref = at::matmul(g.to(at::kDouble).t(), x.detach().to(at::kBFloat16).to(at::kDouble));
+  CHECK(a.weight.grad().scalar_type() == at::kFloat);
+  CHECK(dwgraph::testing::rel_err(a.weight.grad(), ref) < 2e-6);
 }

@@ -153,9 +153,33 @@ def test_step_refuses_host_reads_and_lazy_optimizer_state_in_a_capture():
         return loss
 
     step = dwgraph.graphed_step(body, warmup_iters=0, params=m)
+    before = [p.detach().clone() for p in m.parameters()]
     with pytest.raises(dwgraph.GraphStateError, match=r"would create its state .*warmup_iters >= 1"):
         step(torch.randn(B, H))
     assert not opt.state, "the refused capture left optimizer state behind"
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters())), "the refused capture changed parameters"
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_step_with_a_stateless_optimizer_needs_no_warmup():
+    # SGD without momentum never makes state: nothing to create inside the capture.
+    torch.manual_seed(0)
+    m = torch.nn.Linear(H, H)
+    e = copy.deepcopy(m)
+    om, oe = (torch.optim.SGD(x.parameters(), lr=0.1) for x in (m, e))
+
+    def body(model, opt, x):
+        loss = model(x).square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    step = dwgraph.graphed_step(lambda x: body(m, om, x), warmup_iters=0, params=m)
+    for i in range(3):
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(e, oe, x)), f"call {i}"
+        _grads_equal(m, e, f"call {i}")
 
 
 def test_step_autocast_dtype_selects_its_graph():

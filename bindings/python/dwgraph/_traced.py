@@ -25,6 +25,14 @@ def _wgrad(dy2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, with_bias: bool
     return dw, db
 
 
+# Under torch.autocast the ops' Autocast kernels (ops/autocast.cpp) decide the forward's
+# GEMM dtype and cast inside the op, unseen by autograd; the backward runs its GEMMs in the
+# forward output's dtype (the dtype of dy), whatever autocast region it runs in. As in the
+# eager modules, an FP32 weight's gradient is written in FP32 from those operands.
+def _in(dtype, *ts):
+    return [t if t is None or t.dtype == dtype else t.to(dtype) for t in ts]
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b):
@@ -37,11 +45,13 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, w = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
-        dx = torch.ops.dwgraph.dgrad_gemm(dy2, w).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        dw = db = None
-        if ctx.needs_input_grad[1] or (ctx.with_bias and ctx.needs_input_grad[2]):
-            dw, db = _wgrad(dy2, x2, w, ctx.with_bias and ctx.needs_input_grad[2])
+        with torch.autocast(dy.device.type, enabled=False):
+            x2, w_op = _in(dy.dtype, x2, w)  # dy has the forward output's (GEMM) dtype
+            dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+            dx = torch.ops.dwgraph.dgrad_gemm(dy2, w_op).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+            dw = db = None
+            if ctx.needs_input_grad[1] or (ctx.with_bias and ctx.needs_input_grad[2]):
+                dw, db = _wgrad(dy2, x2, w, ctx.with_bias and ctx.needs_input_grad[2])
         return dx, dw if ctx.needs_input_grad[1] else None, db
 
 
@@ -60,12 +70,17 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        with torch.autocast(dy.device.type, enabled=False):
+            return _GroupedLinear._backward(ctx, dy.contiguous())
+
+    @staticmethod
+    def _backward(ctx, dy):
         x, *weights = ctx.saved_tensors
-        dy = dy.contiguous()
+        x, *ops = _in(dy.dtype, x, *weights)  # dy has the forward output's (GEMM) dtype
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = (torch.ops.dwgraph.grouped_dgrad_gemm_packed(dy, weights[0], ctx.m_splits) if ctx.packed
-                  else torch.ops.dwgraph.grouped_dgrad_gemm(dy, weights, ctx.m_splits))
+            dx = (torch.ops.dwgraph.grouped_dgrad_gemm_packed(dy, ops[0], ctx.m_splits) if ctx.packed
+                  else torch.ops.dwgraph.grouped_dgrad_gemm(dy, ops, ctx.m_splits))
         if ctx.packed:
             w = weights[0]
             dw = torch.empty_like(w)

@@ -48,6 +48,7 @@ class _Watch(threading.local):
     def __init__(self):
         self.step: Optional["GraphedStep"] = None
         self.optimizer = None  # the optimizer whose step() is running
+        self.state_before = None  # inside a capture: its state's keys before that step()
 
 
 _watch = _Watch()
@@ -64,21 +65,33 @@ def _install_optimizer_hooks() -> None:
         if _watch.step is not None:
             _watch.step._optimizers.setdefault(id(opt), opt)
             _watch.optimizer = opt
-            if _C.graphs.capturing():
-                # State made inside a capture would live in the graph's pool and be the
-                # capture's, not the caller's: it must exist before (a warmup call makes it).
-                fresh = [p for g in opt.param_groups for p in g["params"] if p.grad is not None and p not in opt.state]
-                if fresh:
-                    err = GraphStateError(
-                        f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step would create its state for "
-                        f"{len(fresh)} parameter(s) during the capture; run at least one warmup call "
-                        "(warmup_iters >= 1) so the optimizer creates its state eagerly")
-                    err._dwgraph_complete = True  # already says what to do: not rewrapped below
-                    raise err
+            # State made inside a capture would live in the graph's pool and be the
+            # capture's, not the caller's: it must exist before (a warmup call makes it).
+            # Stateless optimizers (SGD without momentum) make none.
+            _watch.state_before = ({p: set(st) for p, st in opt.state.items()} if _C.graphs.capturing() else None)
 
     def post(opt, args, kwargs):
-        if _watch.step is not None:
-            _watch.optimizer = None
+        if _watch.step is None:
+            return
+        _watch.optimizer = None
+        before, _watch.state_before = _watch.state_before, None
+        if before is None:
+            return
+        made = 0
+        for p in list(opt.state):
+            new = set(opt.state[p]) - before.get(p, set())
+            for key in new:  # undo it: the caller's optimizer stays as it was
+                del opt.state[p][key]
+            if p not in before and not opt.state[p]:
+                del opt.state[p]
+            made += bool(new)
+        if made:
+            err = GraphStateError(
+                f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step would create its state for "
+                f"{made} parameter(s) during the capture; run at least one warmup call "
+                "(warmup_iters >= 1) so the optimizer creates its state eagerly")
+            err._dwgraph_complete = True  # already says what to do: not rewrapped below
+            raise err
 
     _optimizer.register_optimizer_step_pre_hook(pre)
     _optimizer.register_optimizer_step_post_hook(post)
