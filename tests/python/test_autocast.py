@@ -160,17 +160,19 @@ def test_mismatched_dtypes_outside_autocast_are_refused():
 
 @pytest.mark.parametrize("sample_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
-def test_graphs_captured_under_autocast_replay_the_autocast_graph(sample_dtype, cfg):
+def test_graphs_captured_under_autocast_replay_the_autocast_graph(sample_dtype, cfg, device):
     torch.manual_seed(4)
-    m = torch.nn.Sequential(dwgraph.nn.Linear(H, H, **cfg), torch.nn.GELU(), dwgraph.nn.LayerNormMLP(H, 2 * H, **cfg))
+    m = torch.nn.Sequential(dwgraph.nn.Linear(H, H, **cfg), torch.nn.GELU(),
+                            dwgraph.nn.LayerNormMLP(H, 2 * H, **cfg)).to(device)
     eager = copy.deepcopy(m)
     dt = torch.float32 if sample_dtype == "fp32" else torch.bfloat16
-    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-        g = dwgraph.make_graphed_callables(m, (torch.randn(B, H, dtype=dt, requires_grad=True),))
+    region = dict(device_type=device, dtype=torch.bfloat16, cache_enabled=False)
+    with torch.autocast(**region):
+        g = dwgraph.make_graphed_callables(m, (torch.randn(B, H, dtype=dt, device=device, requires_grad=True),))
     for step in range(3):
-        x = torch.randn(B, H, dtype=dt, requires_grad=True)
+        x = torch.randn(B, H, dtype=dt, device=device, requires_grad=True)
         xe = x.detach().clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        with torch.autocast(**region):
             y, ye = g(x), eager(xe)
         assert y.dtype == torch.bfloat16 and torch.equal(y, ye), f"step {step}: output"
         y.float().square().sum().backward()
@@ -180,6 +182,25 @@ def test_graphs_captured_under_autocast_replay_the_autocast_graph(sample_dtype, 
             eager_backward_dw(eager)
         assert torch.equal(x.grad, xe.grad), f"step {step}: input gradient"
         assert_same_as_eager(m, eager, f"autocast step {step}")
+
+
+def test_linear_under_autocast_on_the_device(device):
+    # On CUDA torch's GEMM and cuBLASLt may sum in other orders: a float64 reference of the
+    # autocast-dtype operands, with the bounds of the result's dtype.
+    torch.manual_seed(6)
+    lin = dwgraph.nn.Linear(64, 32, delay_wgrad_compute=True, device=device)
+    x = torch.randn(48, 64, device=device, requires_grad=True)
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    xl, wl, bl = (t.detach().bfloat16().double() for t in (x, lin.weight, lin.bias))
+    assert _rel(y, xl @ wl.t() + bl) < 8e-3
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    lin.backward_dw()
+    assert x.grad.dtype == torch.float32 and _rel(x.grad, dy.double() @ wl) < 8e-3
+    assert lin.weight.grad.dtype == torch.float32 and _rel(lin.weight.grad, dy.double().t() @ xl) < 1e-5
+    assert _rel(lin.bias.grad, dy.double().sum(0)) < 1e-5
 
 
 def test_graphed_step_with_dwgraph_modules_under_autocast_is_exact():

@@ -75,10 +75,18 @@ class _Trapped(torch.nn.Module):
         return self.b(h)
 
 
+def _rng_state(device):
+    state = [torch.random.get_rng_state()]
+    if device == "cuda":
+        state.append(torch.cuda.get_rng_state())
+    return torch.cat(state)
+
+
 def _state(model):
+    device = model.a.weight.device.type
     return ([p.detach().clone() for p in model.parameters()], [b.clone() for b in model.buffers()],
             [p.grad for p in model.parameters()], model.a.weight.main_grad.clone(),
-            model.a.weight.__dict__.get("grad_added_to_main_grad"), torch.random.get_rng_state())
+            model.a.weight.__dict__.get("grad_added_to_main_grad"), _rng_state(device))
 
 
 WARMUP = 2
@@ -88,16 +96,18 @@ CASES = [("forward", 1), ("forward", WARMUP + 1), ("backward", 2), ("backward", 
 
 
 @pytest.mark.parametrize("where, at", CASES, ids=[f"{w}-call{a}" for w, a in CASES])
-def test_failed_capture_rolls_everything_back(where, at):
-    model = _Trapped(where, _Trap(-1))
+def test_failed_capture_rolls_everything_back(where, at, device):
+    # On CUDA the backward of the warmup runs on autograd's device thread, and the capture
+    # on a side stream: the rollback must still find and undo everything.
+    model = _Trapped(where, _Trap(-1)).to(device)
     clean = copy.deepcopy(model)  # never sees the failed capture
     # The caller has a unit of its own queued before graphing: it must survive.
-    x0 = torch.randn(B, H)
+    x0 = torch.randn(B, H, device=device)
     for m in (model, clean):
         m(x0).sum().backward()
     assert model.a.num_queued_wgrad_units() == 1
     model.trap = _Trap(at)
-    sample = (torch.randn(B, H, requires_grad=True),)
+    sample = (torch.randn(B, H, device=device, requires_grad=True),)
     model.a.weight.grad_added_to_main_grad = False
     clean.a.weight.grad_added_to_main_grad = False
     before = _state(model)
@@ -117,16 +127,17 @@ def test_failed_capture_rolls_everything_back(where, at):
     for step in range(3):
         eager_backward_dw(model), eager_backward_dw(clean)
         assert_same_as_eager(model, clean, f"eager step {step} after the failed capture")
-        x = torch.randn(B, H)
+        x = torch.randn(B, H, device=device)
         model(x).square().sum().backward()
         clean(x).square().sum().backward()
     eager_backward_dw(model), eager_backward_dw(clean)
     assert [m.num_queued_wgrad_units() for m in (model.a, model.b)] == [0, 0]
     # And the capture can be retried.
     model.zero_grad(set_to_none=True), clean.zero_grad(set_to_none=True)
-    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),), num_warmup_iters=WARMUP)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H, device=device, requires_grad=True),),
+                                       num_warmup_iters=WARMUP)
     for step in range(2):
-        x = torch.randn(B, H)
+        x = torch.randn(B, H, device=device)
         g(x).square().sum().backward()
         g.backward_dw()
         clean(x).square().sum().backward()
