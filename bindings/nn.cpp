@@ -77,7 +77,8 @@ void init_nn(py::module_& parent) {
                        std::optional<std::function<at::Tensor()>> materialize_forward,
                        std::optional<std::function<at::Tensor()>> materialize_backward,
                        std::optional<std::function<void(const at::Tensor&)>> finalize,
-                       std::optional<std::function<void()>> on_main_grad_accumulated) {
+                       std::optional<std::function<void()>> on_main_grad_accumulated,
+                       std::optional<std::function<std::optional<at::Tensor>()>> current_main_grad) {
              auto r = std::make_shared<WeightRef>();
              r->param = std::move(param);
              r->name = std::move(name);
@@ -87,12 +88,13 @@ void init_nn(py::module_& parent) {
              if (materialize_backward) r->materialize_backward = *materialize_backward;
              if (finalize) r->finalize = *finalize;
              if (on_main_grad_accumulated) r->on_main_grad_accumulated = *on_main_grad_accumulated;
+             if (current_main_grad) r->current_main_grad = *current_main_grad;
              return r;
            }),
            py::arg("param"), py::arg("name"), py::kw_only(), py::arg("main_grad") = py::none(),
            py::arg("grad_dtype") = py::none(), py::arg("materialize_forward") = py::none(),
            py::arg("materialize_backward") = py::none(), py::arg("finalize") = py::none(),
-           py::arg("on_main_grad_accumulated") = py::none());
+           py::arg("on_main_grad_accumulated") = py::none(), py::arg("current_main_grad") = py::none());
 
   m.def(
       "linear",

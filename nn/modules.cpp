@@ -47,8 +47,8 @@ void DeferredWgradModule::run_wgrad_hooks() {
 }
 
 at::Tensor& DeferredWgradModule::main_grad(const std::string& name) {
-  auto it = main_grads_.find(name);
-  DWGRAPH_CHECK_ARG(it != main_grads_.end(), display_name_, ": parameter '", name,
+  auto it = main_grads_->find(name);
+  DWGRAPH_CHECK_ARG(it != main_grads_->end(), display_name_, ": parameter '", name,
                     "' has no main_grad (fuse_wgrad_accumulation=",
                     opts_.fuse_wgrad_accumulation ? "true" : "false", ")");
   return it->second;
@@ -71,8 +71,12 @@ ops::WeightRefPtr DeferredWgradModule::ref(const std::string& name, const at::Te
   r->param = param;
   r->name = name;
   if (is_weight && opts_.fuse_wgrad_accumulation) {
-    auto it = main_grads_.find(name);
-    if (it != main_grads_.end()) r->main_grad = it->second;
+    auto it = main_grads_->find(name);
+    if (it != main_grads_->end()) r->main_grad = it->second;
+    r->current_main_grad = [grads = main_grads_, name]() -> std::optional<at::Tensor> {
+      auto now = grads->find(name);
+      return now == grads->end() ? std::nullopt : std::optional<at::Tensor>(now->second);
+    };
   }
   return r;
 }
@@ -81,7 +85,7 @@ void DeferredWgradModule::allocate_main_grads(const std::vector<std::string>& we
   if (!opts_.fuse_wgrad_accumulation) return;
   for (const auto& name : weight_names) {
     const at::Tensor& p = named_parameters(/*recurse=*/false)[name];
-    main_grads_[name] = at::zeros(p.sizes(), p.options().dtype(at::kFloat));
+    (*main_grads_)[name] = at::zeros(p.sizes(), p.options().dtype(at::kFloat));
   }
 }
 

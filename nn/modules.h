@@ -50,7 +50,8 @@ class DeferredWgradModule : public torch::nn::Module {
   DeferredOptions opts_;
   std::shared_ptr<ops::WgradStore> store_ = std::make_shared<ops::WgradStore>();
   std::vector<Hook> hooks_;
-  std::map<std::string, at::Tensor> main_grads_;
+  // Shared with the weight refs of queued work, which may outlive the module.
+  std::shared_ptr<std::map<std::string, at::Tensor>> main_grads_ = std::make_shared<std::map<std::string, at::Tensor>>();
 };
 
 class Linear : public DeferredWgradModule {

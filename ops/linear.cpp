@@ -7,6 +7,7 @@
 #include "ops/impl/wgrad_landing.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/relu.h>
@@ -59,6 +60,56 @@ struct BelowAutograd {
   at::AutoDispatchBelowADInplaceOrView guard;
   NoAutocast no_autocast;
 };
+
+// wgrad_gemm writes FP32 or its operands' dtype. Any other gradient buffer (an FP16
+// parameter's under a BF16 autocast region) takes the product through an FP32 buffer.
+template <class Gemm>
+void wgrad_into(at::ScalarType operands, const at::Tensor& out, bool accumulate, const at::Tensor& bias_out,
+                Gemm&& gemm) {
+  auto direct = [&](const at::Tensor& t) {
+    return !t.defined() || t.scalar_type() == at::kFloat || t.scalar_type() == operands;
+  };
+  if (direct(out) && direct(bias_out)) {
+    gemm(out, accumulate, bias_out);
+    return;
+  }
+  const at::Tensor o = direct(out) ? out
+                                   : (accumulate ? out.to(at::kFloat) : at::empty(out.sizes(), out.options().dtype(at::kFloat)));
+  const at::Tensor b = direct(bias_out) ? bias_out : at::empty(bias_out.sizes(), bias_out.options().dtype(at::kFloat));
+  gemm(o, accumulate, b);
+  if (!o.is_same(out)) out.copy_(o);
+  if (b.defined() && !b.is_same(bias_out)) bias_out.copy_(b);
+}
+
+std::optional<at::Tensor> maybe(const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; }
+
+// Throws unless each fused weight's main_grad is still the buffer the forward bound (a
+// replaced one would take the gradient unseen; putting the old one back fixes it).
+void check_main_grads(const std::string& module, const std::vector<WeightRefPtr>& weights) {
+  for (const auto& w : weights) {
+    if (!w->main_grad.has_value() || !w->current_main_grad) continue;
+    const std::optional<at::Tensor> now = w->current_main_grad();
+    DWGRAPH_CHECK_STATE(now.has_value() && now->defined() && now->is_same(*w->main_grad), module,
+                        ": main_grad of parameter '", w->name,
+                        "' was replaced after the forward; its gradient would accumulate into the old buffer. "
+                        "Put the forward's main_grad back, and replace it only with no work queued");
+  }
+}
+
+// Throws unless the saved input and output gradient are unchanged since the backward:
+// eager autograd computed the weight gradient from them then.
+void check_not_stale(const std::string& module, const at::Tensor& x, int64_t x_version, const at::Tensor& dy,
+                     int64_t dy_version) {
+  DWGRAPH_CHECK_STATE(x._version() == x_version, module,
+                      ".backward_dw(): the input this weight gradient is computed from was modified in place "
+                      "after the backward (version ", x_version, ", now ", x._version(),
+                      "), so eager's gradient cannot be computed any more; this backward's weight-gradient "
+                      "work is dropped. Run backward_dw() before reusing the input's memory");
+  DWGRAPH_CHECK_STATE(dy._version() == dy_version, module,
+                      ".backward_dw(): the output gradient this weight gradient is computed from was modified "
+                      "in place after the backward (version ", dy_version, ", now ", dy._version(),
+                      "); this backward's weight-gradient work is dropped. Run backward_dw() before changing it");
+}
 
 // The shared part of the single and grouped backward: input gradient now, weight
 // gradients now or queued.
@@ -129,6 +180,10 @@ class DeferredGemmNode : public torch::autograd::Node {
       }
     }
     if (!any_work) return out;
+    auto check = [module = cfg_.module_name, weights = weights_] { check_main_grads(module, weights); };
+    auto stale = [module = cfg_.module_name, x, xv = x._version(), dy, dv = dy._version()] {
+      check_not_stale(module, x, xv, dy, dv);
+    };
     auto work = [cfg = cfg_, weights = weights_, biases = biases_, need_b, gemms = std::move(gemms),
                  bias_only = std::move(bias_only), sizes = weight_sizes_](bool land, variable_list* result) {
       const size_t nw = weights.size();
@@ -150,13 +205,17 @@ class DeferredGemmNode : public torch::autograd::Node {
       }
     };
     if (deferred) {
-      cfg_.store->push(cfg_.unit_id, this, [work = std::move(work)] {
-        // backward_dw() runs outside the autograd engine, maybe with grad mode or autocast on.
-        const at::NoGradGuard no_grad;
-        const NoAutocast no_autocast;
-        work(true, nullptr);
-      });
+      cfg_.store->push(
+          cfg_.unit_id, this,
+          [work = std::move(work)] {
+            // backward_dw() runs outside the autograd engine, maybe with grad mode or autocast on.
+            const at::NoGradGuard no_grad;
+            const NoAutocast no_autocast;
+            work(true, nullptr);
+          },
+          std::move(check), std::move(stale));
     } else {
+      check();
       work(false, &out);
     }
     return out;
@@ -182,9 +241,9 @@ class LinearBackward final : public DeferredGemmNode {
   }
   detail::WgradGemm wgrad_gemm_for(size_t, const at::Tensor& dy, const at::Tensor& x) override {
     return [dy, x](const at::Tensor& out, bool accumulate, const at::Tensor& bias_out) {
-      at::Tensor o = out;
-      wgrad_gemm(dy, x, o, accumulate,
-                 bias_out.defined() ? std::optional<at::Tensor>(bias_out) : std::nullopt);
+      wgrad_into(dy.scalar_type(), out, accumulate, bias_out, [&](at::Tensor o, bool acc, const at::Tensor& b) {
+        wgrad_gemm(dy, x, o, acc, maybe(b));
+      });
     };
   }
   at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) override {
@@ -215,14 +274,15 @@ class GroupedLinearBackward final : public DeferredGemmNode {
   detail::WgradGemm wgrad_gemm_for(size_t i, const at::Tensor& dy, const at::Tensor& x) override {
     if (packed()) {
       return [dy, x, splits = m_splits_](const at::Tensor& out, bool accumulate, const at::Tensor& bias_out) {
-        at::Tensor o = out;
-        grouped_wgrad_gemm(dy, x, o, splits, accumulate,
-                           bias_out.defined() ? std::optional<at::Tensor>(bias_out) : std::nullopt);
+        wgrad_into(dy.scalar_type(), out, accumulate, bias_out, [&](at::Tensor o, bool acc, const at::Tensor& b) {
+          grouped_wgrad_gemm(dy, x, o, splits, acc, maybe(b));
+        });
       };
     }
     return [dy = rows(dy, i), x = rows(x, i)](const at::Tensor& out, bool accumulate, const at::Tensor& bias_out) {
-      at::Tensor o = out;
-      wgrad_gemm(dy, x, o, accumulate, bias_out.defined() ? std::optional<at::Tensor>(bias_out) : std::nullopt);
+      wgrad_into(dy.scalar_type(), out, accumulate, bias_out, [&](at::Tensor o, bool acc, const at::Tensor& b) {
+        wgrad_gemm(dy, x, o, acc, maybe(b));
+      });
     };
   }
   at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) override {

@@ -34,6 +34,10 @@ struct WeightRef {
   std::function<void(const at::Tensor&)> finalize;
   // Called after every accumulation into main_grad (sets grad_added_to_main_grad).
   std::function<void()> on_main_grad_accumulated;
+  // The parameter's main_grad now (nullopt: none). Checked before the deferred or backward
+  // GEMM accumulates into `main_grad`: a buffer replaced since the forward would otherwise
+  // take the gradient unseen.
+  std::function<std::optional<at::Tensor>()> current_main_grad;
 
   at::Tensor for_forward() const { return materialize_forward ? materialize_forward() : param; }
   at::Tensor for_backward() const {

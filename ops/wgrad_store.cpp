@@ -11,20 +11,27 @@ uint64_t WgradStore::new_unit_id() {
   return next_id_++;
 }
 
-void WgradStore::push(uint64_t unit_id, const void* source, Work work) {
+void WgradStore::push(uint64_t unit_id, const void* source, Work work, Work check, Work stale) {
   const std::lock_guard<std::mutex> lock(mu_);
   for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
     if (it->id != unit_id) continue;
     if (std::find(it->sources.begin(), it->sources.end(), source) != it->sources.end()) break;
     it->sources.push_back(source);
     it->work.push_back(std::move(work));
+    if (check) it->checks.push_back(std::move(check));
+    if (stale) it->stale.push_back(std::move(stale));
     return;
   }
-  units_.push_back(Unit{unit_id, {source}, {std::move(work)}});
+  Unit unit{unit_id, {source}, {}, {}, {}};
+  unit.work.push_back(std::move(work));
+  if (check) unit.checks.push_back(std::move(check));
+  if (stale) unit.stale.push_back(std::move(stale));
+  units_.push_back(std::move(unit));
 }
 
 void WgradStore::run_oldest(const std::string& owner) {
   Unit unit;
+  std::vector<Work> checks, stale;
   {
     const std::lock_guard<std::mutex> lock(mu_);
     DWGRAPH_CHECK_STATE(!units_.empty(), owner,
@@ -33,6 +40,21 @@ void WgradStore::run_oldest(const std::string& owner) {
                         graph_owner_.empty() ? std::string()
                                              : "; its graphed backward queues its work in the graphs of " +
                                                    graph_owner_ + ": call that callable's backward_dw()");
+    checks = units_.front().checks;
+    stale = units_.front().stale;
+  }
+  // Outside the lock (they may call Python).
+  for (auto& c : checks) c();  // a failure leaves the unit queued
+  try {
+    for (auto& c : stale) c();
+  } catch (...) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (!units_.empty()) units_.pop_front();  // it can never give eager's result
+    throw;
+  }
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    DWGRAPH_CHECK_STATE(!units_.empty(), owner, ".backward_dw(): its queued unit was taken by another thread");
     unit = std::move(units_.front());
     units_.pop_front();
   }
@@ -111,7 +133,9 @@ WgradUnits WgradStore::take_after(size_t keep) {
   WgradUnits taken;
   const std::lock_guard<std::mutex> lock(mu_);
   while (units_.size() > keep) {
-    taken.units_.insert(taken.units_.begin(), std::move(units_.back().work));
+    Unit& u = units_.back();
+    taken.units_.insert(taken.units_.begin(),
+                        WgradUnits::Taken{std::move(u.work), std::move(u.checks), std::move(u.stale)});
     units_.pop_back();
   }
   return taken;
@@ -120,11 +144,23 @@ WgradUnits WgradStore::take_after(size_t keep) {
 void WgradUnits::run(const std::string& owner) {
   DWGRAPH_CHECK_STATE(!ran_, owner, ": these weight-gradient units already ran; each microbatch's weight "
                       "step runs once");
+  for (auto& unit : units_) {
+    for (auto& c : unit.checks) c();
+  }
+  try {
+    for (auto& unit : units_) {
+      for (auto& c : unit.stale) c();
+    }
+  } catch (...) {
+    ran_ = true;
+    units_.clear();
+    throw;
+  }
   ran_ = true;
   auto units = std::move(units_);
   units_.clear();
   for (auto& unit : units) {
-    for (auto& w : unit) w();
+    for (auto& w : unit.work) w();
   }
 }
 

@@ -30,10 +30,15 @@ class WgradStore {
   // `unit_id`: appended to the newest queued unit of that id that `source` has not yet
   // contributed to (another node of the same backward), otherwise as a new unit at the
   // back (a first node, or a second backward of the same forward with retain_graph).
-  void push(uint64_t unit_id, const void* source, Work work);
+  // The checks (optional) throw when the work cannot give eager's result now; they all run
+  // before any of the unit's work. After a failed `check` the unit stays queued (the caller
+  // can undo the cause: a replaced main_grad); after a failed `stale` check it is dropped,
+  // since the values it needs are gone for good (its inputs were changed in place).
+  void push(uint64_t unit_id, const void* source, Work work, Work check = {}, Work stale = {});
 
-  // Runs the oldest unit's work in the order it was queued, then drops the unit.
-  // Throws GraphStateError naming `owner` when nothing is queued.
+  // Runs the oldest unit's checks, then its work in the order it was queued, then drops
+  // the unit. Throws GraphStateError naming `owner` when nothing is queued; a failed check
+  // writes nothing.
   void run_oldest(const std::string& owner);
 
   size_t num_units() const;
@@ -73,6 +78,8 @@ class WgradStore {
     uint64_t id;
     std::vector<const void*> sources;
     std::vector<Work> work;
+    std::vector<Work> checks;
+    std::vector<Work> stale;
   };
   mutable std::mutex mu_;
   std::deque<Unit> units_;
@@ -94,13 +101,19 @@ class WgradStore {
 class WgradUnits {
  public:
   size_t size() const { return units_.size(); }
-  // Runs every unit in queue order; afterwards nothing is left. Throws GraphStateError
-  // naming `owner` when the units already ran.
+  // Runs every unit's checks, then every unit in queue order; afterwards nothing is left.
+  // Throws GraphStateError naming `owner` when the units already ran; after a failed check
+  // they can run again, after a failed stale check they are dropped.
   void run(const std::string& owner);
 
  private:
   friend class WgradStore;
-  std::vector<std::vector<WgradStore::Work>> units_;
+  struct Taken {
+    std::vector<WgradStore::Work> work;
+    std::vector<WgradStore::Work> checks;
+    std::vector<WgradStore::Work> stale;
+  };
+  std::vector<Taken> units_;
   bool ran_ = false;
 };
 

@@ -362,3 +362,64 @@ def test_a_python_error_in_a_captured_backward_leaves_no_pending_python_error(mo
         dwgraph.make_graphed_callables(Failing(), (torch.randn(B, H, requires_grad=True),), num_warmup_iters=1)
     assert pending == [], f"Python callbacks ran with a pending Python error: {pending}"
     assert lin.weight is lin._parameters["weight"]
+
+
+# -- deferred work: what changed between the backward and backward_dw() ---------------------------
+@pytest.mark.parametrize("what", ["x", "dy", "main_grad"])
+def test_backward_dw_refuses_inputs_changed_since_the_backward_and_loses_nothing(what):
+    # Eager autograd computes the weight gradient in the backward; deferred work that would
+    # read changed values (the next microbatch copied into the input buffer, a reused
+    # gradient buffer, a replaced main_grad) is refused before anything lands.
+    torch.manual_seed(0)
+    lin = dwgraph.nn.Linear(H, 4, delay_wgrad_compute=True, fuse_wgrad_accumulation=what == "main_grad")
+    ref = torch.nn.Linear(H, 4)
+    ref.load_state_dict(lin.state_dict())
+    x, dy = torch.randn(B, H), torch.randn(B, 4)
+    ref(x.clone()).backward(dy.clone())
+    lin(x).backward(dy)
+    old_main_grad = getattr(lin.weight, "main_grad", None)
+    if what == "x":
+        x.add_(100.0)
+    elif what == "dy":
+        dy.mul_(0.0)
+    else:
+        lin.weight.main_grad = torch.zeros(4, H)
+    with pytest.raises(dwgraph.GraphStateError, match="modified in place|was replaced after the forward"):
+        lin.backward_dw()
+    assert lin.weight.grad is None and lin.bias.grad is None, "a refused unit wrote a gradient"
+    if what != "main_grad":
+        # The values the unit needs are gone: it is dropped, and the module goes on.
+        assert lin.num_queued_wgrad_units() == 0
+        lin(x).backward(dy)
+        lin.backward_dw()
+        assert lin.weight.grad is not None
+        return
+    # A replaced main_grad can be put back: the unit stayed queued and lands eager's result.
+    assert lin.num_queued_wgrad_units() == 1
+    lin.weight.main_grad = old_main_grad
+    lin.backward_dw()
+    assert torch.allclose(lin.weight.main_grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(lin.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("params, region", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)],
+                         ids=["fp16_in_bf16", "bf16_in_fp16"])
+def test_parameters_of_another_low_precision_dtype_than_the_autocast_region(delay, params, region):
+    # As torch.nn.Linear: the GEMMs run in the region's dtype, the gradients come back in the
+    # parameters' dtype (through an FP32 buffer, since wgrad_gemm writes FP32 or its
+    # operands' dtype).
+    torch.manual_seed(0)
+    lin = dwgraph.nn.Linear(H, 4, delay_wgrad_compute=delay, dtype=params)
+    x = torch.randn(B, H, requires_grad=True)
+    with torch.autocast("cpu", dtype=region, cache_enabled=False):
+        y = lin(x)
+    assert y.dtype == region
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    if delay:
+        lin.backward_dw()
+    assert lin.weight.grad.dtype == params and lin.bias.grad.dtype == params
+    ref = dy.double().t() @ x.detach().to(region).double()
+    err = ((lin.weight.grad.double() - ref).norm() / ref.norm()).item()
+    assert err < (8e-3 if params == torch.bfloat16 else 2e-3)

@@ -198,6 +198,7 @@ class _DeferredWgradModule(torch.nn.Module):
         if fused:
             kwargs["main_grad"] = getattr(param, "main_grad", None)
             kwargs["on_main_grad_accumulated"] = functools.partial(_set_added_to_main_grad, param)
+            kwargs["current_main_grad"] = functools.partial(getattr, param, "main_grad", None)
         grad_dtype = getattr(param, "grad_dtype", None)
         if grad_dtype is not None and grad_dtype != param.dtype:
             kwargs["grad_dtype"] = grad_dtype
