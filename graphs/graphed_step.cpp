@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <set>
 #include <sstream>
 
 namespace dwgraph::graphs {
@@ -23,6 +24,21 @@ void append_tensor_key(std::ostringstream& os, const at::Tensor& t) {
     return;
   }
   os << t.scalar_type() << t.sizes() << t.strides() << '@' << t.device() << (t.requires_grad() ? "g" : "") << ';';
+}
+
+// A graph cannot follow eager's FIFO across the step's boundary (contract C1): eagerly,
+// the step's backward_dw() lands the oldest queued unit, a caller's one from before the
+// call if there is one, while the graph always lands the unit its own backward queued.
+// So no unit may be queued in the step's modules when it is captured or replayed.
+void check_none_queued_before(const std::vector<ModuleSpec>& modules, const char* when) {
+  for (const auto& m : modules) {
+    if (!m.store) continue;
+    const size_t n = m.store->num_units();
+    DWGRAPH_CHECK_STATE(n == 0, kApi, ": ", m.name, " has ", n, " deferred weight-gradient unit", n == 1 ? "" : "s",
+                        " queued from before this call, ", when,
+                        ". Eagerly, the step's backward_dw() would land the oldest of them; the graph lands "
+                        "the step's own unit. Run their backward_dw() before calling the graphed step");
+  }
 }
 
 }  // namespace
@@ -48,6 +64,7 @@ struct GradSlot {
 
 struct GraphedStep::Variant {
   std::string pattern;  // which gradients exist, which parameters require grad, where they live
+  bool warmed = false;  // ran eagerly once before its capture (a variant found after the first capture)
   std::unique_ptr<Graph> graph;
   StaticInputs inputs;
   std::vector<at::Tensor> static_outputs;
@@ -61,6 +78,7 @@ struct GraphedStep::Variant {
 
 struct GraphedStep::Entry {
   int calls = 0;
+  std::set<std::string> captured;  // patterns of the variants this key captured (evicted ones too)
   bool known = false;  // params and modules asked
   NamedTensors params;
   std::vector<ModuleSpec> modules;
@@ -126,6 +144,14 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
     return step_(tensors);  // warmup: the real step, eagerly
   }
   Variant& v = variant_for(e, full, tensors);
+  if (!v.graph && !e.captured.empty() && !e.captured.count(v.pattern) && opts_.warmup_iters > 0 && !v.warmed) {
+    // State changed since the key's warmup (an optimizer's param groups or its state
+    // reloaded, a parameter unfrozen): the new variant's first call runs eagerly, as the
+    // key's first calls did, so lazily created state exists before its capture.
+    v.warmed = true;
+    last_variant_.clear();
+    return step_(tensors);
+  }
   last_variant_ = full + "#" + v.pattern;
   if (!v.graph) {
     try {
@@ -226,6 +252,7 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
     if (m.store) state.stores.push_back(m.store);
   }
   state.fused = fused;
+  check_none_queued_before(e.modules, "which it would capture");
   std::vector<at::Tensor> outs;
   auto graph = make_graph(device_);
   {
@@ -272,6 +299,17 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
       throw;
     }
     graph->capture_end();
+    // Work the step queues and leaves to the caller would be queued once, at capture:
+    // replays cannot hand a unit to code outside the graph.
+    for (const auto& m : e.modules) {
+      if (!m.store) continue;
+      const size_t n = m.store->num_units();
+      DWGRAPH_CHECK_STATE(n == 0, kApi, ": the step leaves ", n, " deferred weight-gradient unit", n == 1 ? "" : "s",
+                          " queued in ", m.name,
+                          " (its backward runs inside the step, its backward_dw() does not); a graph cannot hand "
+                          "queued work to code outside it. Call backward_dw() inside the step, or leave "
+                          "loss.backward() outside it too");
+    }
     // What the step left in each .grad decides what the caller gets back.
     auto settle = [&](const at::Tensor& leaf, GradSlot& slot) {
       const at::Tensor f = leaf.grad();
@@ -310,6 +348,7 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
     if (m.run_hooks) v.landing.hooks.push_back(m.run_hooks);
   }
   v.graph = std::move(graph);
+  e.captured.insert(v.pattern);
   ++captures_;
   lru_.emplace_front(key, v.pattern);
   if (log::enabled(log::Level::kInfo)) {
@@ -325,9 +364,10 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
   return replay(e, v, tensors);
 }
 
-std::vector<at::Tensor> GraphedStep::replay(Entry&, Variant& v, const std::vector<at::Tensor>& tensors) {
+std::vector<at::Tensor> GraphedStep::replay(Entry& e, Variant& v, const std::vector<at::Tensor>& tensors) {
   v.params.check(kApi);
   v.main_grads.check(kApi);
+  check_none_queued_before(e.modules, "which it would replay");
   v.inputs.check(tensors, kApi);
   // Every gradient the graph reads must fit its buffer, checked before anything is written.
   auto check_grad = [](const at::Tensor& caller, const GradSlot& slot) {

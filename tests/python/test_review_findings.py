@@ -423,3 +423,115 @@ def test_parameters_of_another_low_precision_dtype_than_the_autocast_region(dela
     ref = dy.double().t() @ x.detach().to(region).double()
     err = ((lin.weight.grad.double() - ref).norm() / ref.norm()).item()
     assert err < (8e-3 if params == torch.bfloat16 else 2e-3)
+
+
+def _two_deferred():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.GELU(),
+                               dwgraph.nn.Linear(H, 4, delay_wgrad_compute=True))
+
+
+def _grads(m):
+    return [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+
+
+def _same_grads(a, b):
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
+
+
+def test_step_refuses_units_queued_before_the_call_at_capture_and_replay():
+    # Eagerly the step's backward_dw() lands the oldest queued unit (the caller's); a graph
+    # would land its own. Refused before anything is written, at capture and at replay.
+    m = _two_deferred()
+
+    def body(x):
+        loss = m(x).square().mean()
+        loss.backward()
+        m[0].backward_dw()
+        m[2].backward_dw()
+        return loss
+
+    step = dwgraph.graphed_step(body, warmup_iters=1)
+    m(torch.randn(B, H)).sum().backward()  # a unit queued before the loop (W one step behind)
+    step(torch.randn(B, H))  # the warmup call runs eagerly: FIFO, as eager
+    assert m[0].num_queued_wgrad_units() == 1
+    before = _grads(m)
+    with pytest.raises(dwgraph.GraphStateError, match=r"queued from before this call, which it would capture"):
+        step(torch.randn(B, H))
+    assert m[0].num_queued_wgrad_units() == 1 and m[2].num_queued_wgrad_units() == 1, "the refusal lost a unit"
+    assert _same_grads(before, _grads(m)), "the refused capture changed .grad"
+    m[0].backward_dw()
+    m[2].backward_dw()
+    m.zero_grad(set_to_none=True)
+    e = copy.deepcopy(m)
+    x = torch.randn(B, H)
+    assert torch.equal(step(x), _eager(e, x))
+    _grads_equal(m, e, "capture after the queue was drained")
+    m(torch.randn(B, H)).sum().backward()
+    m.zero_grad(set_to_none=True)  # the gradient pattern the graph was captured with
+    before = _grads(m)
+    with pytest.raises(dwgraph.GraphStateError, match=r"queued from before this call, which it would replay"):
+        step(torch.randn(B, H))
+    assert m[0].num_queued_wgrad_units() == 1
+    assert _same_grads(before, _grads(m)), "the refused replay changed .grad"
+
+
+def _eager(model, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    model[0].backward_dw()
+    model[2].backward_dw()
+    return loss
+
+
+def test_step_leaving_units_queued_is_refused_at_capture():
+    m = _two_deferred()
+
+    def body(x):
+        loss = m(x).square().mean()
+        loss.backward()  # backward_dw() left to the caller
+        return loss
+
+    step = dwgraph.graphed_step(body, warmup_iters=1)
+    step(torch.randn(B, H))
+    m[0].backward_dw()
+    m[2].backward_dw()
+    before = _grads(m)
+    with pytest.raises(dwgraph.GraphStateError, match=r"the step leaves 1 deferred weight-gradient unit queued"):
+        step(torch.randn(B, H))
+    assert m[0].num_queued_wgrad_units() == 0 and m[2].num_queued_wgrad_units() == 0
+    assert _same_grads(before, _grads(m)), "the refused capture changed .grad"
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "state_clear", "add_param_group"])
+def test_step_follows_optimizer_state_replaced_or_grown_after_capture(change):
+    # The captured optimizer step reads the state tensors it found; reloaded, cleared or
+    # new state (and new param groups) select another graph, warmed up eagerly first.
+    m, e = _two_deferred(), _two_deferred()
+    first = (lambda x: x[0].parameters()) if change == "add_param_group" else (lambda x: x.parameters())
+    om, oe = (torch.optim.SGD(first(x), lr=0.1, momentum=0.9) for x in (m, e))
+
+    def body(model, opt, x):
+        loss = _eager(model, x)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = dwgraph.graphed_step(lambda x: body(m, om, x), warmup_iters=2)
+    for i in range(10):
+        if i == 1:
+            ckpt = [copy.deepcopy(o.state_dict()) for o in (om, oe)]
+        if i == 5:
+            for o, c in zip((om, oe), ckpt):
+                if change == "load_state_dict":
+                    held = o.state_dict()  # noqa: F841 (someone still holds the live state)
+                    o.load_state_dict(c)
+                elif change == "state_clear":
+                    o.state.clear()
+            if change == "add_param_group":
+                om.add_param_group({"params": list(m[2].parameters()), "lr": 0.05})
+                oe.add_param_group({"params": list(e[2].parameters()), "lr": 0.05})
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(e, oe, x)), f"call {i}"
+        _grads_equal(m, e, f"call {i}")
+    assert step.num_captures >= 2

@@ -209,6 +209,22 @@ def _hyperparameters(optimizers) -> str:
     return ";".join(parts)
 
 
+def _state_identity(optimizers) -> str:
+    # A captured optimizer step reads and updates the state tensors it found at capture:
+    # which tensors they are (load_state_dict, state.clear() replace them) selects a graph.
+    parts = []
+    for opt in optimizers:
+        for g in opt.param_groups:
+            for p in g["params"]:
+                state = opt.state.get(p)
+                if state:
+                    parts.append(",".join(f"{k}:{id(v)}@{v.data_ptr()}" if isinstance(v, torch.Tensor) else f"{k}"
+                                          for k, v in sorted(state.items(), key=lambda kv: str(kv[0]))))
+                else:
+                    parts.append("-")
+    return ";".join(parts)
+
+
 class GraphedStep:
     """The callable ``@graphed_step`` returns. ``num_graphs`` and ``num_captures`` report
     how many graphs it holds and how often it captured; ``reset()`` releases them."""
@@ -289,7 +305,8 @@ class GraphedStep:
 
     def _variant_state(self) -> str:
         modes = "".join("1" if m.training else "0" for m in self._all_modules.values())
-        return f"training {modes}|{_hyperparameters(self._optimizers.values())}"
+        return (f"training {modes}|{_hyperparameters(self._optimizers.values())}"
+                f"|state {_state_identity(self._optimizers.values())}")
 
     def _unique_arguments(self, found: List[torch.Tensor]):
         """The distinct tensor arguments, and for each argument its index among them. The
