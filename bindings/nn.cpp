@@ -50,6 +50,8 @@ void init_nn(py::module_& parent) {
       .def("run_oldest", &WgradStore::run_oldest, py::arg("owner"),
            py::call_guard<py::gil_scoped_release>())
       .def("num_units", &WgradStore::num_units)
+      .def("num_graph_pending", &WgradStore::num_graph_pending)
+      .def("num_pending", &WgradStore::num_pending)
       .def("clear", &WgradStore::clear)
       .def("hooks_suppressed", &WgradStore::hooks_suppressed)
       .def("take_after", &WgradStore::take_after, py::arg("keep"))

@@ -33,7 +33,7 @@ void append_tensor_key(std::ostringstream& os, const at::Tensor& t) {
 void check_none_queued_before(const std::vector<ModuleSpec>& modules, const char* when) {
   for (const auto& m : modules) {
     if (!m.store) continue;
-    const size_t n = m.store->num_units();
+    const size_t n = m.store->num_pending();
     DWGRAPH_CHECK_STATE(n == 0, kApi, ": ", m.name, " has ", n, " deferred weight-gradient unit", n == 1 ? "" : "s",
                         " queued from before this call, ", when,
                         ". Eagerly, the step's backward_dw() would land the oldest of them; the graph lands "

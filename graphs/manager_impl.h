@@ -80,6 +80,9 @@ struct Slot {
   std::string captured_mode;  // GraphableCallable::training_mode at capture
   // Replay state (Note [Slot states]), guarded by GraphManager::mu_.
   SlotState state = SlotState::kIdle;
+  // kDwPending: where its backward stands among the deferred work of the process
+  // (ops::next_wgrad_sequence()), so backward_dw() lands older eager units first.
+  uint64_t dw_sequence = 0;
   uint64_t generation = 0;  // of the latest forward that created an autograd node
   bool graph_retained = false;  // that node can still run a backward (retain_graph=True)
 };
@@ -87,6 +90,7 @@ struct Slot {
 class GraphManager : public std::enable_shared_from_this<GraphManager> {
  public:
   GraphManager(std::vector<GraphableCallable> callables, GraphedCallableOptions opts);
+  ~GraphManager();
 
   void build(const std::vector<std::vector<at::Tensor>>& sample_args);
 
@@ -125,6 +129,9 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   void run_eager_backward_dw(size_t s);
   void share_static_buffers();
   bool busy(const Slot& slot) const;  // with mu_ held
+  // Moves a slot to `next` (with mu_ held), keeping the modules' count of backwards
+  // whose work waits in graphs (ops::WgradStore::num_graph_pending) in step.
+  void set_state(Slot& slot, SlotState next);
 
   std::vector<GraphableCallable> callables_;
   GraphedCallableOptions opts_;

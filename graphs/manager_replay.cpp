@@ -137,7 +137,7 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
   {
     const std::lock_guard<std::mutex> lock(mu_);
     generation = ++slot.generation;
-    slot.state = SlotState::kForward;
+    set_state(slot, SlotState::kForward);
     slot.graph_retained = true;
   }
   // Autograd edges: inputs that require grad, then parameters (as captured).
@@ -193,7 +193,7 @@ std::vector<at::Tensor> GraphManager::backward(size_t s, uint64_t generation, co
   out.reserve(slot.static_grad_inputs.size());
   for (const auto& g : slot.static_grad_inputs) out.push_back(g.defined() ? g.clone() : at::Tensor());
   const std::lock_guard<std::mutex> lock(mu_);
-  slot.state = defers_[slot.info.callable] && deferred_asked ? SlotState::kDwPending : SlotState::kIdle;
+  set_state(slot, defers_[slot.info.callable] && deferred_asked ? SlotState::kDwPending : SlotState::kIdle);
   return out;
 }
 
@@ -203,7 +203,7 @@ void GraphManager::node_released(size_t s, uint64_t generation) noexcept {
   Slot& slot = slots_[s];
   if (slot.generation != generation) return;
   // The forward's outputs were dropped without a backward: nothing is pending any more.
-  if (slot.state == SlotState::kForward) slot.state = SlotState::kIdle;
+  if (slot.state == SlotState::kForward) set_state(slot, SlotState::kIdle);
   slot.graph_retained = false;
 }
 
@@ -222,11 +222,21 @@ void GraphManager::backward_dw(size_t s) {
   const std::string w = where(s);
   DWGRAPH_CHECK_STATE(defers_[slot.info.callable], w, ".backward_dw(): it has no module with deferred weight gradients");
   SlotState state;
+  uint64_t sequence;
   {
     const std::lock_guard<std::mutex> lock(mu_);
     state = slot.state;
+    sequence = slot.dw_sequence;
   }
-  if (state != SlotState::kDwPending) {
+  // FIFO (contract C1): eager units its modules queued before the graphed backward (calls
+  // in a mode the graphs were not captured in) land first, as their backward_dw() would.
+  bool older_eager = false;
+  for (const auto& m : callables_[slot.info.callable].modules) {
+    if (!module_defers(m) || !m.store) continue;
+    const auto oldest = m.store->oldest_sequence();
+    older_eager = older_eager || (oldest && *oldest < sequence);
+  }
+  if (state != SlotState::kDwPending || older_eager) {
     run_eager_backward_dw(s);
     return;
   }
@@ -236,7 +246,7 @@ void GraphManager::backward_dw(size_t s) {
   slot.dw->replay();
   {
     const std::lock_guard<std::mutex> lock(mu_);
-    slot.state = SlotState::kIdle;
+    set_state(slot, SlotState::kIdle);
   }
   slot.after_dw.land();
 }
@@ -263,7 +273,31 @@ void GraphManager::run_eager_backward_dw(size_t s) {
   }
 }
 
+void GraphManager::set_state(Slot& slot, SlotState next) {
+  const bool was = slot.state == SlotState::kDwPending, is = next == SlotState::kDwPending;
+  slot.state = next;
+  if (is) slot.dw_sequence = ops::next_wgrad_sequence();
+  if (was == is) return;
+  for (const auto& m : callables_[slot.info.callable].modules) {
+    if (module_defers(m) && m.store) m.store->add_graph_pending(is ? 1 : -1);
+  }
+}
+
+GraphManager::~GraphManager() {
+  // Modules outlive their graphs: what waited in them is no longer pending anywhere.
+  const std::lock_guard<std::mutex> lock(mu_);
+  for (auto& slot : slots_) set_state(slot, SlotState::kIdle);
+}
+
 void GraphManager::reset() {
+  {
+    // The released graphs take their pending work with them (a later backward_dw() is
+    // refused by check_live).
+    const std::lock_guard<std::mutex> lock(mu_);
+    for (auto& slot : slots_) {
+      if (slot.state == SlotState::kDwPending) set_state(slot, SlotState::kIdle);
+    }
+  }
   for (auto& slot : slots_) {
     for (auto* g : {&slot.fwd, &slot.bwd, &slot.dw}) {
       if (*g) (*g)->reset();

@@ -3,8 +3,14 @@
 #include "common/check.h"
 
 #include <algorithm>
+#include <atomic>
 
 namespace dwgraph::ops {
+
+uint64_t next_wgrad_sequence() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
 
 uint64_t WgradStore::new_unit_id() {
   const std::lock_guard<std::mutex> lock(mu_);
@@ -22,7 +28,7 @@ void WgradStore::push(uint64_t unit_id, const void* source, Work work, Work chec
     if (stale) it->stale.push_back(std::move(stale));
     return;
   }
-  Unit unit{unit_id, {source}, {}, {}, {}};
+  Unit unit{unit_id, next_wgrad_sequence(), {source}, {}, {}, {}};
   unit.work.push_back(std::move(work));
   if (check) unit.checks.push_back(std::move(check));
   if (stale) unit.stale.push_back(std::move(stale));
@@ -80,6 +86,26 @@ void WgradStore::release_consumed() {
 size_t WgradStore::num_units() const {
   const std::lock_guard<std::mutex> lock(mu_);
   return units_.size();
+}
+
+void WgradStore::add_graph_pending(int delta) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  if (delta < 0 && graph_pending_ < static_cast<size_t>(-delta)) {
+    graph_pending_ = 0;
+  } else {
+    graph_pending_ = static_cast<size_t>(static_cast<int64_t>(graph_pending_) + delta);
+  }
+}
+
+size_t WgradStore::num_graph_pending() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return graph_pending_;
+}
+
+std::optional<uint64_t> WgradStore::oldest_sequence() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  if (units_.empty()) return std::nullopt;
+  return units_.front().sequence;
 }
 
 std::unique_ptr<WgradStore::Stash> WgradStore::take_queued() {

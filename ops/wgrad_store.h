@@ -12,12 +12,17 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace dwgraph::ops {
 
 class WgradUnits;
+
+// A process-wide, increasing number for each backward that queues deferred work: the
+// order in which backward_dw() calls must land them.
+uint64_t next_wgrad_sequence();
 
 class WgradStore {
  public:
@@ -42,6 +47,16 @@ class WgradStore {
   void run_oldest(const std::string& owner);
 
   size_t num_units() const;
+  // Backwards whose work waits in graphs instead (a graphed callable replayed their
+  // backward, its backward_dw() is pending); the graph manager keeps the count. With
+  // num_units() it is everything that must land before an optimizer step.
+  void add_graph_pending(int delta);
+  size_t num_graph_pending() const;
+  size_t num_pending() const { return num_units() + num_graph_pending(); }
+  // Where the oldest queued unit stands among every unit and graphed backward of the
+  // process (next_wgrad_sequence()); nullopt when nothing is queued. FIFO across eager
+  // units and graphed backwards of one module (contract C1) compares these.
+  std::optional<uint64_t> oldest_sequence() const;
   // While on, run_oldest keeps each consumed unit (and the tensors its closures hold)
   // instead of dropping it, until release_consumed(). The graph manager uses it so the
   // memory a captured backward-dw graph reads stays allocated until every backward-dw
@@ -76,6 +91,7 @@ class WgradStore {
  private:
   struct Unit {
     uint64_t id;
+    uint64_t sequence;
     std::vector<const void*> sources;
     std::vector<Work> work;
     std::vector<Work> checks;
@@ -87,6 +103,7 @@ class WgradStore {
   bool retain_consumed_ = false;
   uint64_t next_id_ = 1;
   int hooks_suppressed_ = 0;
+  size_t graph_pending_ = 0;
   std::string graph_owner_;
 
  public:

@@ -535,3 +535,65 @@ def test_step_follows_optimizer_state_replaced_or_grown_after_capture(change):
         assert torch.equal(step(x), body(e, oe, x)), f"call {i}"
         _grads_equal(m, e, f"call {i}")
     assert step.num_captures >= 2
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.load"])
+def test_copies_of_dwgraph_modules_are_guarded_like_the_original(how):
+    import pickle
+
+    orig = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+    if how == "deepcopy":
+        mod = copy.deepcopy(orig)
+    elif how == "pickle":
+        mod = pickle.loads(pickle.dumps(orig))
+    else:
+        buf = io.BytesIO()
+        torch.save(orig, buf)
+        buf.seek(0)
+        mod = torch.load(buf, weights_only=False)
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    mod(torch.randn(B, H)).sum().backward()  # backward_dw() forgotten
+    before = [p.detach().clone() for p in mod.parameters()]
+    with pytest.raises(dwgraph.GraphStateError, match="never landed"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, mod.parameters()))
+
+
+def test_graphed_pending_backward_dw_is_seen_by_the_optimizer_guard_and_pickle():
+    import pickle
+
+    m = dwgraph.make_graphed_callables(_two_deferred(), (torch.randn(B, H, requires_grad=True),))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(B, H)).sum().backward()
+    assert m[0].num_queued_wgrad_units() == 0 and m[0].num_pending_wgrad_units() == 1
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(dwgraph.GraphStateError, match="in the graphs of a graphed callable"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    with pytest.raises(dwgraph.GraphStateError, match="cannot pickle"):
+        pickle.dumps(m[0])
+    m.backward_dw()
+    assert m[0].num_pending_wgrad_units() == 0
+    opt.step()
+
+
+@pytest.mark.parametrize("eager_first", [True, False], ids=["eager_then_graphed", "graphed_then_eager"])
+def test_graphed_backward_dw_lands_eager_units_in_fifo_order(eager_first):
+    # Calls in eval mode run eagerly and queue units; the graphed backward_dw() must land
+    # the oldest backward first, as eager does: .grad after each backward_dw() equals eager.
+    m = dwgraph.make_graphed_callables(_two_deferred(), (torch.randn(B, H, requires_grad=True),))
+    e = _two_deferred()
+    torch.manual_seed(3)
+    xs = [torch.randn(B, H) for _ in range(3)]
+    modes = [False, False, True] if eager_first else [True, False, False]
+    for x, train in zip(xs, modes):
+        for mm in (m, e):
+            mm.train(train)
+            mm(x).square().sum().backward()
+    for k in range(3):
+        m.backward_dw()
+        e[0].backward_dw()
+        e[2].backward_dw()
+        _grads_equal(m, e, f"after backward_dw {k}")
+    with pytest.raises(dwgraph.GraphStateError):
+        m.backward_dw()

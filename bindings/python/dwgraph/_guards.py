@@ -92,9 +92,12 @@ def _install() -> None:
 
 
 def _queued(m):
+    store = m._wgrad_store
+    graphed = store.num_graph_pending()
+    where = (f" ({graphed} of them in the graphs of a graphed callable: call its backward_dw())" if graphed else "")
     return lambda names: (
-        f"optimizer.step(): {m._display_name()} still has {m.num_queued_wgrad_units()} queued backward(s) whose "
-        f"weight gradients never landed, so {names} would be updated without them. Call backward_dw() once per "
+        f"optimizer.step(): {m._display_name()} still has {store.num_pending()} queued backward(s) whose weight "
+        f"gradients never landed{where}, so {names} would be updated without them. Call backward_dw() once per "
         "backward before the step (in torch.distributed.pipelining, build the stages with "
         "dwgraph.distributed.pipelining.PipelineStage)")
 
@@ -106,7 +109,7 @@ def _unfinished(names):
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    checks = [(m.named_parameters(), _queued(m)) for m in list(_modules) if m.num_queued_wgrad_units() > 0]
+    checks = [(m.named_parameters(), _queued(m)) for m in list(_modules) if m._wgrad_store.num_pending() > 0]
     checks += [(r.named_parameters(), _unfinished) for r in list(_reducers) if r.pending()]
     if not checks:
         return

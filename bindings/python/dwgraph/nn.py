@@ -133,8 +133,15 @@ class _DeferredWgradModule(torch.nn.Module):
         return self._parameters_by_role("fused")
 
     def num_queued_wgrad_units(self) -> int:
-        """How many backwards' worth of weight-gradient work wait for ``backward_dw()``."""
+        """How many backwards' worth of weight-gradient work wait for this module's own
+        ``backward_dw()``. Backwards replayed by a graphed callable wait in its graphs
+        instead; ``num_pending_wgrad_units()`` counts both."""
         return self._wgrad_store.num_units()
+
+    def num_pending_wgrad_units(self) -> int:
+        """Every backward of this module whose weight gradients have not landed yet: queued
+        here, or waiting in a graphed callable's graphs for that callable's ``backward_dw()``."""
+        return self._wgrad_store.num_pending()
 
     def register_wgrad_hook(self, fn: Callable[["torch.nn.Module"], None]) -> RemovableHandle:
         """Calls ``fn(module)`` once after each landing of this module's weight gradients:
@@ -226,12 +233,17 @@ class _DeferredWgradModule(torch.nn.Module):
     def __getstate__(self):
         # torch.save(module) / pickle: queued wgrad units belong to live autograd graphs and
         # cannot be saved; an empty store pickles and comes back empty.
-        queued = self._wgrad_store.num_units()
+        queued = self._wgrad_store.num_pending()
         if queued:
             raise GraphStateError(
                 f"{self._display_name()}: cannot pickle a module with {queued} queued weight-gradient "
-                "unit(s); expected none: run backward_dw() for each queued backward before saving")
+                "unit(s) (eager or in a graphed callable's graphs); expected none: run backward_dw() for each "
+                "queued backward before saving")
         return super().__getstate__()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _guards.track_module(self)  # a copy (pickle, torch.load) is guarded like the original
 
     def __deepcopy__(self, memo):
         new = self.__class__.__new__(self.__class__)
@@ -242,6 +254,7 @@ class _DeferredWgradModule(torch.nn.Module):
         for name, p in self.named_parameters(recurse=False):
             if getattr(p, "main_grad", None) is not None:
                 getattr(new, name).main_grad = copy.deepcopy(p.main_grad, memo)
+        _guards.track_module(new)
         return new
 
 
