@@ -289,6 +289,9 @@ void GraphManager::capture_bwd(size_t s) {
   slot.static_grad_inputs = grads;
   if (!opts_.retain_graph_in_backward) slot.captured_outputs.clear();
   for (const auto& o : slot.static_outputs) slot.output_read_by_bwd.push_back(slot.bwd->touches(o.storage()));
+  for (const auto& t : slot.buffers->inputs.tensors()) {
+    slot.input_read_by_bwd.push_back(t.defined() && slot.bwd->touches(t.storage()));
+  }
   // Modules without deferral: their main_grad was accumulated and their hooks run at the
   // end of each backward.
   for (const auto& m : c.modules) {
@@ -351,6 +354,9 @@ void GraphManager::capture_dw(size_t s) {
     if (module_defers(m) && m.run_hooks) landing.hooks.push_back(m.run_hooks);
   }
   slot.after_dw = std::move(landing);
+  for (const auto& t : slot.buffers->inputs.tensors()) {
+    slot.input_read_by_dw.push_back(t.defined() && slot.dw->touches(t.storage()));
+  }
 }
 
 void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args) {

@@ -60,6 +60,14 @@ struct StaticBuffers {
   std::vector<size_t> slots;  // the slots that share them
 };
 
+// A tensor's version when a graphed call read it, so a later phase that needs its value
+// refuses an in-place change as eager autograd's saved-tensor check does.
+struct WatchedVersion {
+  c10::VariableVersion counter;
+  uint32_t version;
+  size_t index;  // which input or output
+};
+
 struct Slot {
   SlotInfo info;
   std::shared_ptr<StaticBuffers> buffers;
@@ -67,6 +75,9 @@ struct Slot {
   std::vector<at::Tensor> static_outputs;
   std::vector<bool> output_requires_grad;
   std::vector<bool> output_read_by_bwd;  // the backward graph reads the static output (saved for backward)
+  // The backward (backward-dw) graph reads the static input: the eager ops saved the input.
+  std::vector<bool> input_read_by_bwd, input_read_by_dw;
+  std::vector<WatchedVersion> dw_inputs;  // of the call whose backward-dw is pending
   std::vector<at::Tensor> static_grad_outputs;
   // Gradient targets of the backward graph: inputs that require grad, then parameters
   // that require grad; the graph's results land in static_grad_inputs.

@@ -16,16 +16,20 @@
 namespace dwgraph::graphs {
 namespace {
 
+WatchedVersion watch(const at::Tensor& t, size_t index) {
+  const auto& counter = torch::autograd::impl::version_counter(t);
+  return WatchedVersion{counter, counter.current_version(), index};
+}
+
 class GraphedBackward final : public torch::autograd::Node {
  public:
   GraphedBackward(std::shared_ptr<GraphManager> m, size_t slot, uint64_t generation)
       : manager_(std::move(m)), slot_(slot), generation_(generation) {}
   // An output the backward graph reads (saved for backward): changing it in place before
   // the backward is an error, as eager autograd's saved-tensor version check makes it.
-  void watch_output(const at::Tensor& t, size_t index) {
-    const auto& counter = torch::autograd::impl::version_counter(t);
-    watched_.push_back(Watched{counter, counter.current_version(), index});
-  }
+  void watch_output(const at::Tensor& t, size_t index) { watched_outputs_.push_back(watch(t, index)); }
+  // Likewise an input whose static copy it reads (the eager ops saved the input).
+  void watch_input(const at::Tensor& t, size_t index) { watched_inputs_.push_back(watch(t, index)); }
   ~GraphedBackward() override { manager_->node_released(slot_, generation_); }
   std::string name() const override { return "dwgraph::GraphedBackward"; }
 
@@ -43,8 +47,13 @@ class GraphedBackward final : public torch::autograd::Node {
     DWGRAPH_CHECK_STATE(!at::GradMode::is_enabled(), "dwgraph: a backward with create_graph=True (a double "
                         "backward, a gradient penalty) through a graphed call: the backward graph computes "
                         "gradients without an autograd graph of its own. Run that part eagerly");
-    for (const auto& w : watched_) {
+    for (const auto& w : watched_outputs_) {
       DWGRAPH_CHECK_STATE(w.counter.current_version() == w.version, "dwgraph: output ", w.index,
+                          " of a graphed call was modified by an inplace operation after the call, but the "
+                          "backward needs its value (as eager autograd, which refuses this too)");
+    }
+    for (const auto& w : watched_inputs_) {
+      DWGRAPH_CHECK_STATE(w.counter.current_version() == w.version, "dwgraph: input ", w.index,
                           " of a graphed call was modified by an inplace operation after the call, but the "
                           "backward needs its value (as eager autograd, which refuses this too)");
     }
@@ -67,16 +76,11 @@ class GraphedBackward final : public torch::autograd::Node {
   }
 
  private:
-  struct Watched {
-    c10::VariableVersion counter;
-    uint32_t version;
-    size_t index;
-  };
   std::shared_ptr<GraphManager> manager_;
   size_t slot_;
   uint64_t generation_;
   bool released_ = false;
-  std::vector<Watched> watched_;
+  std::vector<WatchedVersion> watched_outputs_, watched_inputs_;
 };
 
 // A plain alias of `t` (no autograd view tracking), so a node can own its history.
@@ -152,6 +156,14 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
   for (size_t i = 0; i < outs.size(); ++i) {
     if (slot.output_requires_grad[i]) torch::autograd::set_history(outs[i], base);
     if (i < slot.output_read_by_bwd.size() && slot.output_read_by_bwd[i]) node->watch_output(outs[i], i);
+  }
+  slot.dw_inputs.clear();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) continue;
+    // The eager ops saved what either later graph reads: the backward checks both.
+    const bool by_dw = i < slot.input_read_by_dw.size() && slot.input_read_by_dw[i];
+    if (by_dw || (i < slot.input_read_by_bwd.size() && slot.input_read_by_bwd[i])) node->watch_input(inputs[i], i);
+    if (by_dw) slot.dw_inputs.push_back(watch(inputs[i], i));
   }
   return outs;
 }
@@ -243,6 +255,18 @@ void GraphManager::backward_dw(size_t s) {
   params_[slot.info.callable].check(w);
   main_grads_[slot.info.callable].check(w);
   slot.after_dw.check(w + ".backward_dw()");  // before anything is written
+  for (const auto& v : slot.dw_inputs) {
+    if (v.counter.current_version() == v.version) continue;
+    {
+      // As an eager dwgraph module drops the unit whose inputs changed: it can never land
+      // eager's gradient.
+      const std::lock_guard<std::mutex> lock(mu_);
+      set_state(slot, SlotState::kIdle);
+    }
+    DWGRAPH_CHECK_STATE(false, w, ".backward_dw(): input ", v.index, " of its call was modified by an inplace "
+                        "operation after the call, but its weight gradients need the value the call saw (as the "
+                        "eager modules, which refuse this too); that backward's weight gradients are dropped");
+  }
   slot.dw->replay();
   {
     const std::lock_guard<std::mutex> lock(mu_);

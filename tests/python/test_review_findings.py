@@ -597,3 +597,44 @@ def test_graphed_backward_dw_lands_eager_units_in_fifo_order(eager_first):
         _grads_equal(m, e, f"after backward_dw {k}")
     with pytest.raises(dwgraph.GraphStateError):
         m.backward_dw()
+
+
+@pytest.mark.parametrize("when", ["before_backward", "before_backward_dw"])
+def test_graphed_call_refuses_inputs_changed_in_place_as_eager(when):
+    # The graphs compute with their static copy of the input; eager refuses a saved input
+    # changed in place, so the graphed call must too (and then train on exactly as eager).
+    m = dwgraph.make_graphed_callables(_two_deferred(), (torch.randn(B, H, requires_grad=True),))
+    e = _two_deferred()
+    for mm in (m, e):
+        x = torch.randn(B, H, requires_grad=True)
+        xin = x * 1
+        y = mm(xin)
+        if when == "before_backward":
+            with torch.no_grad():
+                xin.add_(1.0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.sum().backward()
+            del y
+            if mm is e:
+                # Eager's backward failed half-way: the later layer had queued its unit.
+                # The graphed call is all or nothing; drop eager's partial unit to compare.
+                assert e[2].num_queued_wgrad_units() == 1
+                e[2]._wgrad_store.clear()
+        else:
+            y.sum().backward()
+            with torch.no_grad():
+                xin.add_(1.0)
+            with pytest.raises(dwgraph.GraphStateError, match="modified|changed"):
+                mm.backward_dw() if mm is m else (mm[0].backward_dw(), mm[2].backward_dw())
+            if mm is e:
+                e[2].backward_dw()  # its input is internal: unchanged, its unit lands
+        assert mm[0].num_pending_wgrad_units() == 0
+    m.zero_grad(set_to_none=True)
+    e.zero_grad(set_to_none=True)
+    x = torch.randn(B, H)
+    m(x).square().sum().backward()
+    e(x).square().sum().backward()
+    m.backward_dw()
+    e[0].backward_dw()
+    e[2].backward_dw()
+    _grads_equal(m, e, "the call after the refusal")
