@@ -638,3 +638,29 @@ def test_graphed_call_refuses_inputs_changed_in_place_as_eager(when):
     e[0].backward_dw()
     e[2].backward_dw()
     _grads_equal(m, e, "the call after the refusal")
+
+
+def test_tied_bf16_weight_with_fp32_grad_dtype_accumulating_is_within_rounding():
+    # Documented limit (docs/memory-contract.md, "Known limits"): eager folds both tied
+    # contributions into the existing FP32 .grad one by one, the graph adds their sum.
+    def mk():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(dwgraph.nn.Linear(16, 16, dtype=torch.bfloat16),
+                                dwgraph.nn.Linear(16, 16, dtype=torch.bfloat16))
+        m[1].weight = m[0].weight
+        for q in m.parameters():
+            q.grad_dtype = torch.float32
+        return m
+
+    m, e = mk(), mk()
+    g = dwgraph.make_graphed_callables(m, (torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True),))
+    for it in range(3):
+        x = torch.randn(8, 16, dtype=torch.bfloat16)
+        g(x).float().square().sum().backward()
+        e(x).float().square().sum().backward()
+        a, b = m[0].weight.grad, e[0].weight.grad
+        assert a.dtype == b.dtype == torch.float32
+        if it == 0:
+            assert torch.equal(a, b), "a fresh gradient is bitwise"
+        else:
+            torch.testing.assert_close(a, b, rtol=2 * torch.finfo(torch.float32).eps, atol=1e-6)
