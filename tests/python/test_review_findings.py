@@ -425,10 +425,10 @@ def test_parameters_of_another_low_precision_dtype_than_the_autocast_region(dela
     assert err < (8e-3 if params == torch.bfloat16 else 2e-3)
 
 
-def _two_deferred():
+def _two_deferred(device="cpu"):
     torch.manual_seed(0)
     return torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.GELU(),
-                               dwgraph.nn.Linear(H, 4, delay_wgrad_compute=True))
+                               dwgraph.nn.Linear(H, 4, delay_wgrad_compute=True)).to(device)
 
 
 def _grads(m):
@@ -559,12 +559,12 @@ def test_copies_of_dwgraph_modules_are_guarded_like_the_original(how):
     assert all(torch.equal(a, p) for a, p in zip(before, mod.parameters()))
 
 
-def test_graphed_pending_backward_dw_is_seen_by_the_optimizer_guard_and_pickle():
+def test_graphed_pending_backward_dw_is_seen_by_the_optimizer_guard_and_pickle(device):
     import pickle
 
-    m = dwgraph.make_graphed_callables(_two_deferred(), (torch.randn(B, H, requires_grad=True),))
+    m = dwgraph.make_graphed_callables(_two_deferred(device), (torch.randn(B, H, requires_grad=True, device=device),))
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    m(torch.randn(B, H)).sum().backward()
+    m(torch.randn(B, H, device=device)).sum().backward()
     assert m[0].num_queued_wgrad_units() == 0 and m[0].num_pending_wgrad_units() == 1
     before = [p.detach().clone() for p in m.parameters()]
     with pytest.raises(dwgraph.GraphStateError, match="in the graphs of a graphed callable"):
@@ -578,13 +578,13 @@ def test_graphed_pending_backward_dw_is_seen_by_the_optimizer_guard_and_pickle()
 
 
 @pytest.mark.parametrize("eager_first", [True, False], ids=["eager_then_graphed", "graphed_then_eager"])
-def test_graphed_backward_dw_lands_eager_units_in_fifo_order(eager_first):
+def test_graphed_backward_dw_lands_eager_units_in_fifo_order(eager_first, device):
     # Calls in eval mode run eagerly and queue units; the graphed backward_dw() must land
     # the oldest backward first, as eager does: .grad after each backward_dw() equals eager.
-    m = dwgraph.make_graphed_callables(_two_deferred(), (torch.randn(B, H, requires_grad=True),))
-    e = _two_deferred()
+    m = dwgraph.make_graphed_callables(_two_deferred(device), (torch.randn(B, H, requires_grad=True, device=device),))
+    e = _two_deferred(device)
     torch.manual_seed(3)
-    xs = [torch.randn(B, H) for _ in range(3)]
+    xs = [torch.randn(B, H, device=device) for _ in range(3)]
     modes = [False, False, True] if eager_first else [True, False, False]
     for x, train in zip(xs, modes):
         for mm in (m, e):
@@ -600,13 +600,13 @@ def test_graphed_backward_dw_lands_eager_units_in_fifo_order(eager_first):
 
 
 @pytest.mark.parametrize("when", ["before_backward", "before_backward_dw"])
-def test_graphed_call_refuses_inputs_changed_in_place_as_eager(when):
+def test_graphed_call_refuses_inputs_changed_in_place_as_eager(when, device):
     # The graphs compute with their static copy of the input; eager refuses a saved input
     # changed in place, so the graphed call must too (and then train on exactly as eager).
-    m = dwgraph.make_graphed_callables(_two_deferred(), (torch.randn(B, H, requires_grad=True),))
-    e = _two_deferred()
+    m = dwgraph.make_graphed_callables(_two_deferred(device), (torch.randn(B, H, requires_grad=True, device=device),))
+    e = _two_deferred(device)
     for mm in (m, e):
-        x = torch.randn(B, H, requires_grad=True)
+        x = torch.randn(B, H, requires_grad=True, device=device)
         xin = x * 1
         y = mm(xin)
         if when == "before_backward":
@@ -631,7 +631,7 @@ def test_graphed_call_refuses_inputs_changed_in_place_as_eager(when):
         assert mm[0].num_pending_wgrad_units() == 0
     m.zero_grad(set_to_none=True)
     e.zero_grad(set_to_none=True)
-    x = torch.randn(B, H)
+    x = torch.randn(B, H, device=device)
     m(x).square().sum().backward()
     e(x).square().sum().backward()
     m.backward_dw()
