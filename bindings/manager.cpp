@@ -198,9 +198,11 @@ void init_manager(py::module_& parent) {
       // Warmup and capture run the autograd engine: no GIL (the step takes it back).
       .def("__call__", &GraphedStep::operator(), py::arg("tensors"), py::arg("key"),
            py::call_guard<py::gil_scoped_release>())
+      .def("run_eagerly", &GraphedStep::run_eagerly, py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_graphs", &GraphedStep::num_graphs)
       .def_property_readonly("num_captures", &GraphedStep::num_captures)
       .def_property_readonly("last_variant", &GraphedStep::last_variant)
+      .def_property_readonly("live_variants", &GraphedStep::live_variants)
       .def("reset", &GraphedStep::reset);
 }
 

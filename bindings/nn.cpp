@@ -52,6 +52,7 @@ void init_nn(py::module_& parent) {
       .def("num_units", &WgradStore::num_units)
       .def("num_graph_pending", &WgradStore::num_graph_pending)
       .def("num_pending", &WgradStore::num_pending)
+      .def("num_graph_lost", &WgradStore::num_graph_lost)
       .def("clear", &WgradStore::clear)
       .def("hooks_suppressed", &WgradStore::hooks_suppressed)
       .def("take_after", &WgradStore::take_after, py::arg("keep"))

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <set>
 #include <sstream>
 
 namespace dwgraph::graphs {
@@ -33,7 +32,7 @@ void append_tensor_key(std::ostringstream& os, const at::Tensor& t) {
 void check_none_queued_before(const std::vector<ModuleSpec>& modules, const char* when) {
   for (const auto& m : modules) {
     if (!m.store) continue;
-    const size_t n = m.store->num_pending();
+    const size_t n = m.store->num_units();  // work pending in other graphs is not the step's backward_dw()'s
     DWGRAPH_CHECK_STATE(n == 0, kApi, ": ", m.name, " has ", n, " deferred weight-gradient unit", n == 1 ? "" : "s",
                         " queued from before this call, ", when,
                         ". Eagerly, the step's backward_dw() would land the oldest of them; the graph lands "
@@ -64,7 +63,7 @@ struct GradSlot {
 
 struct GraphedStep::Variant {
   std::string pattern;  // which gradients exist, which parameters require grad, where they live
-  bool warmed = false;  // ran eagerly once before its capture (a variant found after the first capture)
+  std::string id;       // short and unique for the step's lifetime (last_variant)
   std::unique_ptr<Graph> graph;
   StaticInputs inputs;
   std::vector<at::Tensor> static_outputs;
@@ -78,7 +77,6 @@ struct GraphedStep::Variant {
 
 struct GraphedStep::Entry {
   int calls = 0;
-  std::set<std::string> captured;  // patterns of the variants this key captured (evicted ones too)
   bool known = false;  // params and modules asked
   NamedTensors params;
   std::vector<ModuleSpec> modules;
@@ -95,6 +93,16 @@ GraphedStep::GraphedStep(StepFn step, GraphedStepOptions options)
 GraphedStep::~GraphedStep() { reset(); }
 
 size_t GraphedStep::num_graphs() const { return lru_.size(); }
+
+std::vector<std::string> GraphedStep::live_variants() const {
+  std::vector<std::string> out;
+  for (const auto& [key, e] : entries_) {
+    for (const auto& [pattern, v] : e->variants) {
+      if (v->graph) out.push_back(v->id);
+    }
+  }
+  return out;
+}
 
 void GraphedStep::reset() {
   for (auto& [key, e] : entries_) {
@@ -121,6 +129,11 @@ void GraphedStep::evict_until_room() {
   }
 }
 
+std::vector<at::Tensor> GraphedStep::run_eagerly(const std::vector<at::Tensor>& tensors) {
+  last_variant_.clear();
+  return step_(tensors);
+}
+
 std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& tensors, const std::string& key) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -144,15 +157,7 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
     return step_(tensors);  // warmup: the real step, eagerly
   }
   Variant& v = variant_for(e, full, tensors);
-  if (!v.graph && !e.captured.empty() && !e.captured.count(v.pattern) && opts_.warmup_iters > 0 && !v.warmed) {
-    // State changed since the key's warmup (an optimizer's param groups or its state
-    // reloaded, a parameter unfrozen): the new variant's first call runs eagerly, as the
-    // key's first calls did, so lazily created state exists before its capture.
-    v.warmed = true;
-    last_variant_.clear();
-    return step_(tensors);
-  }
-  last_variant_ = full + "#" + v.pattern;
+  last_variant_ = v.id;
   if (!v.graph) {
     try {
       return capture(e, v, full, tensors);
@@ -204,6 +209,7 @@ GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::string& key,
   if (it == e.variants.end()) {
     it = e.variants.emplace(pattern, std::make_unique<Variant>()).first;
     it->second->pattern = pattern;
+    it->second->id = std::to_string(++variants_made_);
   }
   return *it->second;
 }
@@ -348,7 +354,6 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
     if (m.run_hooks) v.landing.hooks.push_back(m.run_hooks);
   }
   v.graph = std::move(graph);
-  e.captured.insert(v.pattern);
   ++captures_;
   lru_.emplace_front(key, v.pattern);
   if (log::enabled(log::Level::kInfo)) {

@@ -69,12 +69,17 @@ class GraphedStep {
   // identifies the graph (non-tensor arguments, by value). Returns the step's outputs,
   // fresh tensors the caller owns.
   std::vector<at::Tensor> operator()(const std::vector<at::Tensor>& tensors, const std::string& key = "");
+  // Runs the step eagerly for this call, as a warmup call does (Python: after a capture
+  // was abandoned because the optimizer would create its state inside it).
+  std::vector<at::Tensor> run_eagerly(const std::vector<at::Tensor>& tensors);
 
   size_t num_graphs() const;
   size_t num_captures() const { return captures_; }
-  // Which graph the last call ran: key and gradient pattern ("" for an eager warmup call).
-  // Python keeps each graph's output structure under it.
+  // Which graph the last call ran: an id unique for this step's lifetime ("" for an eager
+  // call). Python keeps each graph's output structure under it, and drops those of the
+  // graphs no longer held (live_variants()).
   const std::string& last_variant() const { return last_variant_; }
+  std::vector<std::string> live_variants() const;
   // Names the step in log lines (Python: the decorated function's name).
   void set_name(std::string name) { name_ = std::move(name); }
   // Releases every graph and the pool.
@@ -96,6 +101,7 @@ class GraphedStep {
   size_t captures_ = 0;
   std::string name_ = "step";
   std::string last_variant_;
+  uint64_t variants_made_ = 0;
   c10::Device device_ = c10::Device(c10::kCPU);
   bool device_known_ = false;
 };

@@ -357,6 +357,9 @@ void GraphManager::capture_dw(size_t s) {
   for (const auto& t : slot.buffers->inputs.tensors()) {
     slot.input_read_by_dw.push_back(t.defined() && slot.dw->touches(t.storage()));
   }
+  for (const auto& g : slot.static_grad_outputs) {
+    slot.grad_output_read_by_dw.push_back(g.defined() && slot.dw->touches(g.storage()));
+  }
 }
 
 void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args) {

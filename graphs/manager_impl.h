@@ -65,7 +65,9 @@ struct StaticBuffers {
 struct WatchedVersion {
   c10::VariableVersion counter;
   uint32_t version;
-  size_t index;  // which input or output
+  size_t index;                // which input or output
+  const char* what = "input";  // "input", "output", "output gradient"
+  at::Tensor held;             // kept alive as the eager node would keep it (output gradients)
 };
 
 struct Slot {
@@ -78,6 +80,8 @@ struct Slot {
   // The backward (backward-dw) graph reads the static input: the eager ops saved the input.
   std::vector<bool> input_read_by_bwd, input_read_by_dw;
   std::vector<WatchedVersion> dw_inputs;  // of the call whose backward-dw is pending
+  std::vector<bool> grad_output_read_by_dw;  // per output: the backward-dw graph reads its static grad output
+  std::vector<WatchedVersion> dw_grads;  // of the backward whose backward-dw is pending
   std::vector<at::Tensor> static_grad_outputs;
   // Gradient targets of the backward graph: inputs that require grad, then parameters
   // that require grad; the graph's results land in static_grad_inputs.
@@ -143,6 +147,8 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   // Moves a slot to `next` (with mu_ held), keeping the modules' count of backwards
   // whose work waits in graphs (ops::WgradStore::num_graph_pending) in step.
   void set_state(Slot& slot, SlotState next);
+  // Marks every pending backward-dw as lost in the modules' stores (graphs released).
+  void release_pending();
 
   std::vector<GraphableCallable> callables_;
   GraphedCallableOptions opts_;

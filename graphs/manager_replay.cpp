@@ -16,9 +16,9 @@
 namespace dwgraph::graphs {
 namespace {
 
-WatchedVersion watch(const at::Tensor& t, size_t index) {
+WatchedVersion watch(const at::Tensor& t, size_t index, const char* what = "input", bool hold = false) {
   const auto& counter = torch::autograd::impl::version_counter(t);
-  return WatchedVersion{counter, counter.current_version(), index};
+  return WatchedVersion{counter, counter.current_version(), index, what, hold ? t : at::Tensor()};
 }
 
 class GraphedBackward final : public torch::autograd::Node {
@@ -199,6 +199,16 @@ std::vector<at::Tensor> GraphManager::backward(size_t s, uint64_t generation, co
       }
     }
   }
+  // An output gradient the backward-dw graph reads (the eager modules save dy for it): held
+  // as they hold it (so autograd cannot accumulate into it in place) and checked then.
+  slot.dw_grads.clear();
+  for (size_t i = 0, k = 0; i < slot.static_outputs.size(); ++i) {
+    if (!slot.output_requires_grad[i]) continue;
+    const at::Tensor& g = k < grads.size() ? grads[k] : at::Tensor();
+    ++k;
+    const bool read = i < slot.grad_output_read_by_dw.size() && slot.grad_output_read_by_dw[i];
+    if (read && g.defined()) slot.dw_grads.push_back(watch(g, i, "output gradient", /*hold=*/true));
+  }
   slot.bwd->replay();
   // The caller owns what autograd receives: never the buffers the next replay rewrites.
   std::vector<at::Tensor> out;
@@ -255,19 +265,27 @@ void GraphManager::backward_dw(size_t s) {
   params_[slot.info.callable].check(w);
   main_grads_[slot.info.callable].check(w);
   slot.after_dw.check(w + ".backward_dw()");  // before anything is written
-  for (const auto& v : slot.dw_inputs) {
+  std::vector<const WatchedVersion*> watched;
+  for (const auto& v : slot.dw_inputs) watched.push_back(&v);
+  for (const auto& v : slot.dw_grads) watched.push_back(&v);
+  for (const WatchedVersion* p : watched) {
+    const WatchedVersion& v = *p;
     if (v.counter.current_version() == v.version) continue;
+    slot.dw_grads.clear();
     {
       // As an eager dwgraph module drops the unit whose inputs changed: it can never land
       // eager's gradient.
       const std::lock_guard<std::mutex> lock(mu_);
       set_state(slot, SlotState::kIdle);
     }
-    DWGRAPH_CHECK_STATE(false, w, ".backward_dw(): input ", v.index, " of its call was modified by an inplace "
-                        "operation after the call, but its weight gradients need the value the call saw (as the "
-                        "eager modules, which refuse this too); that backward's weight gradients are dropped");
+    DWGRAPH_CHECK_STATE(false, w, ".backward_dw(): ", v.what, " ", v.index, " of its ",
+                        v.what[0] == 'i' ? "call" : "backward",
+                        " was modified by an inplace operation since, but its weight gradients need the value "
+                        "the graphs saw (as the eager modules, which refuse this too); that backward's weight "
+                        "gradients are dropped");
   }
   slot.dw->replay();
+  slot.dw_grads.clear();
   {
     const std::lock_guard<std::mutex> lock(mu_);
     set_state(slot, SlotState::kIdle);
@@ -307,21 +325,23 @@ void GraphManager::set_state(Slot& slot, SlotState next) {
   }
 }
 
-GraphManager::~GraphManager() {
-  // Modules outlive their graphs: what waited in them is no longer pending anywhere.
+void GraphManager::release_pending() {
+  // Modules outlive their graphs: a backward_dw() pending in a released graph never lands,
+  // and the modules keep counting it (an optimizer step over it is refused).
   const std::lock_guard<std::mutex> lock(mu_);
-  for (auto& slot : slots_) set_state(slot, SlotState::kIdle);
-}
-
-void GraphManager::reset() {
-  {
-    // The released graphs take their pending work with them (a later backward_dw() is
-    // refused by check_live).
-    const std::lock_guard<std::mutex> lock(mu_);
-    for (auto& slot : slots_) {
-      if (slot.state == SlotState::kDwPending) set_state(slot, SlotState::kIdle);
+  for (auto& slot : slots_) {
+    if (slot.state != SlotState::kDwPending) continue;
+    set_state(slot, SlotState::kIdle);
+    for (const auto& m : callables_[slot.info.callable].modules) {
+      if (module_defers(m) && m.store) m.store->add_graph_lost(1);
     }
   }
+}
+
+GraphManager::~GraphManager() { release_pending(); }
+
+void GraphManager::reset() {
+  release_pending();
   for (auto& slot : slots_) {
     for (auto* g : {&slot.fwd, &slot.bwd, &slot.dw}) {
       if (*g) (*g)->reset();
@@ -329,6 +349,8 @@ void GraphManager::reset() {
     }
     slot.after_dw = Landing();
     slot.after_backward = Landing();
+    slot.dw_inputs.clear();
+    slot.dw_grads.clear();
     slot.buffers = std::make_shared<StaticBuffers>();
     slot.static_outputs.clear();
     slot.captured_outputs.clear();

@@ -89,7 +89,12 @@ void check_main_grads(const std::string& module, const std::vector<WeightRefPtr>
   for (const auto& w : weights) {
     if (!w->main_grad.has_value() || !w->current_main_grad) continue;
     const std::optional<at::Tensor> now = w->current_main_grad();
-    DWGRAPH_CHECK_STATE(now.has_value() && now->defined() && now->is_same(*w->main_grad), module,
+    const at::Tensor& then = *w->main_grad;
+    // The same memory seen through another tensor object (a re-taken view) is the same buffer.
+    const bool same = now.has_value() && now->defined() && now->data_ptr() == then.data_ptr() &&
+                      now->sizes() == then.sizes() && now->strides() == then.strides() &&
+                      now->scalar_type() == then.scalar_type() && now->device() == then.device();
+    DWGRAPH_CHECK_STATE(same, module,
                         ": main_grad of parameter '", w->name,
                         "' was replaced after the forward; its gradient would accumulate into the old buffer. "
                         "Put the forward's main_grad back, and replace it only with no work queued");

@@ -97,6 +97,16 @@ void WgradStore::add_graph_pending(int delta) {
   }
 }
 
+void WgradStore::add_graph_lost(size_t n) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  graph_lost_ += n;
+}
+
+size_t WgradStore::num_graph_lost() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return graph_lost_;
+}
+
 size_t WgradStore::num_graph_pending() const {
   const std::lock_guard<std::mutex> lock(mu_);
   return graph_pending_;
@@ -153,6 +163,7 @@ void WgradStore::clear() {
   const std::lock_guard<std::mutex> lock(mu_);
   units_.clear();
   consumed_.clear();
+  graph_lost_ = 0;
 }
 
 WgradUnits WgradStore::take_after(size_t keep) {

@@ -52,7 +52,12 @@ class WgradStore {
   // num_units() it is everything that must land before an optimizer step.
   void add_graph_pending(int delta);
   size_t num_graph_pending() const;
-  size_t num_pending() const { return num_units() + num_graph_pending(); }
+  // Graphed backwards whose graphs were released (reset(), the graphed callable dropped)
+  // before their backward_dw(): their weight gradients never land. Counted as pending so an
+  // optimizer step over them is refused; clear() forgets them.
+  void add_graph_lost(size_t n);
+  size_t num_graph_lost() const;
+  size_t num_pending() const { return num_units() + num_graph_pending() + num_graph_lost(); }
   // Where the oldest queued unit stands among every unit and graphed backward of the
   // process (next_wgrad_sequence()); nullopt when nothing is queued. FIFO across eager
   // units and graphed backwards of one module (contract C1) compares these.
@@ -64,7 +69,7 @@ class WgradStore {
   void set_retain_consumed(bool on);
   void release_consumed();
   bool empty() const { return num_units() == 0; }
-  // Drops every queued unit without running it.
+  // Drops every queued unit without running it, and forgets lost graphed ones.
   void clear();
   // Takes every unit after the oldest `keep` out of the FIFO: with `keep` the count before a
   // backward, the units that backward queued. A pipeline schedule runs them at the weight
@@ -104,6 +109,7 @@ class WgradStore {
   uint64_t next_id_ = 1;
   int hooks_suppressed_ = 0;
   size_t graph_pending_ = 0;
+  size_t graph_lost_ = 0;
   std::string graph_owner_;
 
  public:

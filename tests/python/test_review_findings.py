@@ -664,3 +664,94 @@ def test_tied_bf16_weight_with_fp32_grad_dtype_accumulating_is_within_rounding()
             assert torch.equal(a, b), "a fresh gradient is bitwise"
         else:
             torch.testing.assert_close(a, b, rtol=2 * torch.finfo(torch.float32).eps, atol=1e-6)
+
+
+def test_step_module_met_only_through_backward_dw_is_guarded():
+    # A's forward runs outside the step, its backward_dw() inside: A is one of the step's
+    # modules, so the unit queued before the call is refused (eager would land it).
+    torch.manual_seed(0)
+    a, o = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.Linear(H, H)
+
+    def body(x):
+        a.backward_dw()
+        loss = o(x).square().mean()
+        loss.backward()
+        return loss
+
+    step = dwgraph.graphed_step(body, warmup_iters=1)
+    a(torch.randn(B, H)).sum().backward()
+    step(torch.randn(B, H))  # eager warmup: lands the unit
+    a(torch.randn(B, H)).sum().backward()
+    before = _grads(a)
+    with pytest.raises(dwgraph.GraphStateError, match="queued from before this call"):
+        step(torch.randn(B, H))
+    assert a.num_queued_wgrad_units() == 1, "the refused capture consumed the caller's unit"
+    assert _same_grads(before, _grads(a))
+
+
+@pytest.mark.parametrize("change", ["state_clear_each_call", "swap_param_groups", "lr_every_call"])
+def test_step_follows_optimizer_changes_every_call(change):
+    m, e = _two_deferred(), _two_deferred()
+    groups = lambda x: [{"params": list(x[0].parameters()), "lr": 0.1},  # noqa: E731
+                        {"params": list(x[2].parameters()), "lr": 0.01}]
+    om, oe = (torch.optim.SGD(groups(x), lr=0.1, momentum=0.0 if change == "swap_param_groups" else 0.9)
+              for x in (m, e))
+
+    def body(model, opt, x):
+        loss = _eager(model, x)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = dwgraph.graphed_step(lambda x: body(m, om, x), warmup_iters=1, max_graphs=2)
+    for i in range(8):
+        for o in (om, oe):
+            if change == "state_clear_each_call":
+                o.state.clear()
+            elif change == "swap_param_groups" and i == 4:
+                o.param_groups[0]["params"], o.param_groups[1]["params"] = (o.param_groups[1]["params"],
+                                                                          o.param_groups[0]["params"])
+            elif change == "lr_every_call":
+                o.param_groups[0]["lr"] = 0.1 / (i + 1)
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(e, oe, x)), f"call {i}"
+        _grads_equal(m, e, f"call {i}")
+    assert len(step._out_specs) <= 2 * 2 + 1, "bookkeeping of released graphs is kept"
+
+
+def test_dropped_graphed_callable_with_pending_backward_dw_is_seen_by_the_optimizer_guard():
+    inner = _two_deferred()
+    g = dwgraph.make_graphed_callables(inner, (torch.randn(B, H, requires_grad=True),))
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    g(torch.randn(B, H)).sum().backward()
+    g.reset()  # the graphs, and the pending backward_dw() with them, are released
+    with pytest.raises(dwgraph.GraphStateError, match="lost"):
+        opt.step()
+    inner[0].discard_wgrad_units()
+    inner[2].discard_wgrad_units()
+    opt.step()
+
+
+def test_graphed_backward_dw_refuses_an_output_gradient_changed_in_place():
+    m = dwgraph.make_graphed_callables(_two_deferred(), (torch.randn(B, H, requires_grad=True),))
+    e = _two_deferred()
+    for mm in (m, e):
+        held = []
+        y = mm(torch.randn(B, H))
+        y.register_hook(lambda g: held.append(g))
+        y.backward(torch.randn(B, 4))
+        with torch.no_grad():
+            held[0].mul_(2)
+        with pytest.raises(dwgraph.GraphStateError, match="output gradient"):
+            mm.backward_dw() if mm is m else mm[2].backward_dw()
+    assert m[2].num_pending_wgrad_units() == 0
+
+
+def test_eager_backward_dw_accepts_main_grad_reviewed_over_the_same_memory():
+    lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    buf = torch.zeros(H * H)
+    lin.weight.main_grad = buf.view(H, H)
+    lin(torch.randn(B, H)).sum().backward()
+    lin.weight.main_grad = buf.view(H, H)  # the same buffer, another tensor object
+    lin.backward_dw()
+    assert buf.abs().sum() > 0

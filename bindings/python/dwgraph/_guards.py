@@ -93,8 +93,12 @@ def _install() -> None:
 
 def _queued(m):
     store = m._wgrad_store
-    graphed = store.num_graph_pending()
+    graphed, lost = store.num_graph_pending(), store.num_graph_lost()
     where = (f" ({graphed} of them in the graphs of a graphed callable: call its backward_dw())" if graphed else "")
+    if lost:
+        where += (f" ({lost} of them were pending in graphs released before their backward_dw(), by reset() or "
+                  "by dropping the graphed callable: those gradients are lost; call discard_wgrad_units() on the "
+                  "module to go on without them)")
     return lambda names: (
         f"optimizer.step(): {m._display_name()} still has {store.num_pending()} queued backward(s) whose weight "
         f"gradients never landed{where}, so {names} would be updated without them. Call backward_dw() once per "

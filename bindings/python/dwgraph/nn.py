@@ -60,10 +60,17 @@ class _StepContext(threading.local):
 
     def __init__(self):
         self.modules = None  # a dict id -> module while a step is watched
+        self.capture_known = None  # while a step is captured: the module ids its capture guards
 
     def saw(self, module) -> None:
         if self.modules is not None:
             self.modules.setdefault(id(module), module)
+            if self.capture_known is not None and id(module) not in self.capture_known:
+                from .step import _FoundMore
+
+                raise _FoundMore(
+                    f"dwgraph.graphed_step: at capture the step ran {module._display_name()}, which its earlier "
+                    "calls did not; the capture was abandoned before it ran and is retried with it")
 
 
 _step_context = _StepContext()
@@ -90,6 +97,7 @@ class _DeferredWgradModule(torch.nn.Module):
 
     def backward_dw(self) -> None:
         """Runs the oldest queued unit of weight-gradient work, then the wgrad hooks."""
+        _step_context.saw(self)  # a graphed step's W step may run modules its forward did not
         self._backward_dw_without_hooks()
         self._run_wgrad_hooks()
 
@@ -137,6 +145,12 @@ class _DeferredWgradModule(torch.nn.Module):
         ``backward_dw()``. Backwards replayed by a graphed callable wait in its graphs
         instead; ``num_pending_wgrad_units()`` counts both."""
         return self._wgrad_store.num_units()
+
+    def discard_wgrad_units(self) -> None:
+        """Drops every queued backward's weight-gradient work without running it, and
+        forgets graphed backwards whose graphs were released before their
+        ``backward_dw()``: to go on after an aborted step, without those gradients."""
+        self._wgrad_store.clear()
 
     def num_pending_wgrad_units(self) -> int:
         """Every backward of this module whose weight gradients have not landed yet: queued

@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import enum
 import functools
+import itertools
 import threading
 import types
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -86,7 +87,7 @@ def _install_optimizer_hooks() -> None:
                 del opt.state[p]
             made += bool(new)
         if made:
-            err = GraphStateError(
+            err = _CreatesState(
                 f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step would create its state for "
                 f"{made} parameter(s) during the capture; run at least one warmup call "
                 "(warmup_iters >= 1) so the optimizer creates its state eagerly")
@@ -201,11 +202,14 @@ def _flatten(obj, tensors: List[torch.Tensor], path: str):
 def _hyperparameters(optimizers) -> str:
     # Python numbers in param_groups are baked into a captured optimizer step: a change
     # (a learning-rate schedule) selects another graph. Tensor values are read by the graph.
+    # Which parameters each group holds is baked in the same way (a parameter moved to a
+    # group with another lr).
     parts = []
     for opt in optimizers:
         for g in opt.param_groups:
             parts.append(repr(sorted((k, v) for k, v in g.items()
                                      if k != "params" and not isinstance(v, torch.Tensor))))
+            parts.append(",".join(str(id(p)) for p in g["params"]))
     return ";".join(parts)
 
 
@@ -237,6 +241,9 @@ class GraphedStep:
         if self._given is None:
             # What the step touches is found by running it: one eager call at least.
             warmup_iters = max(int(warmup_iters), 1)
+        self._warmup_iters = int(warmup_iters)
+        self._native_max_graphs = int(max_graphs)
+        self._handed_modules: Optional[set] = None  # the modules the capture was told about
         self._touched: Dict[int, torch.Tensor] = {}  # what the warmup calls trained
         self._modules: Dict[int, torch.nn.Module] = {}
         self._optimizers: Dict[int, torch.optim.Optimizer] = {}
@@ -291,9 +298,22 @@ class GraphedStep:
         key = f"{key_args}{key_kwargs}|aliases {where}|grad {torch.is_grad_enabled()}|autocast {autocast}"
         self._current = (rebuild, key, tensors)
         try:
-            out = iter(self._native(tensors, key))
-        except _FoundMore:
-            out = iter(self._native(tensors, key))  # capture again, now knowing everything it trains
+            for attempt in itertools.count():
+                try:
+                    out = iter(self._native(tensors, key))
+                    break
+                except _FoundMore:
+                    # Capture again, now knowing more of what it trains and runs: every
+                    # retry knows at least one more tensor or module than the last.
+                    if attempt >= len(self._touched) + len(self._modules) + 1:
+                        raise
+        except _CreatesState:
+            # The optimizer's state does not exist yet for what this call steps (state
+            # cleared, a param group added): the abandoned capture changed nothing, so this
+            # call runs eagerly, as a warmup call, and a later one captures.
+            if self._warmup_iters < 1:
+                raise
+            out = iter(self._native.run_eagerly(tensors))
         variant = self._native.last_variant
         if variant and variant in self._out_specs:
             spec, is_tensor = self._out_specs[variant]
@@ -301,6 +321,9 @@ class GraphedStep:
             spec, is_tensor = self._last_spec
             if variant:
                 self._out_specs[variant] = self._last_spec
+                if len(self._out_specs) > 2 * self._native_max_graphs:  # those of released graphs
+                    live = set(self._native.live_variants)
+                    self._out_specs = {k: v for k, v in self._out_specs.items() if k in live}
         return pytree.tree_unflatten([next(out) if t else None for t in is_tensor], spec)
 
     def _variant_state(self) -> str:
@@ -341,11 +364,19 @@ class GraphedStep:
         rebuild, key, _ = self._current
         args, kwargs = rebuild(tensors)
         touched: Dict[int, tuple] = {}  # id -> (tensor, its .grad when first seen)
+        # A capture follows the core asking what the step trains (_params); any other call
+        # is eager. Taken here, so a failed capture leaves no stale "capturing" behind.
+        handed, self._handed = self._handed, None
         saved = (_watch.step, _watch.optimizer)
         from .nn import _step_context
         saved_modules = _step_context.modules
         _watch.step, _watch.optimizer = self, None
         _step_context.modules = self._modules
+        saved_known = _step_context.capture_known
+        # Capturing: a dwgraph module the core was not told about (its forward or its
+        # backward_dw() met for the first time) is refused before it runs anything, as
+        # its queued units are not under the capture's guard; the capture is retried.
+        _step_context.capture_known = self._handed_modules if handed is not None else None
         thread = threading.get_ident()
 
         def seen(module, _inputs):
@@ -361,7 +392,7 @@ class GraphedStep:
                 out = self._fn(*args, **kwargs)
         except Exception as e:
             opt = _watch.optimizer
-            if opt is not None and self._handed is not None and not getattr(e, "_dwgraph_complete", False):
+            if opt is not None and handed is not None and not getattr(e, "_dwgraph_complete", False):
                 raise GraphStateError(
                     f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step cannot be captured ({e}); "
                     "an optimizer that reads tensor values on the host (Adam/AdamW without capturable=True, for "
@@ -371,12 +402,12 @@ class GraphedStep:
             handle.remove()
             _watch.step, _watch.optimizer = saved
             _step_context.modules = saved_modules
+            _step_context.capture_known = saved_known
         inputs = {id(t) for t in tensors}
         touched = {i: v for i, v in touched.items() if i not in inputs}
-        if self._handed is not None:
+        if handed is not None:
             # Capturing: the graph hands back only what the core was told about.
-            stray = [(t, before) for i, (t, before) in touched.items() if i not in self._handed]
-            self._handed = None
+            stray = [(t, before) for i, (t, before) in touched.items() if i not in handed]
             if stray:
                 for t, before in stray:
                     t.grad = before  # what the capture wrote there is the graph's memory
@@ -421,6 +452,7 @@ class GraphedStep:
     def _module_specs(self):
         from .graphed import _dwgraph_module_spec
 
+        self._handed_modules = set(self._modules)
         return [_dwgraph_module_spec(type(m).__name__, m) for m in self._modules.values()]
 
     # -- reporting ---------------------------------------------------------------------------
@@ -438,7 +470,13 @@ class GraphedStep:
 
 
 class _FoundMore(GraphStateError):
-    """A capture met a tensor the step trains that its warmup calls did not: retried once."""
+    """A capture met a tensor the step trains, or a dwgraph module it runs, that its warmup
+    calls did not: retried once."""
+
+
+class _CreatesState(GraphStateError):
+    """The optimizer would create state inside the capture: the call runs eagerly instead
+    (with warmup_iters >= 1)."""
 
 
 def _describe(t: torch.Tensor) -> str:
