@@ -755,3 +755,22 @@ def test_eager_backward_dw_accepts_main_grad_reviewed_over_the_same_memory():
     lin.weight.main_grad = buf.view(H, H)  # the same buffer, another tensor object
     lin.backward_dw()
     assert buf.abs().sum() > 0
+
+
+def test_step_follows_a_replaced_optimizer_instance():
+    m, e = _two_deferred(), _two_deferred()
+    opts = {k: torch.optim.SGD(x.parameters(), lr=0.1, momentum=0.9) for k, x in (("m", m), ("e", e))}
+
+    def body(model, opt, x):
+        loss = _eager(model, x)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    step = dwgraph.graphed_step(lambda x: body(m, opts["m"], x), warmup_iters=2)
+    for i in range(8):
+        if i == 5:  # a new phase: a new optimizer, the old one dropped
+            opts = {k: torch.optim.SGD(x.parameters(), lr=0.01, momentum=0.9) for k, x in (("m", m), ("e", e))}
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(e, opts["e"], x)), f"call {i}"
+        _grads_equal(m, e, f"call {i}")

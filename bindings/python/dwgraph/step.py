@@ -30,6 +30,7 @@ import functools
 import itertools
 import threading
 import types
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -246,7 +247,9 @@ class GraphedStep:
         self._handed_modules: Optional[set] = None  # the modules the capture was told about
         self._touched: Dict[int, torch.Tensor] = {}  # what the warmup calls trained
         self._modules: Dict[int, torch.nn.Module] = {}
-        self._optimizers: Dict[int, torch.optim.Optimizer] = {}
+        # Weak: an optimizer the caller replaced (a new phase) and dropped leaves the key's
+        # variant state, so the graph that stepped it is not replayed for its successor.
+        self._optimizers: "weakref.WeakValueDictionary[int, torch.optim.Optimizer]" = weakref.WeakValueDictionary()
         self._handed: Optional[Dict[int, torch.Tensor]] = None
         self._out_specs: Dict[str, Any] = {}  # per graph (key and gradient pattern)
         self._last_spec = None
@@ -328,8 +331,9 @@ class GraphedStep:
 
     def _variant_state(self) -> str:
         modes = "".join("1" if m.training else "0" for m in self._all_modules.values())
-        return (f"training {modes}|{_hyperparameters(self._optimizers.values())}"
-                f"|state {_state_identity(self._optimizers.values())}")
+        optimizers = list(self._optimizers.items())
+        return (f"training {modes}|optimizers {[i for i, _ in optimizers]}"
+                f"|{_hyperparameters(o for _, o in optimizers)}|state {_state_identity(o for _, o in optimizers)}")
 
     def _unique_arguments(self, found: List[torch.Tensor]):
         """The distinct tensor arguments, and for each argument its index among them. The
