@@ -1,5 +1,7 @@
 #include "graphs/caller_state.h"
 
+#include "graphs/replay_checks.h"
+
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -36,6 +38,9 @@ std::vector<T> unique_by_impl(const std::vector<T>& in) {
 CallerStateGuard::CallerStateGuard(CallerState state) : state_(std::move(state)) {
   state_.parameters = unique_by_impl(state_.parameters);
   state_.buffers = unique_by_impl(state_.buffers);
+  // Before anything is saved or changed: every tensor the capture may touch has memory.
+  for (const auto& p : state_.parameters) check_has_memory(p, "a parameter");
+  for (const auto& b : state_.buffers) check_has_memory(b, "a module buffer");
   const at::NoGradGuard no_grad;
   for (const auto& p : state_.parameters) {
     grads_.push_back(p.grad());

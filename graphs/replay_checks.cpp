@@ -3,6 +3,7 @@
 #include "common/check.h"
 #include "graphs/graph.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/grad_mode.h>
 
 #include <atomic>
@@ -20,6 +21,17 @@ std::string describe(const at::Tensor& t) {
   if (!t.defined()) return "None";
   return c10::str("a ", t.scalar_type(), " tensor of shape ", t.sizes(), " on ", t.device(),
                   t.requires_grad() ? " that requires grad" : "");
+}
+
+void check_has_memory(const at::Tensor& t, const char* what) {
+  if (!t.defined() || t.numel() == 0 || !t.has_storage()) return;
+  const size_t needed = at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.dtype().itemsize(),
+                                                         static_cast<size_t>(t.storage_offset()));
+  const size_t held = t.storage().nbytes();
+  DWGRAPH_CHECK_STATE(held >= needed, "dwgraph: ", what, " (", describe(t), ") has no memory: its storage holds ", held,
+                      " of the ", needed, " bytes it views. Its owner frees it between uses (as FSDP2 does with "
+                      "unsharded parameters), so a graph would read and write freed memory; run this eagerly "
+                      "(FSDP2 models are not graphed, docs/distributed.md)");
 }
 
 CapturedParameters::CapturedParameters(std::vector<std::string> names, std::vector<at::Tensor> params,

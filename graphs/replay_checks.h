@@ -93,4 +93,9 @@ class StaticInputs {
 // "a float tensor of shape [2, 3] on cpu"
 std::string describe(const at::Tensor& t);
 
+// Throws GraphStateError unless `t`'s storage holds every element it views: an owner that
+// frees a tensor's memory between uses (FSDP2's unsharded parameters) would have graphs read
+// and write freed memory. `what` names it ("a parameter").
+void check_has_memory(const at::Tensor& t, const char* what);
+
 }  // namespace dwgraph::graphs
