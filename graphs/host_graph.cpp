@@ -203,10 +203,12 @@ void HostGraph::launch() {
   torch::jit::Stack stack;
   for (size_t r = 0; r < records_.size(); ++r) {
     const auto& rec = records_[r];
-    if (rec.skip_at_replay) continue;
+    // Constants first, even for a call that is not replayed (aten::lift_fresh, the first
+    // call to see torch.tensor(...)'s data): later calls read the bytes it met.
     for (const auto& [entry, bytes] : rec.constants) {
       std::memcpy(raw_storages_[entry].mutable_data(), bytes.data(), bytes.size());
     }
+    if (rec.skip_at_replay) continue;
     if (replay_ops_[r]) {
       // The out= overload writes straight into the captured outputs, unless it resizes
       // or moves them: then this call and every later one use the functional form.

@@ -112,7 +112,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   // Replay half.
   std::vector<at::Tensor> call(size_t s, const std::vector<at::Tensor>& inputs);
   std::vector<at::Tensor> backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
-                                   bool deferred_asked);
+                                   bool deferred_asked, bool all_params_asked);
   void node_released(size_t s, uint64_t generation) noexcept;
   void node_done(size_t s, uint64_t generation) noexcept;  // its backward freed the graph
   void backward_dw(size_t s);

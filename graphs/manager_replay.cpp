@@ -62,11 +62,13 @@ class GraphedBackward final : public torch::autograd::Node {
     // modules queue no unit.)
     const auto& deferred = manager_->param_edge_deferred(slot_);
     const size_t first_param = num_outputs() - deferred.size();
-    bool asked = false;
-    for (size_t k = 0; k < deferred.size() && !asked; ++k) {
-      asked = deferred[k] && should_compute_output(first_param + k);
+    bool asked = false, all_asked = true;
+    for (size_t k = 0; k < deferred.size(); ++k) {
+      const bool wanted = task_should_compute_output(first_param + k);
+      asked = asked || (deferred[k] && wanted);
+      all_asked = all_asked && wanted;
     }
-    auto out = manager_->backward(slot_, generation_, grads, asked);
+    auto out = manager_->backward(slot_, generation_, grads, asked, all_asked);
     if (!manager_->after_backward(slot_).empty()) {
       // After autograd has accumulated what this node returns: at the end of the backward.
       torch::autograd::Engine::get_default_engine().queue_callback(
@@ -169,7 +171,7 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
 }
 
 std::vector<at::Tensor> GraphManager::backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
-                                               bool deferred_asked) {
+                                               bool deferred_asked, bool all_params_asked) {
   check_live("backward through a graphed callable");
   Slot& slot = slots_.at(s);
   const std::string w = where(s);
@@ -182,6 +184,13 @@ std::vector<at::Tensor> GraphManager::backward(size_t s, uint64_t generation, co
                         "backward_dw() of the first is pending; the graphs hold one unit of weight-gradient work "
                         "per slot: call backward_dw() between the backwards");
   }
+  // The backward graph accumulates the undeferred fused weights into main_grad whatever is
+  // asked; eager skips what a backward does not ask for (torch.autograd.grad of the inputs).
+  DWGRAPH_CHECK_STATE(all_params_asked || slot.after_backward.mark_flags.empty(), w,
+                      ": a backward that asks for only some gradients (torch.autograd.grad with respect to the "
+                      "inputs) while its graph accumulates weight gradients into main_grad "
+                      "(fuse_wgrad_accumulation without delay_wgrad_compute); eager would skip that accumulation. "
+                      "Use backward(), or make that pass outside the graphed callable");
   params_[slot.info.callable].check(w);
   main_grads_[slot.info.callable].check(w);
   {
@@ -207,7 +216,8 @@ std::vector<at::Tensor> GraphManager::backward(size_t s, uint64_t generation, co
     const at::Tensor& g = k < grads.size() ? grads[k] : at::Tensor();
     ++k;
     const bool read = i < slot.grad_output_read_by_dw.size() && slot.grad_output_read_by_dw[i];
-    if (read && g.defined()) slot.dw_grads.push_back(watch(g, i, "output gradient", /*hold=*/true));
+    // A non-contiguous one the eager GEMM would have copied (dy.contiguous()): not saved.
+    if (read && g.defined() && g.is_contiguous()) slot.dw_grads.push_back(watch(g, i, "output gradient", /*hold=*/true));
   }
   slot.bwd->replay();
   // The caller owns what autograd receives: never the buffers the next replay rewrites.

@@ -774,3 +774,125 @@ def test_step_follows_a_replaced_optimizer_instance():
         x = torch.randn(B, H)
         assert torch.equal(step(x), body(e, opts["e"], x)), f"call {i}"
         _grads_equal(m, e, f"call {i}")
+
+
+def test_constants_made_from_python_data_inside_a_capture_replay_exactly():
+    # torch.tensor(...) data is written outside the dispatcher; its first reader is
+    # aten::lift_fresh, which is not replayed: the constant's bytes are restored anyway.
+    m, e = _two_deferred(), _two_deferred()
+
+    def body(model, x):
+        loss = _eager(model, x) * torch.tensor(2.0)
+        return loss
+
+    def body2(model, x):
+        loss = model(x).square().mean() * torch.tensor(2.0) + torch.as_tensor([0.5]).sum()
+        loss.backward()
+        model[0].backward_dw()
+        model[2].backward_dw()
+        return loss
+
+    step = dwgraph.graphed_step(lambda x: body2(m, x), warmup_iters=1)
+    for i in range(4):
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body2(e, x)), f"call {i}"
+        _grads_equal(m, e, f"call {i}")
+        m.zero_grad(set_to_none=True)
+        e.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_step_counters_of_foreach_optimizers_replay_exactly(foreach):
+    m, e = _two_deferred(), _two_deferred()
+    om, oe = (torch.optim.RMSprop(x.parameters(), lr=0.01, foreach=foreach) for x in (m, e))
+
+    def body(model, opt, x):
+        loss = _eager(model, x)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    step = dwgraph.graphed_step(lambda x: body(m, om, x), warmup_iters=1)
+    for i in range(5):
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(e, oe, x)), f"call {i}"
+        _grads_equal(m, e, f"call {i}")
+    for p, q in zip(m.parameters(), e.parameters()):
+        assert float(om.state[p]["step"]) == float(oe.state[q]["step"]) == 5
+
+
+def test_step_local_leaves_do_not_make_the_capture_retry_forever():
+    m, e = _two_deferred(), _two_deferred()
+
+    def body(model, x):
+        delta = torch.zeros_like(x, requires_grad=True)  # an adversarial perturbation, FGSM-style
+        model(x + delta).square().sum().backward(inputs=[delta])
+        x_adv = (x + 0.1 * delta.grad.sign()).detach()
+        for mod in (model[0], model[2]):
+            mod.discard_wgrad_units()
+        return _eager(model, x_adv)
+
+    step = dwgraph.graphed_step(lambda x: body(m, x), warmup_iters=1)
+    for i in range(3):
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(e, x)), f"call {i}"
+        _grads_equal(m, e, f"call {i}")
+
+
+def test_inputs_only_backward_through_a_graphed_callable_queues_no_weight_work():
+    m = dwgraph.make_graphed_callables(_two_deferred(), (torch.randn(B, H, requires_grad=True),))
+    e = _two_deferred()
+    x = torch.randn(B, H, requires_grad=True)
+    (gm,) = torch.autograd.grad(m(x).square().sum(), x)
+    (ge,) = torch.autograd.grad(e(x).square().sum(), x)
+    assert torch.equal(gm, ge)
+    assert m[0].num_pending_wgrad_units() == e[0].num_pending_wgrad_units() == 0
+    m(x).square().sum().backward()  # the next call is not refused
+    m.backward_dw()
+
+
+def test_step_refuses_an_lr_scheduler_stepped_inside_it_and_restores_it():
+    m = _two_deferred()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+    def body(x):
+        loss = _eager(m, x)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        return loss
+
+    step = dwgraph.graphed_step(body, warmup_iters=1)
+    step(torch.randn(B, H))
+    before = repr(sched.state_dict()), opt.param_groups[0]["lr"]
+    with pytest.raises(dwgraph.GraphStateError, match="LR scheduler"):
+        step(torch.randn(B, H))
+    assert (repr(sched.state_dict()), opt.param_groups[0]["lr"]) == before
+
+
+def test_modules_built_elsewhere_do_not_stop_a_step_from_graphing():
+    m, e = _two_deferred(), _two_deferred()
+
+    def body(model, x):
+        loss_fn = torch.nn.MSELoss()  # a module built inside the step, every call
+        loss = loss_fn(model(x), torch.zeros(B, 4))
+        loss.backward()
+        model[0].backward_dw()
+        model[2].backward_dw()
+        return loss
+
+    step = dwgraph.graphed_step(lambda x: body(m, x), warmup_iters=1)
+    for i in range(5):
+        torch.nn.Linear(2, 2)  # and one elsewhere
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(e, x)), f"call {i}"
+        _grads_equal(m, e, f"call {i}")
+        m.zero_grad(set_to_none=True)
+        e.zero_grad(set_to_none=True)
+    assert step.num_captures == 1
+    m[2].weight = torch.nn.Parameter(m[2].weight.detach().clone())  # a trained parameter replaced
+    e[2].weight = torch.nn.Parameter(e[2].weight.detach().clone())
+    x = torch.randn(B, H)
+    assert torch.equal(step(x), body(e, x))
+    _grads_equal(m, e, "after the replacement")

@@ -66,6 +66,7 @@ def _install_optimizer_hooks() -> None:
     def pre(opt, args, kwargs):
         if _watch.step is not None:
             _watch.step._optimizers.setdefault(id(opt), opt)
+            _watch.step._hyper_before.setdefault(id(opt), (opt, _hyperparameters([opt])))
             _watch.optimizer = opt
             # State made inside a capture would live in the graph's pool and be the
             # capture's, not the caller's: it must exist before (a warmup call makes it).
@@ -125,6 +126,9 @@ class _GradientWatcher(TorchFunctionMode):
     def __init__(self, sink: Dict[int, tuple]):
         super().__init__()
         self.sink = sink
+        # Tensors torch functions made during this call (a leaf for an adversarial
+        # perturbation, a scratch buffer): the step's own, not the caller's state.
+        self.made: set = set()
 
     def _see(self, t) -> None:
         if isinstance(t, torch.Tensor) and id(t) not in self.sink:
@@ -153,7 +157,13 @@ class _GradientWatcher(TorchFunctionMode):
                     for b in a:
                         if isinstance(b, torch.nn.Parameter):
                             self._see(b)
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        outs = result if isinstance(result, (tuple, list)) else (result,)
+        given = {id(a) for a in args if isinstance(a, torch.Tensor)}
+        for r in outs:
+            if isinstance(r, torch.Tensor) and id(r) not in given:  # not self (x.requires_grad_())
+                self.made.add(id(r))
+        return result
 
 
 # -- arguments: tensors anywhere, everything else by value ---------------------------------------
@@ -214,6 +224,39 @@ def _hyperparameters(optimizers) -> str:
     return ";".join(parts)
 
 
+_displaced_tensors: Dict[int, "weakref.ref"] = {}
+
+
+def _note_displaced(t: torch.Tensor) -> None:
+    """A tensor a module stopped holding (replaced by registration): steps that train it
+    must capture again."""
+    key = id(t)
+    _displaced_tensors[key] = weakref.ref(t, lambda _r, key=key: _displaced_tensors.pop(key, None))
+
+
+def _was_displaced(t: torch.Tensor) -> bool:
+    r = _displaced_tensors.get(id(t))
+    return r is not None and r() is t
+
+
+def _schedulers_of(optimizers) -> list:
+    """The LR schedulers of these optimizers (found once per capture)."""
+    import gc
+
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    kinds = (LRScheduler, ReduceLROnPlateau)
+    out = []
+    for o in optimizers:
+        for r in gc.get_referrers(o):
+            # The scheduler itself, or its __dict__ once something materialised it.
+            owners = [r] if isinstance(r, kinds) else (
+                [x for x in gc.get_referrers(r) if isinstance(x, kinds) and x.__dict__ is r] if isinstance(r, dict)
+                else [])
+            out += [x for x in owners if getattr(x, "optimizer", None) is o and x not in out]
+    return out
+
+
 def _state_identity(optimizers) -> str:
     # A captured optimizer step reads and updates the state tensors it found at capture:
     # which tensors they are (load_state_dict, state.clear() replace them) selects a graph.
@@ -253,9 +296,15 @@ class GraphedStep:
         self._handed: Optional[Dict[int, torch.Tensor]] = None
         self._out_specs: Dict[str, Any] = {}  # per graph (key and gradient pattern)
         self._last_spec = None
-        self._all_modules: Dict[int, torch.nn.Module] = {}  # every module the step runs
+        # Every module the step runs, weakly: one built inside the step (a loss module) is
+        # gone after its call and must not make every call a new variant.
+        self._all_modules: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
         self._current = None
         self._version = _C.graphs.registration_version()
+        self._tree: list = []
+        self._ran_python = False
+        self._hyper_before: Dict[int, tuple] = {}  # this call: each optimizer's values when first seen
+        self._changes_own_hyperparameters: Optional[str] = None  # seen in an eager call
         self._native = _C.graphs.GraphedStep(
             self._run_flat, warmup_iters=warmup_iters, pool=pool, max_graphs=max_graphs,
             params=self._params, modules=self._module_specs,
@@ -282,13 +331,19 @@ class GraphedStep:
                                "Enter autocast inside the step, or pass cache_enabled=False")
         version = _C.graphs.registration_version()
         if version != self._version:
-            # A parameter or submodule was (re)registered somewhere: what the step trains may
-            # have changed, so its graphs are dropped and found again (warmup, capture).
-            self._native.reset()
-            self._touched.clear()
-            self._all_modules.clear()
-            self._out_specs.clear()
-            self._version = version
+            # A parameter or submodule was (re)registered somewhere. If it was in a module
+            # the step runs, what the step trains may have changed, so its graphs are
+            # dropped and found again (warmup, capture); modules made elsewhere (a loss
+            # module built inside the step, another model) change nothing here.
+            tree = self._module_tree()
+            trained = list(self._touched.values()) + ([p for _, p in self._given] if self._given else [])
+            if tree != self._tree or any(_was_displaced(t) for t in trained):
+                self._native.reset()
+                self._touched.clear()
+                self._all_modules.clear()
+                self._out_specs.clear()
+                tree = self._module_tree()
+            self._version, self._tree = version, tree
         found: List[torch.Tensor] = []
         key_args, rebuild_args = _flatten(args, found, "args")
         key_kwargs, rebuild_kwargs = _flatten(kwargs, found, "kwargs")
@@ -301,14 +356,16 @@ class GraphedStep:
         key = f"{key_args}{key_kwargs}|aliases {where}|grad {torch.is_grad_enabled()}|autocast {autocast}"
         self._current = (rebuild, key, tensors)
         try:
+            # Capture again on _FoundMore, now knowing more of what it trains and runs:
+            # every retry knows at least one more tensor or module than the last, and
+            # those existed before the call, so the retries are bounded.
+            limit = 2 * (len(self._touched) + len(self._modules)) + 16
             for attempt in itertools.count():
                 try:
                     out = iter(self._native(tensors, key))
                     break
                 except _FoundMore:
-                    # Capture again, now knowing more of what it trains and runs: every
-                    # retry knows at least one more tensor or module than the last.
-                    if attempt >= len(self._touched) + len(self._modules) + 1:
+                    if attempt >= limit:
                         raise
         except _CreatesState:
             # The optimizer's state does not exist yet for what this call steps (state
@@ -317,6 +374,12 @@ class GraphedStep:
             if self._warmup_iters < 1:
                 raise
             out = iter(self._native.run_eagerly(tensors))
+        if self._ran_python or _C.graphs.registration_version() != self._version:
+            # The module tree as this call left it (a capture or eager call may have
+            # found modules, or built some): the next call compares against it.
+            self._version, self._tree = _C.graphs.registration_version(), self._module_tree()
+            self._ran_python = False
+        self._hyper_before: Dict[int, tuple] = {}  # this call: each optimizer's values when first seen
         variant = self._native.last_variant
         if variant and variant in self._out_specs:
             spec, is_tensor = self._out_specs[variant]
@@ -328,6 +391,10 @@ class GraphedStep:
                     live = set(self._native.live_variants)
                     self._out_specs = {k: v for k, v in self._out_specs.items() if k in live}
         return pytree.tree_unflatten([next(out) if t else None for t in is_tensor], spec)
+
+    def _module_tree(self):
+        return [(id(m), [(n, id(p)) for n, p in m.named_parameters(recurse=False)],
+                 [(n, id(c)) for n, c in m.named_children()]) for m in self._all_modules.values()]
 
     def _variant_state(self) -> str:
         modes = "".join("1" if m.training else "0" for m in self._all_modules.values())
@@ -382,6 +449,16 @@ class GraphedStep:
         # its queued units are not under the capture's guard; the capture is retried.
         _step_context.capture_known = self._handed_modules if handed is not None else None
         thread = threading.get_ident()
+        if handed is not None and self._changes_own_hyperparameters:
+            raise GraphStateError(
+                f"dwgraph.graphed_step: the step changes the hyperparameters of the {self._changes_own_hyperparameters} "
+                "it steps (an LR scheduler stepping inside it); a graph replays the values of its capture and no "
+                "Python, so the schedule would stop. Step the scheduler after the graphed step returns")
+        self._hyper_before = {i: (o, _hyperparameters([o])) for i, o in self._optimizers.items()}
+        schedulers = _schedulers_of(list(self._optimizers.values())) if handed is not None else []
+        sched_before = [(s, repr(s.state_dict()), copy.deepcopy(s.state_dict()), [dict((k, v) for k, v in g.items() if k != "params")
+                                                              for g in s.optimizer.param_groups])
+                        for s in schedulers]
 
         def seen(module, _inputs):
             if threading.get_ident() == thread:
@@ -392,7 +469,7 @@ class GraphedStep:
         # buffers the graph depends on.
         handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
         try:
-            with _GradientWatcher(touched):
+            with _GradientWatcher(touched) as watcher:
                 out = self._fn(*args, **kwargs)
         except Exception as e:
             opt = _watch.optimizer
@@ -407,8 +484,28 @@ class GraphedStep:
             _watch.step, _watch.optimizer = saved
             _step_context.modules = saved_modules
             _step_context.capture_known = saved_known
+        self._ran_python = True
+        stepped = [s for s, text, _, _ in sched_before if repr(s.state_dict()) != text]
+        if stepped:
+            # Undo it (the refused capture changes nothing), then refuse.
+            for s, _, state, groups in sched_before:
+                s.load_state_dict(state)
+                for g, saved in zip(s.optimizer.param_groups, groups):
+                    g.update(saved)
+            raise GraphStateError(
+                f"dwgraph.graphed_step: the step steps the LR scheduler {type(stepped[0]).__name__} of an optimizer it "
+                "steps; a graph replays no Python, so the schedule would stop at its capture. Step the scheduler "
+                "after the graphed step returns")
+        changed = [type(o).__name__ for o, before in self._hyper_before.values() if _hyperparameters([o]) != before]
+        if changed:
+            self._changes_own_hyperparameters = changed[0]
+            if handed is not None:  # warmup_iters=0: first seen at capture (the step did run once)
+                raise GraphStateError(
+                    f"dwgraph.graphed_step: the step changed the hyperparameters of the {changed[0]} it steps (an "
+                    "LR scheduler stepping inside it) during its capture; a graph would replay the values of its "
+                    "capture. Step the scheduler after the graphed step returns")
         inputs = {id(t) for t in tensors}
-        touched = {i: v for i, v in touched.items() if i not in inputs}
+        touched = {i: v for i, v in touched.items() if i not in inputs and i not in watcher.made}
         if handed is not None:
             # Capturing: the graph hands back only what the core was told about.
             stray = [(t, before) for i, (t, before) in touched.items() if i not in handed]
