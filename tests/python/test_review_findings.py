@@ -476,12 +476,30 @@ def test_step_refuses_units_queued_before_the_call_at_capture_and_replay():
     assert _same_grads(before, _grads(m)), "the refused replay changed .grad"
 
 
-def _eager(model, x):
-    loss = model(x).square().mean()
+def _land(model, loss):
     loss.backward()
     model[0].backward_dw()
     model[2].backward_dw()
     return loss
+
+
+def _eager(model, x):
+    return _land(model, model(x).square().mean())
+
+
+def _check_step_against_eager(m, e, body, calls, warmup=1, zero=False, before=None):
+    """Runs body(m, x) graphed and body(e, x) eagerly on the same inputs: bitwise equal."""
+    step = dwgraph.graphed_step(lambda x: body(m, x), warmup_iters=warmup)
+    for i in range(calls):
+        if before is not None:
+            before(i)
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(e, x)), f"call {i}"
+        _grads_equal(m, e, f"call {i}")
+        if zero:
+            m.zero_grad(set_to_none=True)
+            e.zero_grad(set_to_none=True)
+    return step
 
 
 def test_step_leaving_units_queued_is_refused_at_capture():
@@ -779,26 +797,10 @@ def test_step_follows_a_replaced_optimizer_instance():
 def test_constants_made_from_python_data_inside_a_capture_replay_exactly():
     # torch.tensor(...) data is written outside the dispatcher; its first reader is
     # aten::lift_fresh, which is not replayed: the constant's bytes are restored anyway.
-    m, e = _two_deferred(), _two_deferred()
-
     def body(model, x):
-        loss = _eager(model, x) * torch.tensor(2.0)
-        return loss
+        return _land(model, model(x).square().mean() * torch.tensor(2.0) + torch.as_tensor([0.5]).sum())
 
-    def body2(model, x):
-        loss = model(x).square().mean() * torch.tensor(2.0) + torch.as_tensor([0.5]).sum()
-        loss.backward()
-        model[0].backward_dw()
-        model[2].backward_dw()
-        return loss
-
-    step = dwgraph.graphed_step(lambda x: body2(m, x), warmup_iters=1)
-    for i in range(4):
-        x = torch.randn(B, H)
-        assert torch.equal(step(x), body2(e, x)), f"call {i}"
-        _grads_equal(m, e, f"call {i}")
-        m.zero_grad(set_to_none=True)
-        e.zero_grad(set_to_none=True)
+    _check_step_against_eager(_two_deferred(), _two_deferred(), body, 4, zero=True)
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -822,8 +824,6 @@ def test_step_counters_of_foreach_optimizers_replay_exactly(foreach):
 
 
 def test_step_local_leaves_do_not_make_the_capture_retry_forever():
-    m, e = _two_deferred(), _two_deferred()
-
     def body(model, x):
         delta = torch.zeros_like(x, requires_grad=True)  # an adversarial perturbation, FGSM-style
         model(x + delta).square().sum().backward(inputs=[delta])
@@ -832,11 +832,7 @@ def test_step_local_leaves_do_not_make_the_capture_retry_forever():
             mod.discard_wgrad_units()
         return _eager(model, x_adv)
 
-    step = dwgraph.graphed_step(lambda x: body(m, x), warmup_iters=1)
-    for i in range(3):
-        x = torch.randn(B, H)
-        assert torch.equal(step(x), body(e, x)), f"call {i}"
-        _grads_equal(m, e, f"call {i}")
+    _check_step_against_eager(_two_deferred(), _two_deferred(), body, 3)
 
 
 def test_inputs_only_backward_through_a_graphed_callable_queues_no_weight_work():
@@ -876,20 +872,10 @@ def test_modules_built_elsewhere_do_not_stop_a_step_from_graphing():
 
     def body(model, x):
         loss_fn = torch.nn.MSELoss()  # a module built inside the step, every call
-        loss = loss_fn(model(x), torch.zeros(B, 4))
-        loss.backward()
-        model[0].backward_dw()
-        model[2].backward_dw()
-        return loss
+        return _land(model, loss_fn(model(x), torch.zeros(B, 4)))
 
-    step = dwgraph.graphed_step(lambda x: body(m, x), warmup_iters=1)
-    for i in range(5):
-        torch.nn.Linear(2, 2)  # and one elsewhere
-        x = torch.randn(B, H)
-        assert torch.equal(step(x), body(e, x)), f"call {i}"
-        _grads_equal(m, e, f"call {i}")
-        m.zero_grad(set_to_none=True)
-        e.zero_grad(set_to_none=True)
+    step = _check_step_against_eager(m, e, body, 5, zero=True,
+                                     before=lambda i: torch.nn.Linear(2, 2))  # and one built elsewhere
     assert step.num_captures == 1
     m[2].weight = torch.nn.Parameter(m[2].weight.detach().clone())  # a trained parameter replaced
     e[2].weight = torch.nn.Parameter(e[2].weight.detach().clone())
