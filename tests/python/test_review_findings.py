@@ -882,3 +882,22 @@ def test_modules_built_elsewhere_do_not_stop_a_step_from_graphing():
     x = torch.randn(B, H)
     assert torch.equal(step(x), body(e, x))
     _grads_equal(m, e, "after the replacement")
+
+
+def test_step_that_changes_its_own_learning_rate_is_refused_at_capture():
+    m = _two_deferred()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def body(x):
+        loss = _eager(m, x)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        opt.param_groups[0]["lr"] *= 0.9  # a hand-written schedule inside the step
+        return loss
+
+    step = dwgraph.graphed_step(body, warmup_iters=1)
+    step(torch.randn(B, H))
+    lr = opt.param_groups[0]["lr"]
+    with pytest.raises(dwgraph.GraphStateError, match="changes the hyperparameters"):
+        step(torch.randn(B, H))
+    assert opt.param_groups[0]["lr"] == lr

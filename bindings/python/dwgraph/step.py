@@ -497,8 +497,8 @@ class GraphedStep:
                 "steps; a graph replays no Python, so the schedule would stop at its capture. Step the scheduler "
                 "after the graphed step returns")
         changed = [type(o).__name__ for o, before in self._hyper_before.values() if _hyperparameters([o]) != before]
+        self._changes_own_hyperparameters = changed[0] if changed else None  # as of the latest call
         if changed:
-            self._changes_own_hyperparameters = changed[0]
             if handed is not None:  # warmup_iters=0: first seen at capture (the step did run once)
                 raise GraphStateError(
                     f"dwgraph.graphed_step: the step changed the hyperparameters of the {changed[0]} it steps (an "
