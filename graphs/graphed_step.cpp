@@ -233,6 +233,11 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
   for (const auto& [name, p] : e.params) {
     DWGRAPH_CHECK_ARG(p.device() == device_, kApi, ": parameter '", name, "' is on ", p.device(),
                       " but the step's other parameters are on ", device_);
+    DWGRAPH_CHECK_STATE(p.layout() == at::kStrided && (!p.grad().defined() || p.grad().layout() == at::kStrided),
+                        kApi, ": parameter '", name, "' or its .grad is ",
+                        p.layout() == at::kStrided ? p.grad().layout() : p.layout(),
+                        "; graphs capture strided tensors only (for a sparse nn.Embedding, pass sparse=False or "
+                        "run it outside the step)");
     names.push_back(name);
     params.push_back(p);
   }

@@ -3,6 +3,7 @@
 #include "graphs/capture_dispatch.h"
 #include "common/check.h"
 
+#include <ATen/Context.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
@@ -68,6 +69,9 @@ Recorder::Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> o
 TensorSlot Recorder::tensor_slot(const at::Tensor& t) {
   TensorSlot s;
   if (!t.defined()) return s;
+  DWGRAPH_CHECK_STATE(t.layout() == at::kStrided, "dwgraph graph capture: a ", t.layout(), " ", t.scalar_type(),
+                      " tensor of shape ", t.sizes(), " reaches a captured kernel; graphs capture strided tensors only "
+                      "(for a sparse nn.Embedding, pass sparse=False or run it outside the captured region)");
   s.defined = true;
   s.sizes = t.sizes().vec();
   s.strides = t.strides().vec();
@@ -97,6 +101,18 @@ ValueSlot Recorder::slot_for(const c10::IValue& v) {
       s.tensors.push_back(e.isTensor() ? tensor_slot(e.toTensor()) : TensorSlot{});
     }
   } else {
+    if (v.isGenerator()) {
+      // A replay draws from the generator object of the capture, whose state no Python
+      // resets (a generator made and seeded inside the step) or that the capture advanced
+      // (CUDA graphs need register_generator_state for it). The default generators are
+      // graph state dwgraph keeps (saved and restored around captures, as eager draws).
+      const at::Generator& g = v.toGenerator();
+      DWGRAPH_CHECK_STATE(g == at::globalContext().defaultGenerator(g.device()),
+                          "dwgraph graph capture: a kernel draws from a torch.Generator other than the default one "
+                          "of ", g.device(), "; a replay would draw from the capture's generator, whose state no "
+                          "Python resets or restores. Draw from the default generator (torch.manual_seed) inside "
+                          "the captured region, or make the random tensor outside it and pass it in");
+    }
     s.kind = ValueSlot::Kind::kOther;
     s.other = v;
   }

@@ -24,7 +24,10 @@ std::string describe(const at::Tensor& t) {
 }
 
 void check_has_memory(const at::Tensor& t, const char* what) {
-  if (!t.defined() || t.numel() == 0 || !t.has_storage()) return;
+  if (!t.defined()) return;
+  DWGRAPH_CHECK_STATE(t.layout() == at::kStrided, "dwgraph: ", what, " is a ", t.layout(),
+                      " tensor; graphs capture strided tensors only");
+  if (t.numel() == 0 || !t.has_storage()) return;
   const size_t needed = at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.dtype().itemsize(),
                                                          static_cast<size_t>(t.storage_offset()));
   const size_t held = t.storage().nbytes();

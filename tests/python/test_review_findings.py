@@ -901,3 +901,79 @@ def test_step_that_changes_its_own_learning_rate_is_refused_at_capture():
     with pytest.raises(dwgraph.GraphStateError, match="changes the hyperparameters"):
         step(torch.randn(B, H))
     assert opt.param_groups[0]["lr"] == lr
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["made_in_the_step", "kept_across_calls"])
+def test_step_drawing_from_a_user_generator_is_refused_at_capture(fresh):
+    m = _two_deferred()
+    kept = torch.Generator().manual_seed(0)
+
+    def body(x):
+        g = torch.Generator().manual_seed(0) if fresh else kept
+        return _eager(m, x + torch.randn(x.shape, generator=g))
+
+    step = dwgraph.graphed_step(body, warmup_iters=1)
+    step(torch.randn(B, H))
+    state = kept.get_state()
+    with pytest.raises(dwgraph.GraphStateError, match="torch.Generator other than the default"):
+        step(torch.randn(B, H))
+    assert torch.equal(kept.get_state(), state), "the refused capture advanced the caller's generator"
+
+
+def test_sparse_gradients_are_a_typed_refusal():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    step = dwgraph.graphed_step(lambda i: emb(i).sum().backward(), warmup_iters=1)
+    step(torch.tensor([1, 2]))
+    with pytest.raises(dwgraph.GraphStateError, match="strided"):
+        step(torch.tensor([1, 2]))
+
+
+def test_global_module_hooks_registered_after_capture_are_refused_at_the_call():
+    m = dwgraph.make_graphed_callables(_two_deferred(), (torch.randn(B, H, requires_grad=True),))
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, i, o: None)
+    try:
+        with pytest.raises(dwgraph.ArgumentError, match="global"):
+            m(torch.randn(B, H))
+    finally:
+        handle.remove()
+    m(torch.randn(B, H)).sum().backward()
+    m.backward_dw()
+
+
+def test_graphed_step_on_another_thread_does_not_block_make_graphed_callables():
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+    m = _two_deferred()
+
+    def body(x):
+        inside.set()
+        release.wait(10)
+        return _eager(m, x)
+
+    step = dwgraph.graphed_step(body, warmup_iters=1)
+    t = threading.Thread(target=lambda: step(torch.randn(B, H)))
+    t.start()
+    try:
+        assert inside.wait(10)
+        g = dwgraph.make_graphed_callables(_two_deferred(), (torch.randn(B, H, requires_grad=True),))
+        g(torch.randn(B, H)).sum().backward()
+        g.backward_dw()
+    finally:
+        release.set()
+        t.join()
+
+
+def test_step_follows_module_hooks_added_after_capture():
+    m, e = _two_deferred(), _two_deferred()
+
+    def body(model, x):
+        return _eager(model, x)
+
+    def add_hook(i):
+        if i == 3:
+            for mod in (m, e):
+                mod[1].register_forward_hook(lambda mod_, inp, out: out * 2)
+
+    step = _check_step_against_eager(m, e, body, 6, zero=True, before=add_hook)
+    assert step.num_captures == 2

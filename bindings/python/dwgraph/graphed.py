@@ -127,6 +127,16 @@ def _first_hook(module: torch.nn.Module, include_self: bool):
     return None
 
 
+def _user_global_hook_kind():
+    """The first kind of global module hook (register_module_*_hook) that is not dwgraph's
+    own (graphed_step's per-call pre-hook, a no-op on other threads), or None."""
+    for kind in _GLOBAL_HOOKS:
+        hooks = getattr(torch.nn.modules.module, kind, None) or {}
+        if any(not getattr(h, "_dwgraph_internal", False) for h in hooks.values()):
+            return kind
+    return None
+
+
 def _refuse_hooks(index: int, module: torch.nn.Module) -> None:
     """Hooks present at capture would run inside the captured region and never at replay."""
     hook = _first_hook(module, include_self=True)
@@ -136,12 +146,12 @@ def _refuse_hooks(index: int, module: torch.nn.Module) -> None:
             f"on {hook[0]}; they would run during capture and never at replay. Register module hooks after "
             "make_graphed_callables on the module itself (they then run around each replay), or pass capture-time "
             "hooks with capture_time_hooks=")
-    for kind in _GLOBAL_HOOKS:
-        if getattr(torch.nn.modules.module, kind, None):
-            raise ArgumentError(
-                f"dwgraph.make_graphed_callables: global module {kind[8:].replace('_', ' ')} are registered "
-                "(torch.nn.modules.module.register_module_*_hook); they would run during capture and never at "
-                "replay. Remove them while capturing")
+    kind = _user_global_hook_kind()
+    if kind is not None:
+        raise ArgumentError(
+            f"dwgraph.make_graphed_callables: global module {kind[8:].replace('_', ' ')} are registered "
+            "(torch.nn.modules.module.register_module_*_hook); they would run during capture and never at "
+            "replay. Remove them while capturing")
     for name, buf in module.named_buffers():
         if buf.requires_grad:
             raise ArgumentError(
@@ -230,6 +240,8 @@ class GraphedCallable:
         if not isinstance(self.module, torch.nn.Module):
             return
         hook = _first_hook(self.module, include_self=False)
+        if hook is None and _user_global_hook_kind() is not None:
+            hook = ("every submodule (global)", _user_global_hook_kind()[8:].replace("_", " "))
         if hook is not None:
             raise ArgumentError(
                 f"graphed {self._native.name}: {hook[1]} registered on {hook[0]} after capture would not run: the "

@@ -396,10 +396,20 @@ class GraphedStep:
         return [(id(m), [(n, id(p)) for n, p in m.named_parameters(recurse=False)],
                  [(n, id(c)) for n, c in m.named_children()]) for m in self._all_modules.values()]
 
+    def _hooks(self) -> str:
+        # Module hooks are Python the captured kernels may depend on (a hook that changes
+        # an output): hooks added or removed select another graph, captured with them.
+        from .graphed import _GLOBAL_HOOKS, _HOOK_KINDS
+
+        ids = [id(h) for m in self._all_modules.values() for kind in _HOOK_KINDS for h in getattr(m, kind).values()]
+        ids += [id(h) for kind in _GLOBAL_HOOKS for h in (getattr(torch.nn.modules.module, kind, None) or {}).values()
+                if not getattr(h, "_dwgraph_internal", False)]
+        return ",".join(map(str, ids))
+
     def _variant_state(self) -> str:
         modes = "".join("1" if m.training else "0" for m in self._all_modules.values())
         optimizers = list(self._optimizers.items())
-        return (f"training {modes}|optimizers {[i for i, _ in optimizers]}"
+        return (f"training {modes}|hooks {self._hooks()}|optimizers {[i for i, _ in optimizers]}"
                 f"|{_hyperparameters(o for _, o in optimizers)}|state {_state_identity(o for _, o in optimizers)}")
 
     def _unique_arguments(self, found: List[torch.Tensor]):
@@ -438,6 +448,18 @@ class GraphedStep:
         # A capture follows the core asking what the step trains (_params); any other call
         # is eager. Taken here, so a failed capture leaves no stale "capturing" behind.
         handed, self._handed = self._handed, None
+        if handed is not None and self._changes_own_hyperparameters:
+            raise GraphStateError(
+                f"dwgraph.graphed_step: the step changes the hyperparameters of the {self._changes_own_hyperparameters} "
+                "it steps (an LR scheduler stepping inside it); a graph replays the values of its capture and no "
+                "Python, so the schedule would stop. Step the scheduler after the graphed step returns")
+        self._hyper_before = {i: (o, _hyperparameters([o])) for i, o in self._optimizers.items()}
+        # Capturing: the LR schedulers of its optimizers, to refuse (and undo) a step of
+        # theirs inside the capture.
+        schedulers = _schedulers_of(list(self._optimizers.values())) if handed is not None else []
+        sched_before = [(s, repr(s.state_dict()), copy.deepcopy(s.state_dict()),
+                         [{k: v for k, v in g.items() if k != "params"} for g in s.optimizer.param_groups])
+                        for s in schedulers]
         saved = (_watch.step, _watch.optimizer)
         from .nn import _step_context
         saved_modules = _step_context.modules
@@ -449,16 +471,6 @@ class GraphedStep:
         # its queued units are not under the capture's guard; the capture is retried.
         _step_context.capture_known = self._handed_modules if handed is not None else None
         thread = threading.get_ident()
-        if handed is not None and self._changes_own_hyperparameters:
-            raise GraphStateError(
-                f"dwgraph.graphed_step: the step changes the hyperparameters of the {self._changes_own_hyperparameters} "
-                "it steps (an LR scheduler stepping inside it); a graph replays the values of its capture and no "
-                "Python, so the schedule would stop. Step the scheduler after the graphed step returns")
-        self._hyper_before = {i: (o, _hyperparameters([o])) for i, o in self._optimizers.items()}
-        schedulers = _schedulers_of(list(self._optimizers.values())) if handed is not None else []
-        sched_before = [(s, repr(s.state_dict()), copy.deepcopy(s.state_dict()), [dict((k, v) for k, v in g.items() if k != "params")
-                                                              for g in s.optimizer.param_groups])
-                        for s in schedulers]
 
         def seen(module, _inputs):
             if threading.get_ident() == thread:
@@ -467,6 +479,7 @@ class GraphedStep:
         # Installed for this call only (warmup and capture; replays run no module), and a
         # no-op on every other thread: it finds the modules whose training flags and
         # buffers the graph depends on.
+        seen._dwgraph_internal = True  # not a user's global hook (make_graphed_callables on other threads)
         handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
         try:
             with _GradientWatcher(touched) as watcher:
