@@ -80,6 +80,10 @@ void Graph::replay() {
   pool_->order().replayed(*order_id_);
 }
 
+void Graph::abandon_for(const Graph& reader) {
+  if (order_id_ && reader.order_id_ && pool_) pool_->order().abandon(*order_id_, *reader.order_id_);
+}
+
 void Graph::reset() noexcept {
   release_backend();
   if (order_id_ && pool_) pool_->order().remove_graph(*order_id_);

@@ -70,6 +70,8 @@ class Graph {
   // Re-runs the capture. Raises DanglingCaptureError when a borrowed storage was released
   // and GraphStateError when the pool's replay order forbids it, having run nothing.
   void replay();
+  // What this graph's last replay wrote for `reader` will not be read (graphs/pool_order.h).
+  void abandon_for(const Graph& reader);
   // Releases what the capture holds (kernels, pool reference, ledger). Never throws.
   void reset() noexcept;
 

@@ -149,6 +149,8 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   void set_state(Slot& slot, SlotState next);
   // Marks every pending backward-dw as lost in the modules' stores (graphs released).
   void release_pending();
+  // The slot's backward and backward-dw will not read what its last forward saved.
+  void abandon_activations(Slot& slot);
 
   std::vector<GraphableCallable> callables_;
   GraphedCallableOptions opts_;

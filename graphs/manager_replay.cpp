@@ -138,7 +138,10 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
   for (const auto& o : slot.static_outputs) outs.push_back(opts_.clone_outputs ? o.clone() : plain_alias(o));
   bool needs_node = false;
   for (bool r : slot.output_requires_grad) needs_node = needs_node || r;
-  if (!(needs_node && at::GradMode::is_enabled() && slot.bwd)) return outs;
+  if (!(needs_node && at::GradMode::is_enabled() && slot.bwd)) {
+    abandon_activations(slot);  // no backward will read what this forward saved
+    return outs;
+  }
   uint64_t generation;
   {
     const std::lock_guard<std::mutex> lock(mu_);
@@ -235,7 +238,13 @@ void GraphManager::node_released(size_t s, uint64_t generation) noexcept {
   Slot& slot = slots_[s];
   if (slot.generation != generation) return;
   // The forward's outputs were dropped without a backward: nothing is pending any more.
-  if (slot.state == SlotState::kForward) set_state(slot, SlotState::kIdle);
+  if (slot.state == SlotState::kForward) {
+    set_state(slot, SlotState::kIdle);
+    try {
+      abandon_activations(slot);
+    } catch (...) {  // a failed bookkeeping step only keeps the order checks stricter
+    }
+  }
   slot.graph_retained = false;
 }
 
@@ -323,6 +332,12 @@ void GraphManager::run_eager_backward_dw(size_t s) {
     m.backward_dw();
     if (m.run_hooks) m.run_hooks();
   }
+}
+
+void GraphManager::abandon_activations(Slot& slot) {
+  if (!slot.fwd) return;
+  if (slot.bwd) slot.fwd->abandon_for(*slot.bwd);
+  if (slot.dw) slot.fwd->abandon_for(*slot.dw);
 }
 
 void GraphManager::set_state(Slot& slot, SlotState next) {

@@ -143,6 +143,13 @@ void PoolOrder::check_replay(GraphId id) const {
   }
 }
 
+void PoolOrder::abandon(GraphId writer, GraphId reader) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                [&](const auto& p) { return p.second == writer && p.first.graph == reader; }),
+                 pending_.end());
+}
+
 void PoolOrder::replayed(GraphId id) {
   const std::lock_guard<std::mutex> lock(mu_);
   const GraphInfo& me = graphs_.at(id);

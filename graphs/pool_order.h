@@ -50,6 +50,10 @@ class PoolOrder {
   void check_replay(GraphId id) const;
   // Records that `id` was replayed.
   void replayed(GraphId id);
+  // The data `writer` last wrote for `reader` will never be read (a forward replayed
+  // without grad, or whose outputs were dropped before their backward): it no longer
+  // holds back other graphs' writes.
+  void abandon(GraphId writer, GraphId reader);
   // Test-only: with false, check_replay() lets every order through, so a test can show
   // the corruption the checks prevent (the negative control of SPEC C6).
   void set_enforced(bool on);

@@ -977,3 +977,30 @@ def test_step_follows_module_hooks_added_after_capture():
 
     step = _check_step_against_eager(m, e, body, 6, zero=True, before=add_hook)
     assert step.num_captures == 2
+
+
+@pytest.mark.parametrize("how", ["no_grad", "dropped"])
+def test_pipeline_microbatch_without_backward_does_not_block_the_others(how):
+    # A forward that will never get a backward (no_grad, or its outputs dropped) no longer
+    # holds its activations against the other slots' replays (graphs/pool_order.h).
+    def mk():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(dwgraph.nn.Linear(H, 16, delay_wgrad_compute=True), torch.nn.GELU(),
+                                   dwgraph.nn.Linear(16, 4, delay_wgrad_compute=True))
+
+    m, e = mk(), mk()
+    slots = dwgraph.make_graphed_callables((m,), tuple((torch.randn(B, H, requires_grad=True),) for _ in range(2)),
+                                           order=[1, 1, -1, -1, -1.5, -1.5])
+    x0, x1 = torch.randn(B, H), torch.randn(B, H, requires_grad=True)
+    if how == "no_grad":
+        with torch.no_grad():
+            slots[0](x0)
+    else:
+        slots[0](x0.requires_grad_())  # outputs dropped at once: no backward can run
+    y1 = slots[1](x1)
+    y1.square().sum().backward()
+    slots[1].backward_dw()
+    e(x1.detach()).square().sum().backward()
+    e[0].backward_dw()
+    e[2].backward_dw()
+    _grads_equal(m, e, "microbatch 1")
