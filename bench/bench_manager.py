@@ -68,6 +68,34 @@ def main():
         r = median_us(graphed_step, iters // 10 + 1, samples, sync)
         print(f"| deferred Linear({hidden}, {hidden}) step, batch 32 | {e:.2f} | {r:.2f} | {r / e:.2f} |")
 
+    # @graphed_step: a whole step (forward, backward, backward_dw, SGD momentum), graphed
+    # against the same undecorated function, with few and many parameters (the per-call
+    # key and variant checks walk the step's modules, optimizer groups and state).
+    print("\n| @graphed_step, whole step with SGD momentum | eager us | graphed us | graphed / eager |\n|---|---:|---:|---:|")
+    for layers, hidden in ((2, 64), (64, 16)):
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(*[dwgraph.nn.Linear(hidden, hidden, delay_wgrad_compute=True, device=dev)
+                                         for _ in range(layers)])
+
+        me, mg = make(), make()
+        oe, og = (torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for m in (me, mg))
+        x = torch.randn(32, hidden, device=dev)
+
+        def body(model, opt):
+            loss = model(x).square().mean()
+            loss.backward()
+            for mod in reversed(model):
+                mod.backward_dw()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        step = dwgraph.graphed_step(lambda: body(mg, og))
+        e = median_us(lambda: body(me, oe), iters // 10 + 1, samples, sync)
+        r = median_us(step, iters // 10 + 1, samples, sync)
+        print(f"| {layers} x deferred Linear({hidden}), batch 32 | {e:.2f} | {r:.2f} | {r / e:.2f} |")
+
     print("\n| model | pool reserved | pool live | static bytes | contributions | analytic minimum of contributions | contributions / minimum |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for hidden, ffn in ((64, 256), (256, 1024)):

@@ -136,6 +136,17 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
                       schema.operator_name().name,
                       " reads a tensor's value on the host (e.g. .item(), torch.equal, nonzero), "
                       "which a CUDA graph cannot capture; move it out of the captured region");
+  // Collectives (c10d::allreduce_, the functional collectives, torch DDP's reducer, which
+  // calls them from its autograd hooks) talk to other processes: their effect is not a
+  // kernel a graph can replay (the host graph would skip or repeat it alone, on one rank).
+  const std::string& op_name = schema.operator_name().name;
+  DWGRAPH_CHECK_STATE(op_name.rfind("c10d::", 0) != 0 && op_name.rfind("_c10d_functional::", 0) != 0 &&
+                          op_name.rfind("c10d_functional::", 0) != 0,
+                      "dwgraph graph capture: the collective ", op_name,
+                      " runs inside the captured region; a graph replays kernels, not communication with other "
+                      "ranks. Run collectives outside the graphs: call a DistributedDataParallel model outside "
+                      "@graphed_step (graph its inner modules with make_graphed_callables, or use "
+                      "dwgraph.distributed, whose reduction runs after each replay's hand-off)");
   const size_t nargs = schema.arguments().size();
   TORCH_INTERNAL_ASSERT(stack->size() >= nargs);
   const size_t base = stack->size() - nargs;

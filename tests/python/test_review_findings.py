@@ -1004,3 +1004,35 @@ def test_pipeline_microbatch_without_backward_does_not_block_the_others(how):
     e[0].backward_dw()
     e[2].backward_dw()
     _grads_equal(m, e, "microbatch 1")
+
+
+def test_step_around_a_compiled_model_matches_eager():
+    m, e = _two_deferred(), _two_deferred()
+    cm, ce = (torch.compile(x, backend="aot_eager") for x in (m, e))
+
+    def body(model, x):
+        compiled = cm if model is m else ce
+        return _land(model, compiled(x).square().mean())
+
+    _check_step_against_eager(m, e, body, 4, zero=True)
+
+
+def test_collectives_inside_a_capture_are_refused(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        m = _two_deferred()
+
+        def body(x):
+            loss = _eager(m, x)
+            for p in m.parameters():
+                dist.all_reduce(p.grad)
+            return loss
+
+        step = dwgraph.graphed_step(body, warmup_iters=1)
+        step(torch.randn(B, H))
+        with pytest.raises(dwgraph.GraphStateError, match="collective"):
+            step(torch.randn(B, H))
+    finally:
+        dist.destroy_process_group()

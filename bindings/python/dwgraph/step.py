@@ -134,6 +134,7 @@ class _GradientWatcher(TorchFunctionMode):
         if isinstance(t, torch.Tensor) and id(t) not in self.sink:
             self.sink[id(t)] = (t, t.grad)
 
+    @torch._dynamo.disable  # a torch.compile'd model inside the step: watched, not traced into
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.backward:
@@ -472,6 +473,7 @@ class GraphedStep:
         _step_context.capture_known = self._handed_modules if handed is not None else None
         thread = threading.get_ident()
 
+        @torch._dynamo.disable  # compiled modules inside the step call it as a plain hook
         def seen(module, _inputs):
             if threading.get_ident() == thread:
                 self._all_modules.setdefault(id(module), module)
