@@ -7,6 +7,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -14,6 +15,8 @@
 
 namespace dwgraph::graphs::detail {
 namespace {
+
+std::atomic<uint64_t> g_random_calls{0};
 
 bool is_write(const c10::Argument& a) {
   const auto* info = a.alias_info();
@@ -119,6 +122,8 @@ ValueSlot Recorder::slot_for(const c10::IValue& v) {
   return s;
 }
 
+uint64_t random_calls_recorded() { return g_random_calls.load(std::memory_order_relaxed); }
+
 void Recorder::snapshot_if_caller(const TensorSlot& s, const at::Tensor& t) {
   if (!execute_ || !s.defined || s.no_memory) return;
   if (ledger_.entry(s.entry).ownership == allocator::Ownership::kGraph) return;
@@ -151,6 +156,15 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   TORCH_INTERNAL_ASSERT(stack->size() >= nargs);
   const size_t base = stack->size() - nargs;
   refuse_data_dependent(schema, *stack, base);
+  for (const auto& a : schema.arguments()) {
+    const auto& type = a.type();
+    const auto inner = type->kind() == c10::TypeKind::OptionalType ? type->expectRef<c10::OptionalType>().getElementType()
+                                                                    : type;
+    if (inner->kind() == c10::TypeKind::GeneratorType) {
+      g_random_calls.fetch_add(1, std::memory_order_relaxed);
+      break;
+    }
+  }
 
   // Our own bookkeeping below must not be recorded.
   std::optional<c10::impl::ExcludeDispatchKeyGuard> exclude(std::in_place, kCaptureModeKey);

@@ -27,6 +27,10 @@
 
 namespace dwgraph::graphs::detail {
 
+// How many recorded calls (any capture, any thread) took a generator argument, i.e. may
+// draw random numbers: graphed_step compares it around a reseed inside a capture.
+uint64_t random_calls_recorded();
+
 // A tensor as the capture saw it: which storage, where in it, what shape.
 struct TensorSlot {
   bool defined = false;

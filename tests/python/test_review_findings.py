@@ -1036,3 +1036,70 @@ def test_collectives_inside_a_capture_are_refused(tmp_path):
             step(torch.randn(B, H))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_step_with_a_foreach_optimizer_hands_back_gradients(foreach):
+    # torch._foreach_add_(params, ...) returns its list: not tensors the step made.
+    m, e = _two_deferred(), _two_deferred()
+    om, oe = (torch.optim.SGD(x.parameters(), lr=0.1, momentum=0.9, foreach=foreach) for x in (m, e))
+
+    def body(model, x):
+        loss = _eager(model, x)
+        (om if model is m else oe).step()
+        return loss
+
+    def zero(i):
+        for x in (m, e):
+            x.zero_grad(set_to_none=i % 2 == 0)
+
+    _check_step_against_eager(m, e, body, 6, before=zero)
+
+
+def test_step_follows_a_replaced_buffer():
+    def mk():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.BatchNorm1d(H),
+                                   dwgraph.nn.Linear(H, 4, delay_wgrad_compute=True))
+
+    m, e = mk(), mk()
+    held = []
+
+    def replace(i):
+        if i == 4:
+            for x in (m, e):
+                held.append(x.state_dict())  # the old buffers stay referenced
+                x[1].running_mean = torch.zeros(H)
+
+    _check_step_against_eager(m, e, _eager, 7, zero=True, before=replace)
+    assert torch.equal(m[1].running_mean, e[1].running_mean)
+
+
+@pytest.mark.parametrize("how", ["manual_seed", "checkpoint_dropout"])
+def test_step_that_reseeds_then_draws_is_refused_at_capture(how):
+    from torch.utils.checkpoint import checkpoint
+
+    m = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.Dropout(0.5),
+                            dwgraph.nn.Linear(H, 4, delay_wgrad_compute=True))
+
+    def body(x):
+        if how == "manual_seed":
+            torch.manual_seed(1)
+            y = m(x)
+        else:
+            y = checkpoint(m, x.requires_grad_(), use_reentrant=False)
+        return _land(m, y.square().mean())
+
+    step = dwgraph.graphed_step(body, warmup_iters=1)
+    step(torch.randn(B, H))
+    with pytest.raises(dwgraph.GraphStateError, match="reseeds or restores the random number generator"):
+        step(torch.randn(B, H))
+
+
+def test_checkpoint_without_randomness_is_graphed_exactly():
+    from torch.utils.checkpoint import checkpoint
+
+    def body(model, x):
+        return _land(model, checkpoint(model, x.requires_grad_(), use_reentrant=False).square().mean())
+
+    _check_step_against_eager(_two_deferred(), _two_deferred(), body, 4, zero=True)

@@ -51,6 +51,9 @@ class _Watch(threading.local):
         self.step: Optional["GraphedStep"] = None
         self.optimizer = None  # the optimizer whose step() is running
         self.state_before = None  # inside a capture: its state's keys before that step()
+        # Inside a capture: random_calls_recorded() at each reseed of a generator
+        # (torch.manual_seed, set_rng_state: activation checkpointing's recompute).
+        self.reseeds: Optional[List[int]] = None
 
 
 _watch = _Watch()
@@ -99,6 +102,39 @@ def _install_optimizer_hooks() -> None:
     _optimizer.register_optimizer_step_pre_hook(pre)
     _optimizer.register_optimizer_step_post_hook(post)
     _hooks_installed = True
+
+
+_rng_watch_installed = False
+
+
+def _install_rng_watch() -> None:
+    """Once per process: torch's reseeding functions note, on a thread that captures a step,
+    when they ran; inert everywhere else. A replay draws on from the graph's generator
+    state, so random numbers drawn after a reseed inside the step would differ from eager."""
+    global _rng_watch_installed
+    if _rng_watch_installed:
+        return
+
+    def watched(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if _watch.reseeds is not None:
+                _watch.reseeds.append(_C.graphs.random_calls_recorded())
+            return fn(*args, **kwargs)
+
+        wrapper._dwgraph_rng_watch = True
+        return wrapper
+
+    import torch.random
+
+    for owner, names in ((torch, ("manual_seed", "set_rng_state", "seed")),
+                         (torch.random, ("manual_seed", "set_rng_state", "seed")),
+                         (torch.cuda, ("manual_seed", "manual_seed_all", "set_rng_state", "set_rng_state_all"))):
+        for name in names:
+            fn = getattr(owner, name, None)
+            if fn is not None and not getattr(fn, "_dwgraph_rng_watch", False):
+                setattr(owner, name, watched(fn))
+    _rng_watch_installed = True
 
 
 def _leaves_of(roots) -> List[torch.Tensor]:
@@ -160,9 +196,15 @@ class _GradientWatcher(TorchFunctionMode):
                             self._see(b)
         result = func(*args, **kwargs)
         outs = result if isinstance(result, (tuple, list)) else (result,)
-        given = {id(a) for a in args if isinstance(a, torch.Tensor)}
+        # What the call was given is not made by it: in-place ops return self
+        # (x.requires_grad_()), foreach ops their list (torch._foreach_add_(params, ...)).
+        given = set()
+        for a in list(args) + list(kwargs.values()):
+            for t in (a if isinstance(a, (tuple, list)) else (a,)):
+                if isinstance(t, torch.Tensor):
+                    given.add(id(t))
         for r in outs:
-            if isinstance(r, torch.Tensor) and id(r) not in given:  # not self (x.requires_grad_())
+            if isinstance(r, torch.Tensor) and id(r) not in given:
                 self.made.add(id(r))
         return result
 
@@ -281,6 +323,7 @@ class GraphedStep:
     def __init__(self, fn: Callable, *, warmup_iters: int = 3, pool=None, params=None, max_graphs: int = 8):
         functools.update_wrapper(self, fn)
         _install_optimizer_hooks()
+        _install_rng_watch()
         self._fn = fn
         self._given = self._named(params) if params is not None else None
         if self._given is None:
@@ -395,6 +438,7 @@ class GraphedStep:
 
     def _module_tree(self):
         return [(id(m), [(n, id(p)) for n, p in m.named_parameters(recurse=False)],
+                 [(n, id(b)) for n, b in m.named_buffers(recurse=False)],
                  [(n, id(c)) for n, c in m.named_children()]) for m in self._all_modules.values()]
 
     def _hooks(self) -> str:
@@ -452,8 +496,9 @@ class GraphedStep:
         if handed is not None and self._changes_own_hyperparameters:
             raise GraphStateError(
                 f"dwgraph.graphed_step: the step changes the hyperparameters of the {self._changes_own_hyperparameters} "
-                "it steps (an LR scheduler stepping inside it); a graph replays the values of its capture and no "
-                "Python, so the schedule would stop. Step the scheduler after the graphed step returns")
+                "it steps (a learning-rate schedule or an assignment to param_groups inside it); a graph replays "
+                "the values of its capture and no Python, so the optimizer's param_groups would stop following. "
+                "Set them before calling the graphed step (their values select its graphs)")
         self._hyper_before = {i: (o, _hyperparameters([o])) for i, o in self._optimizers.items()}
         # Capturing: the LR schedulers of its optimizers, to refuse (and undo) a step of
         # theirs inside the capture.
@@ -483,6 +528,8 @@ class GraphedStep:
         # buffers the graph depends on.
         seen._dwgraph_internal = True  # not a user's global hook (make_graphed_callables on other threads)
         handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
+        saved_reseeds = _watch.reseeds
+        _watch.reseeds = [] if handed is not None else None
         try:
             with _GradientWatcher(touched) as watcher:
                 out = self._fn(*args, **kwargs)
@@ -499,7 +546,15 @@ class GraphedStep:
             _watch.step, _watch.optimizer = saved
             _step_context.modules = saved_modules
             _step_context.capture_known = saved_known
+            reseeds, _watch.reseeds = _watch.reseeds, saved_reseeds
         self._ran_python = True
+        if reseeds and _C.graphs.random_calls_recorded() > reseeds[0]:
+            raise GraphStateError(
+                "dwgraph.graphed_step: the step reseeds or restores the random number generator (torch.manual_seed, "
+                "torch.set_rng_state; torch.utils.checkpoint does this to recompute dropout) and then draws random "
+                "numbers; a replay draws on from the generator's state and runs no Python, so the numbers would "
+                "differ from eager. Seed outside the step, or checkpoint with preserve_rng_state=False (or without "
+                "randomness in the checkpointed region)")
         stepped = [s for s, text, _, _ in sched_before if repr(s.state_dict()) != text]
         if stepped:
             # Undo it (the refused capture changes nothing), then refuse.
@@ -516,9 +571,9 @@ class GraphedStep:
         if changed:
             if handed is not None:  # warmup_iters=0: first seen at capture (the step did run once)
                 raise GraphStateError(
-                    f"dwgraph.graphed_step: the step changed the hyperparameters of the {changed[0]} it steps (an "
-                    "LR scheduler stepping inside it) during its capture; a graph would replay the values of its "
-                    "capture. Step the scheduler after the graphed step returns")
+                    f"dwgraph.graphed_step: the step changed the hyperparameters of the {changed[0]} it steps (a "
+                    "learning-rate schedule or an assignment to param_groups inside it) during its capture; a graph "
+                    "would replay the values of its capture. Set them before calling the graphed step")
         inputs = {id(t) for t in tensors}
         touched = {i: v for i, v in touched.items() if i not in inputs and i not in watcher.made}
         if handed is not None:
