@@ -76,7 +76,7 @@ void init_manager(py::module_& parent) {
   m.def("registration_version", &registration_version);
   // True while the calling thread (or, on CUDA, its current stream) is inside a capture.
   m.def("capturing", [] { return graphs::detail::this_thread_records(); });
-  m.def("random_calls_recorded", &graphs::detail::random_calls_recorded);
+  m.def("note_reseed", &graphs::detail::note_reseed);
   m.def("bump_registration_version", &bump_registration_version);
 
   py::class_<FusedParameter>(m, "FusedParameter")

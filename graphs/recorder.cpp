@@ -16,7 +16,7 @@
 namespace dwgraph::graphs::detail {
 namespace {
 
-std::atomic<uint64_t> g_random_calls{0};
+thread_local uint64_t t_reseeds = 0;
 
 bool is_write(const c10::Argument& a) {
   const auto* info = a.alias_info();
@@ -67,7 +67,8 @@ Recorder::Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> o
       owned_(std::move(owned)),
       execute_(execute),
       serial_(std::move(serial)),
-      first_serial_(first_serial) {}
+      first_serial_(first_serial),
+      reseed_epoch_(t_reseeds) {}
 
 TensorSlot Recorder::tensor_slot(const at::Tensor& t) {
   TensorSlot s;
@@ -122,7 +123,23 @@ ValueSlot Recorder::slot_for(const c10::IValue& v) {
   return s;
 }
 
-uint64_t random_calls_recorded() { return g_random_calls.load(std::memory_order_relaxed); }
+void note_reseed() { ++t_reseeds; }
+
+void Recorder::refuse_draw_after_reseed(const c10::FunctionSchema& schema) const {
+  if (t_reseeds == reseed_epoch_) return;
+  for (const auto& a : schema.arguments()) {
+    const auto& type = a.type();
+    const auto inner = type->kind() == c10::TypeKind::OptionalType ? type->expectRef<c10::OptionalType>().getElementType()
+                                                                    : type;
+    DWGRAPH_CHECK_STATE(inner->kind() != c10::TypeKind::GeneratorType, "dwgraph graph capture: ",
+                        schema.operator_name().name,
+                        " draws random numbers after the random number generator was reseeded or restored inside "
+                        "the captured region (torch.manual_seed, torch.set_rng_state; torch.utils.checkpoint does "
+                        "this to recompute dropout). A replay runs no Python and draws on from the generator's "
+                        "state, so its numbers would differ from eager. Seed outside the captured region, or "
+                        "checkpoint with preserve_rng_state=False (or without randomness in the checkpointed part)");
+  }
+}
 
 void Recorder::snapshot_if_caller(const TensorSlot& s, const at::Tensor& t) {
   if (!execute_ || !s.defined || s.no_memory) return;
@@ -156,15 +173,7 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   TORCH_INTERNAL_ASSERT(stack->size() >= nargs);
   const size_t base = stack->size() - nargs;
   refuse_data_dependent(schema, *stack, base);
-  for (const auto& a : schema.arguments()) {
-    const auto& type = a.type();
-    const auto inner = type->kind() == c10::TypeKind::OptionalType ? type->expectRef<c10::OptionalType>().getElementType()
-                                                                    : type;
-    if (inner->kind() == c10::TypeKind::GeneratorType) {
-      g_random_calls.fetch_add(1, std::memory_order_relaxed);
-      break;
-    }
-  }
+  refuse_draw_after_reseed(schema);
 
   // Our own bookkeeping below must not be recorded.
   std::optional<c10::impl::ExcludeDispatchKeyGuard> exclude(std::in_place, kCaptureModeKey);

@@ -27,9 +27,11 @@
 
 namespace dwgraph::graphs::detail {
 
-// How many recorded calls (any capture, any thread) took a generator argument, i.e. may
-// draw random numbers: graphed_step compares it around a reseed inside a capture.
-uint64_t random_calls_recorded();
+// Python's reseeding functions (torch.manual_seed, set_rng_state: what activation
+// checkpointing does before recomputing dropout) call this on a capturing thread. A replay
+// runs no Python: it draws on from the generator's state, so a capture refuses a kernel
+// that draws random numbers after a reseed on its thread.
+void note_reseed();
 
 // A tensor as the capture saw it: which storage, where in it, what shape.
 struct TensorSlot {
@@ -94,6 +96,7 @@ class Recorder {
   TensorSlot tensor_slot(const at::Tensor& t);
   void snapshot_if_caller(const TensorSlot& s, const at::Tensor& t);
   void snapshot_constants(OpRecord& rec, const torch::jit::Stack& stack, size_t base);
+  void refuse_draw_after_reseed(const c10::FunctionSchema& schema) const;
   std::vector<size_t> written_entries(const OpRecord& rec) const;
   void mark_defined(size_t entry);
   bool is_defined(size_t entry) const;
@@ -106,6 +109,7 @@ class Recorder {
   std::function<int64_t(const void*)> serial_;
   std::optional<c10::DeviceType> device_type_;
   int64_t first_serial_ = 0;
+  uint64_t reseed_epoch_;  // this thread's reseeds when the capture began
   std::vector<OpRecord> records_;
   std::map<size_t, std::pair<c10::Storage, std::vector<uint8_t>>> snapshots_;
   // Per ledger entry: the allocation serial of the block when a recorded kernel wrote it.

@@ -1092,8 +1092,23 @@ def test_step_that_reseeds_then_draws_is_refused_at_capture(how):
 
     step = dwgraph.graphed_step(body, warmup_iters=1)
     step(torch.randn(B, H))
-    with pytest.raises(dwgraph.GraphStateError, match="reseeds or restores the random number generator"):
+    with pytest.raises(dwgraph.GraphStateError, match="after the random number generator was reseeded"):
         step(torch.randn(B, H))
+
+
+def test_graphed_callable_with_checkpointed_dropout_is_refused_at_capture():
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Dropout(0.5), torch.nn.Linear(H, 4))
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    with pytest.raises(dwgraph.GraphStateError, match="after the random number generator was reseeded"):
+        dwgraph.make_graphed_callables(Checkpointed(), (torch.randn(B, H, requires_grad=True),))
 
 
 def test_checkpoint_without_randomness_is_graphed_exactly():

@@ -36,6 +36,7 @@ def _registration_hook(table: str):
 
 from . import step as _step_module  # noqa: E402
 
+_step_module._install_rng_watch()  # both graph entry points refuse a random draw after a reseed
 torch.nn.modules.module.register_module_parameter_registration_hook(_registration_hook("_parameters"))
 torch.nn.modules.module.register_module_module_registration_hook(_registration_hook("_modules"))
 torch.nn.modules.module.register_module_buffer_registration_hook(_registration_hook("_buffers"))

@@ -51,9 +51,6 @@ class _Watch(threading.local):
         self.step: Optional["GraphedStep"] = None
         self.optimizer = None  # the optimizer whose step() is running
         self.state_before = None  # inside a capture: its state's keys before that step()
-        # Inside a capture: random_calls_recorded() at each reseed of a generator
-        # (torch.manual_seed, set_rng_state: activation checkpointing's recompute).
-        self.reseeds: Optional[List[int]] = None
 
 
 _watch = _Watch()
@@ -108,9 +105,9 @@ _rng_watch_installed = False
 
 
 def _install_rng_watch() -> None:
-    """Once per process: torch's reseeding functions note, on a thread that captures a step,
-    when they ran; inert everywhere else. A replay draws on from the graph's generator
-    state, so random numbers drawn after a reseed inside the step would differ from eager."""
+    """Once per process: torch's reseeding functions tell the core when they run on a
+    capturing thread (graphs/recorder.h, note_reseed), which then refuses a random draw
+    after them; inert everywhere else. Used by graphed_step and make_graphed_callables."""
     global _rng_watch_installed
     if _rng_watch_installed:
         return
@@ -118,8 +115,8 @@ def _install_rng_watch() -> None:
     def watched(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            if _watch.reseeds is not None:
-                _watch.reseeds.append(_C.graphs.random_calls_recorded())
+            if _C.graphs.capturing():
+                _C.graphs.note_reseed()
             return fn(*args, **kwargs)
 
         wrapper._dwgraph_rng_watch = True
@@ -323,7 +320,6 @@ class GraphedStep:
     def __init__(self, fn: Callable, *, warmup_iters: int = 3, pool=None, params=None, max_graphs: int = 8):
         functools.update_wrapper(self, fn)
         _install_optimizer_hooks()
-        _install_rng_watch()
         self._fn = fn
         self._given = self._named(params) if params is not None else None
         if self._given is None:
@@ -528,8 +524,6 @@ class GraphedStep:
         # buffers the graph depends on.
         seen._dwgraph_internal = True  # not a user's global hook (make_graphed_callables on other threads)
         handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
-        saved_reseeds = _watch.reseeds
-        _watch.reseeds = [] if handed is not None else None
         try:
             with _GradientWatcher(touched) as watcher:
                 out = self._fn(*args, **kwargs)
@@ -546,15 +540,7 @@ class GraphedStep:
             _watch.step, _watch.optimizer = saved
             _step_context.modules = saved_modules
             _step_context.capture_known = saved_known
-            reseeds, _watch.reseeds = _watch.reseeds, saved_reseeds
         self._ran_python = True
-        if reseeds and _C.graphs.random_calls_recorded() > reseeds[0]:
-            raise GraphStateError(
-                "dwgraph.graphed_step: the step reseeds or restores the random number generator (torch.manual_seed, "
-                "torch.set_rng_state; torch.utils.checkpoint does this to recompute dropout) and then draws random "
-                "numbers; a replay draws on from the generator's state and runs no Python, so the numbers would "
-                "differ from eager. Seed outside the step, or checkpoint with preserve_rng_state=False (or without "
-                "randomness in the checkpointed region)")
         stepped = [s for s, text, _, _ in sched_before if repr(s.state_dict()) != text]
         if stepped:
             # Undo it (the refused capture changes nothing), then refuse.
