@@ -106,6 +106,7 @@ void HostGraph::begin_backend() {
 void HostGraph::end_backend() {
   alloc_guard_.reset();
   recorder_->restore_caller_writes();
+  recorder_->check_generator_at_end();
 }
 
 void HostGraph::abort_backend() noexcept {

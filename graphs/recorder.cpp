@@ -3,6 +3,7 @@
 #include "graphs/capture_dispatch.h"
 #include "common/check.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
@@ -68,7 +69,29 @@ Recorder::Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> o
       execute_(execute),
       serial_(std::move(serial)),
       first_serial_(first_serial),
-      reseed_epoch_(t_reseeds) {}
+      reseed_epoch_(t_reseeds) {
+  note_generator();
+}
+
+void Recorder::note_generator() {
+  if (!execute_) return;
+  const at::Generator gen = at::detail::getDefaultCPUGenerator();
+  generator_state_ = gen.get_state();
+}
+
+void Recorder::check_generator(const char* where) const {
+  if (!execute_ || !generator_state_.defined()) return;
+  const at::Generator gen = at::detail::getDefaultCPUGenerator();
+  const at::Tensor now = gen.get_state();
+  const bool same = now.nbytes() == generator_state_.nbytes() &&
+                    std::memcmp(now.const_data_ptr(), generator_state_.const_data_ptr(), now.nbytes()) == 0;
+  DWGRAPH_CHECK_STATE(same, "dwgraph graph capture: the default random number generator changed ", where,
+                      " outside the captured kernels (torch.manual_seed, torch.set_rng_state, torch.random.fork_rng "
+                      "around random work, torch.utils.checkpoint recomputing dropout, or another thread drawing). "
+                      "A replay runs no Python: its kernels draw on from wherever the generator stands, so its "
+                      "random numbers would differ from eager. Seed and restore outside the captured region, or "
+                      "checkpoint with preserve_rng_state=False (or without randomness in the checkpointed part)");
+}
 
 TensorSlot Recorder::tensor_slot(const at::Tensor& t) {
   TensorSlot s;
@@ -126,7 +149,9 @@ ValueSlot Recorder::slot_for(const c10::IValue& v) {
 void note_reseed() { ++t_reseeds; }
 
 void Recorder::refuse_draw_after_reseed(const c10::FunctionSchema& schema) const {
-  if (t_reseeds == reseed_epoch_) return;
+  // The host capture follows the generator itself (check_generator); this watch of
+  // Python's reseeding functions covers the CUDA capture, whose generator is graph-safe.
+  if (execute_ || t_reseeds == reseed_epoch_) return;
   for (const auto& a : schema.arguments()) {
     const auto& type = a.type();
     const auto inner = type->kind() == c10::TypeKind::OptionalType ? type->expectRef<c10::OptionalType>().getElementType()
@@ -174,6 +199,7 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   const size_t base = stack->size() - nargs;
   refuse_data_dependent(schema, *stack, base);
   refuse_draw_after_reseed(schema);
+  if (depth_ == 0) check_generator(c10::str("before ", op_name).c_str());
 
   // Our own bookkeeping below must not be recorded.
   std::optional<c10::impl::ExcludeDispatchKeyGuard> exclude(std::in_place, kCaptureModeKey);
@@ -214,8 +240,16 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   // follow the capture's routing (the pool on the host graph).
   const size_t first_child = records_.size();
   exclude.reset();
-  run_recorded_call(redispatch);
+  ++depth_;
+  try {
+    run_recorded_call(redispatch);
+  } catch (...) {
+    --depth_;
+    throw;
+  }
+  --depth_;
   exclude.emplace(kCaptureModeKey);
+  if (depth_ == 0) note_generator();
 
   bool any_fresh = false;
   bool any_write = std::any_of(rec.args.begin(), rec.args.end(), [](const ValueSlot& s) { return s.written; });

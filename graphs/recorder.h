@@ -88,6 +88,9 @@ class Recorder {
 
   // Puts back the pre-capture contents of non-owned storages the capture wrote.
   void restore_caller_writes();
+  // Host: throws unless the default CPU generator is where the recorded kernels left it
+  // (see check_generator); called at capture end.
+  void check_generator_at_end() const { check_generator("at the end of the captured region"); }
   std::vector<OpRecord> take_records() { return std::move(records_); }
   size_t num_records() const { return records_.size(); }
 
@@ -97,6 +100,13 @@ class Recorder {
   void snapshot_if_caller(const TensorSlot& s, const at::Tensor& t);
   void snapshot_constants(OpRecord& rec, const torch::jit::Stack& stack, size_t base);
   void refuse_draw_after_reseed(const c10::FunctionSchema& schema) const;
+  // Note [The generator between kernels]: a replay draws random numbers only through its
+  // kernels, from wherever the default generator stands. So between two recorded calls of
+  // a host capture (and at its end), the default CPU generator must be exactly where the
+  // previous call left it: Python that reseeds, restores (fork_rng, set_state, activation
+  // checkpointing's recompute) or draws outside the kernels would be lost at replay.
+  void check_generator(const char* where) const;
+  void note_generator();
   std::vector<size_t> written_entries(const OpRecord& rec) const;
   void mark_defined(size_t entry);
   bool is_defined(size_t entry) const;
@@ -110,6 +120,8 @@ class Recorder {
   std::optional<c10::DeviceType> device_type_;
   int64_t first_serial_ = 0;
   uint64_t reseed_epoch_;  // this thread's reseeds when the capture began
+  at::Tensor generator_state_;  // host: the default CPU generator where the last top-level call left it
+  int depth_ = 0;               // nesting of recorded calls
   std::vector<OpRecord> records_;
   std::map<size_t, std::pair<c10::Storage, std::vector<uint8_t>>> snapshots_;
   // Per ledger entry: the allocation serial of the block when a recorded kernel wrote it.

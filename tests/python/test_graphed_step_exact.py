@@ -225,10 +225,14 @@ def test_nothing_a_step_installs_affects_another_thread():
     opt_e = torch.optim.SGD(other_e.parameters(), lr=0.1)
     errors = []
 
+    # Its own generator: draws from the shared default one inside the step would change
+    # what the step leaves behind in it, which a replay cannot (refused at capture).
+    gen = torch.Generator().manual_seed(0)
+
     def train_other():
         try:
             for _ in range(3):
-                x = torch.randn(B, H)
+                x = torch.randn(B, H, generator=gen)
                 for mod, o in ((other, opt), (other_e, opt_e)):
                     mod(x).sum().backward()
                     o.step()
