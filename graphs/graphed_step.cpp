@@ -152,10 +152,7 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
   if (it == entries_.end()) it = entries_.emplace(full, std::make_unique<Entry>()).first;
   Entry& e = *it->second;
   ++e.calls;
-  if (e.calls <= opts_.warmup_iters) {
-    last_variant_.clear();
-    return step_(tensors);  // warmup: the real step, eagerly
-  }
+  if (e.calls <= opts_.warmup_iters) return run_eagerly(tensors);  // warmup: the real step, eagerly
   Variant& v = variant_for(e, full, tensors);
   last_variant_ = v.id;
   if (!v.graph) {

@@ -127,14 +127,17 @@ def _first_hook(module: torch.nn.Module, include_self: bool):
     return None
 
 
+def _user_global_hooks():
+    """(kind, hook) of every global module hook (register_module_*_hook) that is not
+    dwgraph's own (graphed_step's per-call pre-hook, a no-op on other threads)."""
+    return [(kind, h) for kind in _GLOBAL_HOOKS for h in (getattr(torch.nn.modules.module, kind, None) or {}).values()
+            if not getattr(h, "_dwgraph_internal", False)]
+
+
 def _user_global_hook_kind():
-    """The first kind of global module hook (register_module_*_hook) that is not dwgraph's
-    own (graphed_step's per-call pre-hook, a no-op on other threads), or None."""
-    for kind in _GLOBAL_HOOKS:
-        hooks = getattr(torch.nn.modules.module, kind, None) or {}
-        if any(not getattr(h, "_dwgraph_internal", False) for h in hooks.values()):
-            return kind
-    return None
+    """The first kind of user global module hook, or None."""
+    hooks = _user_global_hooks()
+    return hooks[0][0] if hooks else None
 
 
 def _refuse_hooks(index: int, module: torch.nn.Module) -> None:

@@ -440,11 +440,10 @@ class GraphedStep:
     def _hooks(self) -> str:
         # Module hooks are Python the captured kernels may depend on (a hook that changes
         # an output): hooks added or removed select another graph, captured with them.
-        from .graphed import _GLOBAL_HOOKS, _HOOK_KINDS
+        from .graphed import _HOOK_KINDS, _user_global_hooks
 
         ids = [id(h) for m in self._all_modules.values() for kind in _HOOK_KINDS for h in getattr(m, kind).values()]
-        ids += [id(h) for kind in _GLOBAL_HOOKS for h in (getattr(torch.nn.modules.module, kind, None) or {}).values()
-                if not getattr(h, "_dwgraph_internal", False)]
+        ids += [id(h) for _, h in _user_global_hooks()]
         return ",".join(map(str, ids))
 
     def _variant_state(self) -> str:
