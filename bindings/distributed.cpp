@@ -3,7 +3,6 @@
 #include "bindings/bindings.h"
 
 #include "distributed/data_parallel.h"
-#include "graphs/capture_dispatch.h"
 
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -88,9 +87,6 @@ void init_distributed(py::module_& parent) {
       .def("ready_counts", &DataParallelReducer::ready_counts)
       .def_property_readonly("num_buckets", &DataParallelReducer::num_buckets)
       .def_property_readonly("num_launched", &DataParallelReducer::num_launched);
-
-  // Whether this thread is capturing a host graph (CUDA captures: torch.cuda tells).
-  m.def("host_capturing", [] { return graphs::detail::this_thread_records(); });
 
   m.def(
       "count_agreeing",

@@ -3,6 +3,9 @@
 #include "bindings/bindings.h"
 
 #include "graphs/graph.h"
+#include "graphs/host_calls.h"
+
+#include <pybind11/functional.h>
 
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -34,6 +37,17 @@ void init_graphs(py::module_& parent) {
   m.def("graph_pool_handle", &graphs::make_pool, py::arg("device"));
   m.def("graph_pool_from_handle", &graphs::pool_from_handle, py::arg("handle"));
 
+  // Note [Host work around a replay] (graphs/host_calls.h).
+  m.def("capturing", &graphs::capturing);
+  m.def(
+      "replay_buffer",
+      [](const at::Tensor& owner, const std::string& tag, std::vector<int64_t> sizes, at::ScalarType dtype,
+         std::function<void(const at::Tensor&)> fill) {
+        return graphs::replay_buffer(owner, tag, sizes, dtype, std::move(fill));
+      },
+      py::arg("owner"), py::arg("tag"), py::arg("sizes"), py::arg("dtype"), py::arg("fill"));
+  m.def("after_replay", &graphs::after_replay, py::arg("fn"));
+
   py::class_<Graph>(m, "Graph")
       .def(py::init([](c10::Device device) { return graphs::make_graph(device); }), py::arg("device"))
       .def_property_readonly("device", &Graph::device)
@@ -47,6 +61,8 @@ void init_graphs(py::module_& parent) {
       .def_property_readonly("is_capturing", &Graph::is_capturing)
       .def_property_readonly("pool", &Graph::pool)
       .def_property_readonly("num_kernels", &Graph::num_kernels)
+      .def_property_readonly("num_before_calls", &Graph::num_before_calls)
+      .def_property_readonly("num_after_calls", &Graph::num_after_calls)
       .def("recorded_calls", &Graph::recorded_calls)
       .def("storages",
            [](const Graph& g) {

@@ -27,14 +27,6 @@ std::vector<Registration>& registrations() {
 // Nesting of recorded calls on this thread (a per-thread fact, not routing).
 thread_local int tls_depth = 0;
 
-Recorder* claiming_recorder() {
-  const std::lock_guard<std::mutex> lock(g_mu);
-  for (const auto& r : registrations()) {
-    if (r.claims()) return r.rec;
-  }
-  return nullptr;
-}
-
 void pass_through(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const c10::impl::ExcludeDispatchKeyGuard guard(kCaptureModeKey);
   op.redispatchBoxed(ks.remove(kCaptureModeKey), stack);
@@ -55,6 +47,14 @@ void capture_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, tor
 }
 
 }  // namespace
+
+Recorder* claiming_recorder() {
+  const std::lock_guard<std::mutex> lock(g_mu);
+  for (const auto& r : registrations()) {
+    if (r.claims()) return r.rec;
+  }
+  return nullptr;
+}
 
 TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&capture_fallback>());

@@ -49,6 +49,9 @@ std::function<bool()> claim_this_thread();
 // True while any capture records on the calling thread (host captures: one per thread).
 bool this_thread_records();
 
+// The recorder of the capture that claims the calling context's work (null: none).
+Recorder* claiming_recorder();
+
 // Runs `call` as a recorded call's own dispatch: calls it makes through its autograd layer
 // are recorded as its children, calls below autograd (inside its kernels) are not.
 void run_recorded_call(const std::function<void()>& call);

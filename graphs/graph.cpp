@@ -39,6 +39,8 @@ void Graph::capture_begin(std::shared_ptr<GraphPool> pool) {
   DWGRAPH_CHECK_STATE(!captured_, "dwgraph graph: capture_begin() on a graph that holds a capture; reset() it first");
   pool_ = adopt_pool(std::move(pool));
   recorder_ = make_recorder();
+  recorder_->set_pool(pool_.get());
+  recorder_->host_calls().refuse_after = refuse_after_;
   try {
     begin_backend();
     recording_ = std::make_unique<detail::ActiveRecording>(recorder_.get(), claim());
@@ -54,6 +56,7 @@ void Graph::capture_end() {
   try {
     end_backend();
     records_ = recorder_->take_records();
+    host_calls_ = std::move(recorder_->host_calls());
     recorder_.reset();
     after_capture();
     order_id_ = pool_->order().add_graph(name_, detail::pool_accesses(ledger_, records_));
@@ -76,8 +79,10 @@ void Graph::replay() {
                       " with no capture (", is_capturing() ? "still capturing" : "never captured or reset", ")");
   detail::check_ledger(ledger_, records_, device_.is_cuda() ? "CUDA graph" : "host graph");
   pool_->order().check_replay(*order_id_);
+  for (const auto& fn : host_calls_.before) fn();
   launch();
   pool_->order().replayed(*order_id_);
+  for (const auto& fn : host_calls_.after) fn();
 }
 
 void Graph::abandon_for(const Graph& reader) {
@@ -90,6 +95,7 @@ void Graph::reset() noexcept {
   order_id_.reset();
   records_.clear();
   ledger_.clear();
+  host_calls_ = detail::HostCalls();
   pool_.reset();
   captured_ = false;
 }

@@ -10,12 +10,15 @@
 
 #include "allocator/host_pool.h"
 #include "allocator/ledger.h"
+#include "graphs/host_calls.h"
 #include "graphs/pool_order.h"
 
 #include <c10/core/Device.h>
 #include <c10/core/Storage.h>
+#include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,9 +41,13 @@ class GraphPool {
   virtual c10::Device device() const = 0;
   virtual allocator::PoolStats stats() const = 0;
   PoolOrder& order() { return order_; }
+  // Note [Host work around a replay]: the buffers its graphs refill before their replays,
+  // by (owner, tag).
+  std::map<std::pair<const void*, std::string>, at::Tensor>& replay_buffers() { return replay_buffers_; }
 
  private:
   PoolOrder order_;
+  std::map<std::pair<const void*, std::string>, at::Tensor> replay_buffers_;
 };
 
 struct StorageInfo {
@@ -67,9 +74,16 @@ class Graph {
   void capture_end();
   // Abandons a capture whose region raised: no graph, no pool reference, no capture mode.
   void capture_abort() noexcept;
-  // Re-runs the capture. Raises DanglingCaptureError when a borrowed storage was released
-  // and GraphStateError when the pool's replay order forbids it, having run nothing.
+  // Re-runs the capture, between the host work it hoisted (graphs/host_calls.h). Raises
+  // DanglingCaptureError when a borrowed storage was released and GraphStateError when the
+  // pool's replay order forbids it, having run nothing.
   void replay();
+  // Before capture_begin(): after_replay() inside the capture raises ArgumentError with
+  // `why` (a graph that reads what an after-call would write).
+  void refuse_after_calls(std::string why) { refuse_after_ = std::move(why); }
+  // Host work hoisted out of the capture: run before / after each replay.
+  size_t num_before_calls() const { return host_calls_.before.size(); }
+  size_t num_after_calls() const { return host_calls_.after.size(); }
   // What this graph's last replay wrote for `reader` will not be read (graphs/pool_order.h).
   void abandon_for(const Graph& reader);
   // Releases what the capture holds (kernels, pool reference, ledger). Never throws.
@@ -115,6 +129,8 @@ class Graph {
 
  private:
   std::unique_ptr<detail::ActiveRecording> recording_;
+  detail::HostCalls host_calls_;
+  std::string refuse_after_;
   std::string name_;
   std::optional<PoolOrder::GraphId> order_id_;
   bool captured_ = false;

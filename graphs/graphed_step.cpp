@@ -298,6 +298,13 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
       }
     }
     for (const auto& f : fused) graph->set_role(f.main_grad().storage(), c10::str("main_grad of parameter '", f.name, "'"), true);
+    // Note [Host work around a replay]: the step's own kernels (its optimizer step) read
+    // the gradients a collective hoisted after the replay would write.
+    graph->refuse_after_calls(c10::str(
+        kApi, ": the step hands work to the host after its replay (the reduce-scatter of a sharded weight's "
+        "gradient, dwgraph.distributed.ShardedWeight); inside one graph of the whole step, the optimizer would read "
+        "that gradient before it arrives. Graph the model with dwgraph.make_graphed_callables (its backward_dw() "
+        "reduces after each replay) and keep the optimizer step outside the graph"));
     graph->capture_begin(pool_);
     try {
       outs = step_(v.inputs.tensors());

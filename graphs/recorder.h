@@ -15,6 +15,7 @@
 // The same recorder fills the ledger of a CUDA capture (which CUDA replays natively).
 
 #include "allocator/ledger.h"
+#include "graphs/host_calls.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -24,6 +25,10 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+namespace dwgraph::graphs {
+class GraphPool;
+}  // namespace dwgraph::graphs
 
 namespace dwgraph::graphs::detail {
 
@@ -92,6 +97,11 @@ class Recorder {
   // (see check_generator); called at capture end.
   void check_generator_at_end() const { check_generator("at the end of the captured region"); }
   std::vector<OpRecord> take_records() { return std::move(records_); }
+  // Note [Host work around a replay]: what the region hoisted out of the graph, and the
+  // pool whose graphs share replay buffers.
+  HostCalls& host_calls() { return host_calls_; }
+  void set_pool(GraphPool* pool) { pool_ = pool; }
+  GraphPool* pool() const { return pool_; }
   size_t num_records() const { return records_.size(); }
 
  private:
@@ -123,6 +133,8 @@ class Recorder {
   at::Tensor generator_state_;  // host: the default CPU generator where the last top-level call left it
   int depth_ = 0;               // nesting of recorded calls
   std::vector<OpRecord> records_;
+  HostCalls host_calls_;
+  GraphPool* pool_ = nullptr;
   std::map<size_t, std::pair<c10::Storage, std::vector<uint8_t>>> snapshots_;
   // Per ledger entry: the allocation serial of the block when a recorded kernel wrote it.
   std::vector<int64_t> defined_;

@@ -190,3 +190,68 @@ TEST_CASE("replay after the caller released a captured tensor raises DanglingCap
   for (const auto& t : burst) CHECK(at::equal(t, at::full({64, 64}, 7.0f)));
   CHECK(at::equal(out, out_before));  // nothing ran
 }
+
+TEST_CASE("host work hoisted around a replay: buffers refilled before, calls after, shared on a pool",
+          "[graphs][cpu][host_calls]") {
+  namespace g = dwgraph::graphs;
+  const c10::Device cpu(c10::kCPU);
+  auto source = at::arange(6, at::kFloat).reshape({2, 3});  // what a collective would gather
+  at::Tensor target = at::zeros({2, 3});                    // what it would reduce into
+  int fills = 0, afters = 0;
+  auto fill = [&](const at::Tensor& buf) {
+    ++fills;
+    buf.copy_(source);
+  };
+  CHECK_FALSE(g::capturing());
+  CHECK_THROWS_AS(g::after_replay([] {}), dwgraph::GraphStateError);
+  auto pool = g::make_pool(cpu);
+  auto first = g::make_graph(cpu), second = g::make_graph(cpu);
+  at::Tensor out1, out2;
+  first->capture_begin(pool);
+  CHECK(g::capturing());
+  const at::Tensor buf = g::replay_buffer(source, "gather", {2, 3}, at::kFloat, fill);
+  out1 = buf * 2;
+  g::after_replay([&, out1] {
+    ++afters;
+    target.add_(out1);
+  });
+  first->capture_end();
+  second->capture_begin(pool);
+  const at::Tensor again = g::replay_buffer(source, "gather", {2, 3}, at::kFloat, fill);
+  out2 = again + 1;
+  second->capture_end();
+  CHECK_FALSE(g::capturing());
+  // Nothing ran at capture; one buffer for both graphs; not a block of the pool (its
+  // capture-time bytes are no constant the replay would restore over the fill).
+  CHECK(fills == 0);
+  CHECK(afters == 0);
+  CHECK(again.data_ptr() == buf.data_ptr());
+  CHECK(first->num_before_calls() == 1);
+  CHECK(first->num_after_calls() == 1);
+  CHECK(second->num_after_calls() == 0);
+  at::Tensor expected = at::zeros({2, 3});
+  for (int round = 1; round <= 3; ++round) {
+    source.add_(10);
+    first->replay();
+    expected.add_(source * 2);
+    CHECK(at::equal(out1, source * 2));
+    CHECK(at::equal(target, expected));
+    source.add_(1);
+    second->replay();  // refills the shared buffer with the newer values
+    CHECK(at::equal(out2, source + 1));
+    CHECK(fills == 2 * round);
+    CHECK(afters == round);
+  }
+}
+
+TEST_CASE("a graph that refuses after-calls fails its capture at the request", "[graphs][cpu][host_calls]") {
+  namespace g = dwgraph::graphs;
+  const c10::Device cpu(c10::kCPU);
+  auto graph = g::make_graph(cpu);
+  graph->refuse_after_calls("the step's optimizer reads it");
+  graph->capture_begin();
+  CHECK_THROWS_WITH(g::after_replay([] {}), Catch::Contains("optimizer reads it"));
+  graph->capture_abort();
+  CHECK_FALSE(graph->is_captured());
+  CHECK_FALSE(g::capturing());
+}

@@ -49,6 +49,19 @@ def gradient(p: torch.Tensor, fused: set) -> torch.Tensor:
     return g.detach().clone()
 
 
+class GraphedNet(torch.nn.Module):
+    """The model's parameters, with a forward that replays its graphs (what a DDP wrapper
+    around a graphed model sees)."""
+
+    def __init__(self, body, graphed):
+        super().__init__()
+        self.body = body
+        self._graphed = [graphed]
+
+    def forward(self, x):
+        return self._graphed[0](x)
+
+
 def gradients(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     fused = fused_ids(model)
     return {n: gradient(p, fused) for n, p in model.named_parameters()}

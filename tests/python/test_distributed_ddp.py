@@ -17,22 +17,10 @@ import torch
 import dwgraph
 import dwgraph.distributed as dwdist
 from dist_harness import DEVICES, Failure, device_results, run_scenarios
-from dist_models import (IN, OUT, ROWS, STEPS, assert_matches, batch, deferred_modules, fused_ids, gradients, local,
+from dist_models import (IN, GraphedNet, OUT, ROWS, STEPS, assert_matches, batch, deferred_modules, fused_ids, gradients, local,
                          loss_fn, make_model, max_errors, model_reference, sgd)
 
 BUCKET_MB = 2e-3  # about 2 KB: several buckets, launched in order from the hooks
-
-
-class _GraphedNet(torch.nn.Module):
-    """The model's parameters, with a forward that replays its graphs."""
-
-    def __init__(self, body, graphed):
-        super().__init__()
-        self.body = body
-        self._graphed = [graphed]
-
-    def forward(self, x):
-        return self._graphed[0](x)
 
 
 def _train(ctx, fused: bool, graphed: bool, micro: int = 1, zero_to_none: bool = True):
@@ -40,7 +28,7 @@ def _train(ctx, fused: bool, graphed: bool, micro: int = 1, zero_to_none: bool =
     rows = ROWS // micro
     g = (dwgraph.make_graphed_callables(model, (torch.randn(rows, IN, device=ctx.device),), num_warmup_iters=1)
          if graphed else None)
-    ddp = dwdist.DistributedDataParallel(_GraphedNet(model, g) if graphed else model, deferred_bucket_cap_mb=BUCKET_MB)
+    ddp = dwdist.DistributedDataParallel(GraphedNet(model, g) if graphed else model, deferred_bucket_cap_mb=BUCKET_MB)
     fused_set = fused_ids(model)
     per_step, ready, queued, launched = [], [], [], []
     for step in range(STEPS):
@@ -131,7 +119,7 @@ def scenario_plain_ddp_eager(ctx):
 def scenario_plain_ddp_graphed(ctx):
     model = make_model(False)
     g = dwgraph.make_graphed_callables(model, (torch.randn(ROWS, IN),), num_warmup_iters=1)
-    ddp = torch.nn.parallel.DistributedDataParallel(_GraphedNet(model, g))
+    ddp = torch.nn.parallel.DistributedDataParallel(GraphedNet(model, g))
     x, y = _local_batch(ctx)
     loss_fn(ddp(x), y).backward()
     return "no error"

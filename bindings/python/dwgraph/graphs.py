@@ -118,6 +118,18 @@ class Graph:
         return self._graph.is_captured
 
     @property
+    def num_before_calls(self) -> int:
+        """Host calls hoisted out of the capture that run before each replay
+        (:func:`replay_buffer` fills)."""
+        return self._graph.num_before_calls
+
+    @property
+    def num_after_calls(self) -> int:
+        """Host calls hoisted out of the capture that run after each replay
+        (:func:`after_replay`)."""
+        return self._graph.num_after_calls
+
+    @property
     def num_kernels(self) -> int:
         """Kernels replay runs (host: dispatcher calls recorded, less views and allocations)."""
         return self._graph.num_kernels
@@ -137,4 +149,25 @@ class Graph:
         self._graph.set_role(tensor, role, persistent)
 
 
-__all__ = ["Graph", "GraphPool", "graph_pool_handle"]
+def capturing() -> bool:
+    """True while a dwgraph capture claims this thread's work (host graphs) or the current
+    stream's (CUDA graphs)."""
+    return _C.graphs.capturing()
+
+
+def replay_buffer(owner: torch.Tensor, tag: str, sizes, dtype: torch.dtype, fill) -> torch.Tensor:
+    """Inside a dwgraph capture: a buffer the captured kernels may read in place of data
+    that host work produces (a collective), ``fill(buffer)`` being called right before each
+    replay of the graph. The graphs of one pool share one buffer per ``(owner, tag)``
+    (Note [Host work around a replay], graphs/host_calls.h). ``dwgraph.distributed.ShardedWeight``
+    all-gathers through it."""
+    return _C.graphs.replay_buffer(owner, tag, [int(s) for s in sizes], dtype, fill)
+
+
+def after_replay(fn) -> None:
+    """Inside a dwgraph capture: ``fn()`` runs right after each replay of the graph (a
+    reduce-scatter of a gradient the graph computed). ``graphed_step`` refuses it."""
+    _C.graphs.after_replay(fn)
+
+
+__all__ = ["Graph", "GraphPool", "graph_pool_handle", "capturing", "replay_buffer", "after_replay"]

@@ -12,6 +12,7 @@ all-gathers again.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -64,26 +65,41 @@ class ShardedWeight(DistributedWeight):
         return torch.Size((self.shape[0] * dist.get_world_size(self._group()), *self.shape[1:]))
 
     @staticmethod
-    def _refuse_capture(what: str) -> None:
-        capturing = _C.distributed.host_capturing() or (
-            torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
-        if capturing:
+    def _refuse_foreign_capture(what: str) -> None:
+        # A CUDA capture that is not dwgraph's (torch.cuda.graph, torch's
+        # make_graphed_callables) would keep the collective out of its graph silently.
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
             raise ArgumentError(
-                f"dwgraph.distributed.ShardedWeight: its {what} runs in Python around the GEMMs, which a graph "
-                "replay would skip (the replayed gradient would stay this rank's own); keep modules with "
-                "sharded weights out of make_graphed_callables and graphed_step")
+                f"dwgraph.distributed.ShardedWeight: its {what} is a collective that a torch CUDA graph cannot "
+                "replay; graph modules with sharded weights with dwgraph.make_graphed_callables, which runs it "
+                "around each replay")
+
+    def _gather_into(self, full: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(full, self.detach().contiguous(), group=self._group())
 
     def materialize_forward(self) -> torch.Tensor:
-        self._refuse_capture("all-gather")
+        if _C.graphs.capturing():
+            # Note [Host work around a replay]: the graphs read one full buffer per pool,
+            # all-gathered before each replay that reads it.
+            return _C.graphs.replay_buffer(self, "all-gather", list(self.full_shape()), self.dtype, self._gather_into)
+        self._refuse_foreign_capture("all-gather")
         full = torch.empty(self.full_shape(), dtype=self.dtype, device=self.device)
-        dist.all_gather_into_tensor(full, self.detach().contiguous(), group=self._group())
+        self._gather_into(full)
         return full
 
     def finalize_wgrad(self, wgrad: torch.Tensor) -> None:
         if tuple(wgrad.shape) != tuple(self.full_shape()):
             raise ArgumentError(f"dwgraph.distributed.ShardedWeight.finalize_wgrad: expected the full weight "
                                 f"gradient of shape {tuple(self.full_shape())}, got {tuple(wgrad.shape)}")
-        self._refuse_capture("reduce-scatter")
+        if _C.graphs.capturing():
+            # The graph computes the full gradient; the reduce-scatter into the shard runs
+            # after each replay (after backward_dw()'s replay when deferred).
+            _C.graphs.after_replay(functools.partial(self._reduce_scatter, wgrad))
+            return
+        self._refuse_foreign_capture("reduce-scatter")
+        self._reduce_scatter(wgrad)
+
+    def _reduce_scatter(self, wgrad: torch.Tensor) -> None:
         group = self._group()
         shard = torch.empty(self.shape, dtype=wgrad.dtype, device=wgrad.device)
         dist.reduce_scatter_tensor(shard, wgrad.contiguous(), group=group)

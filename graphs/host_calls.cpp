@@ -1,0 +1,69 @@
+#include "graphs/host_calls.h"
+
+#include "allocator/capture_allocator.h"
+#include "common/check.h"
+#include "graphs/capture_dispatch.h"
+#include "graphs/graph.h"
+#include "graphs/recorder.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+namespace dwgraph::graphs {
+namespace {
+
+detail::Recorder& active(const char* api) {
+  detail::Recorder* rec = detail::claiming_recorder();
+  DWGRAPH_CHECK_STATE(rec != nullptr && rec->pool() != nullptr, api,
+                      ": no dwgraph capture is running on this thread or stream; ask dwgraph.graphs.capturing() first");
+  return *rec;
+}
+
+}  // namespace
+
+bool capturing() { return detail::claiming_recorder() != nullptr; }
+
+at::Tensor replay_buffer(const at::Tensor& owner, const std::string& tag, at::IntArrayRef sizes, at::ScalarType dtype,
+                         std::function<void(const at::Tensor&)> fill) {
+  constexpr const char* kApi = "dwgraph.graphs.replay_buffer";
+  detail::Recorder& rec = active(kApi);
+  DWGRAPH_CHECK_ARG(owner.defined(), kApi, ": argument 'owner' must be a tensor, got an undefined one");
+  DWGRAPH_CHECK_ARG(fill != nullptr, kApi, ": argument 'fill' must be callable, got none");
+  GraphPool& pool = *rec.pool();
+  DWGRAPH_CHECK_ARG(owner.device().type() == pool.device().type(), kApi, ": argument 'owner' is on ", owner.device(),
+                    " but the capture is on ", pool.device());
+  auto& cache = pool.replay_buffers();
+  const auto key = std::make_pair(static_cast<const void*>(owner.unsafeGetTensorImpl()), tag);
+  auto it = cache.find(key);
+  if (it == cache.end() || it->second.sizes() != sizes || it->second.scalar_type() != dtype ||
+      it->second.device() != owner.device()) {
+    // Not a call of the region: the allocation must not be recorded. On the host it is
+    // not a block of the graph's pool either (the recorder would otherwise keep its
+    // capture-time bytes as a constant and restore them over the fill); on CUDA it is a
+    // block of the private pool, like any allocation on the capture stream, and no kernel
+    // touches it at allocation.
+    const c10::impl::ExcludeDispatchKeyGuard unrecorded(detail::kCaptureModeKey);
+    at::Tensor buffer;
+    if (owner.device().is_cpu()) {
+      const allocator::CaptureAllocationGuard outside_pool(nullptr);
+      buffer = at::empty(sizes, owner.options().dtype(dtype));
+      buffer.zero_();  // deterministic capture-time values (they are never replayed)
+    } else {
+      buffer = at::empty(sizes, owner.options().dtype(dtype));
+    }
+    it = cache.insert_or_assign(key, buffer).first;
+  }
+  at::Tensor buffer = it->second;
+  rec.host_calls().before.push_back([buffer, fill = std::move(fill)] { fill(buffer); });
+  return buffer;
+}
+
+void after_replay(std::function<void()> fn) {
+  constexpr const char* kApi = "dwgraph.graphs.after_replay";
+  detail::Recorder& rec = active(kApi);
+  DWGRAPH_CHECK_ARG(fn != nullptr, kApi, ": argument 'fn' must be callable, got none");
+  DWGRAPH_CHECK_ARG(rec.host_calls().refuse_after.empty(), rec.host_calls().refuse_after);
+  rec.host_calls().after.push_back(std::move(fn));
+}
+
+}  // namespace dwgraph::graphs
