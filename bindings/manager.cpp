@@ -121,6 +121,7 @@ void init_manager(py::module_& parent) {
       .def_readwrite("parameter_names", &GraphableCallable::parameter_names)
       .def_readwrite("current_parameters", &GraphableCallable::current_parameters)
       .def_readwrite("parameters_version", &GraphableCallable::parameters_version)
+      .def_readwrite("registered_parameters", &GraphableCallable::registered_parameters)
       .def_readwrite("modules", &GraphableCallable::modules)
       .def_readwrite("training_mode", &GraphableCallable::training_mode)
       .def_readwrite("buffer_names", &GraphableCallable::buffer_names)

@@ -32,6 +32,11 @@ struct GraphableCallable {
   // CapturedParameters; without it the list is asked at every call).
   std::function<NamedTensors()> current_parameters;
   std::function<uint64_t()> parameters_version;
+  // Optional: what every parameter slot of the modules holds now ((qualified name, tensor),
+  // cheap: no traversal), asked at every call whatever the version says. Libraries swap
+  // parameters without registering them (FSDP2 puts its sharded and unsharded parameters
+  // straight into module._parameters), which the version cannot see.
+  std::function<NamedTensors()> registered_parameters;
   // dwgraph modules (deferring or not: hooks, main_grad) and other modules with
   // backward_dw()/need_backward_dw() found in the callable.
   std::vector<ModuleSpec> modules;

@@ -422,6 +422,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     std::vector<FusedParameter> fused;
     for (const auto& m : c.modules) fused.insert(fused.end(), m.fused.begin(), m.fused.end());
     params_.emplace_back(c.parameter_names, c.parameters, c.current_parameters, c.parameters_version);
+    params_.back().watch_slots(c.registered_parameters);
     std::vector<std::string> buffer_names = c.buffer_names;
     for (size_t i = buffer_names.size(); i < c.buffers.size(); ++i) buffer_names.push_back(c10::str("buffer ", i));
     buffer_names.resize(c.buffers.size());

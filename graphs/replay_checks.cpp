@@ -6,6 +6,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <atomic>
 #include <unordered_map>
 
@@ -27,14 +28,20 @@ void check_has_memory(const at::Tensor& t, const char* what) {
   if (!t.defined()) return;
   DWGRAPH_CHECK_STATE(t.layout() == at::kStrided, "dwgraph: ", what, " is a ", t.layout(),
                       " tensor; graphs capture strided tensors only");
+  DWGRAPH_CHECK_ARG(!t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python), "dwgraph: ", what, " (",
+                    describe(t), ") is a tensor subclass whose operations run in Python (a DTensor: an FSDP2 "
+                    "sharded parameter, tensor parallelism); graphs capture plain tensors. Graph FSDP2 modules with "
+                    "dwgraph.distributed.FullyShardReducer.make_graphed_callables, which captures their unsharded "
+                    "parameters (docs/distributed.md)");
   if (t.numel() == 0 || !t.has_storage()) return;
   const size_t needed = at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.dtype().itemsize(),
                                                          static_cast<size_t>(t.storage_offset()));
   const size_t held = t.storage().nbytes();
   DWGRAPH_CHECK_STATE(held >= needed, "dwgraph: ", what, " (", describe(t), ") has no memory: its storage holds ", held,
                       " of the ", needed, " bytes it views. Its owner frees it between uses (as FSDP2 does with "
-                      "unsharded parameters), so a graph would read and write freed memory; run this eagerly "
-                      "(FSDP2 models are not graphed, docs/distributed.md)");
+                      "unsharded parameters), so a graph would read and write freed memory. Graph FSDP2 modules "
+                      "with dwgraph.distributed.FullyShardReducer.make_graphed_callables (it keeps their unsharded "
+                      "storage); graphed_step runs no FSDP2 model (docs/distributed.md)");
 }
 
 CapturedParameters::CapturedParameters(std::vector<std::string> names, std::vector<at::Tensor> params,
@@ -56,6 +63,13 @@ CapturedParameters::CapturedParameters(std::vector<std::string> names, std::vect
   }
 }
 
+void CapturedParameters::watch_slots(std::function<NamedTensors()> registered) {
+  registered_ = std::move(registered);
+  slots_.clear();
+  if (!registered_) return;
+  for (const auto& [name, t] : registered_()) slots_.emplace_back(name, t.unsafeGetTensorImpl());
+}
+
 void CapturedParameters::check(const std::string& where) const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
@@ -67,8 +81,11 @@ void CapturedParameters::check(const std::string& where) const {
                         "' was reallocated since capture (its data moved); the graphs would use the old memory. "
                         "Update parameters in place, or reset() and capture again");
   }
-  if (!current_) return;
-  if (version_ && verified_ && version_() == verified_version_) return;
+  if (current_ && !(version_ && verified_ && version_() == verified_version_)) check_registered(where);
+  check_slots(where);
+}
+
+void CapturedParameters::check_registered(const std::string& where) const {
   const uint64_t version = version_ ? version_() : 0;
   const NamedTensors now = current_();
   std::unordered_map<std::string, const void*> captured;
@@ -88,6 +105,25 @@ void CapturedParameters::check(const std::string& where) const {
                       "' was removed since capture; reset() and capture again after changing the module");
   verified_version_ = version;
   verified_ = version_ != nullptr;
+}
+
+void CapturedParameters::check_slots(const std::string& where) const {
+  if (!registered_) return;
+  const NamedTensors now = registered_();
+  for (size_t i = 0; i < std::max(now.size(), slots_.size()); ++i) {
+    const bool same = i < now.size() && i < slots_.size() && now[i].first == slots_[i].first &&
+                      now[i].second.unsafeGetTensorImpl() == slots_[i].second;
+    if (same) continue;
+    const std::string& name = i < slots_.size() ? slots_[i].first : now[i].first;
+    DWGRAPH_CHECK_STATE(false, where, ": ", kind_, " '", name, "' is not the tensor the graphs captured: another "
+                        "tensor was put in its slot",
+                        i < now.size() && now[i].second.defined() ? c10::str(" (", describe(now[i].second), ")")
+                                                                  : std::string(),
+                        ", bypassing module registration. FSDP2 does this between its unshards (its sharded "
+                        "parameters are registered outside the FSDP unit's forward and backward): call graphed "
+                        "FSDP2 modules only through their unit, and keep its parameters unsharded until "
+                        "backward_dw() (dwgraph.distributed.FullyShardReducer); otherwise reset() and capture again");
+  }
 }
 
 CapturedMainGrads::CapturedMainGrads(std::vector<FusedParameter> fused) : fused_(std::move(fused)) {

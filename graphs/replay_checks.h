@@ -34,6 +34,10 @@ class CapturedParameters {
                      std::function<NamedTensors()> current = nullptr, std::function<uint64_t()> version = nullptr,
                      std::string kind = "parameter");
 
+  // Also compares, at every check, what `registered` lists now with what it listed here
+  // (GraphableCallable::registered_parameters).
+  void watch_slots(std::function<NamedTensors()> registered);
+
   // GraphStateError naming the parameter when one was replaced, added or removed, changed
   // requires_grad, or had its memory moved (`.data = ...`, a re-allocation) since capture.
   void check(const std::string& where) const;
@@ -47,6 +51,10 @@ class CapturedParameters {
   std::vector<const void*> data_;
   std::function<NamedTensors()> current_;
   std::function<uint64_t()> version_;
+  void check_registered(const std::string& where) const;  // the scan of current_
+  void check_slots(const std::string& where) const;       // registered_ against slots_
+  std::function<NamedTensors()> registered_;
+  std::vector<std::pair<std::string, const void*>> slots_;  // what `registered_` listed at capture
   std::string kind_ = "parameter";
   mutable uint64_t verified_version_ = 0;
   mutable bool verified_ = false;

@@ -3,9 +3,10 @@
 The training scenarios shard a model mixing deferred and plain modules with fully_shard
 (each deferred block, then the root), drive it with dwgraph.distributed.FullyShardReducer,
 and compare every sharded gradient (gathered) and parameter with a single-process run on
-the concatenated batch (FP32, 1e-6 relative), for 5 steps. Eager only: FSDP2 swaps the
-module's parameters between sharded and unsharded tensors in module hooks, which a graph
-replay does not run (docs/distributed.md).
+the concatenated batch (FP32, 1e-6 relative), for 5 steps, eagerly and graphed with
+FullyShardReducer.make_graphed_callables (the FSDP units and the root's own layers graphed
+over their unsharded parameters, kept at fixed addresses; FSDP's hooks run around each
+replay: docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 import dwgraph
 import dwgraph.distributed as dwdist
 from dist_harness import DEVICES, Failure, device_results, run_scenarios
-from dist_models import (LR, ROWS, STEPS, assert_matches, batch, deferred_modules, local, loss_fn, make_model,
+from dist_models import (HIDDEN, IN, LR, ROWS, STEPS, assert_matches, batch, deferred_modules, local, loss_fn, make_model,
                          max_errors, model_reference)
 
 
@@ -55,9 +56,30 @@ class _CountingReduceScatter:
         dist.reduce_scatter_single = self._orig
 
 
-def _train(ctx, fused: bool, micro: int):
+def _graph(ctx, model, reducer, rows: int):
+    """The two FSDP units (model[0], model[3]) and the root's own layers (model[2],
+    model[4]) graphed; returns a counter of eager fallbacks (a graph that did not replay)."""
+    layers = (model[0], model[2], model[3], model[4])
+    samples = ((torch.randn(rows, IN, device=ctx.device),),
+               *((torch.randn(rows, HIDDEN, device=ctx.device, requires_grad=True),) for _ in range(3)))
+    reducer.make_graphed_callables(layers, samples, num_warmup_iters=1)
+    eager = [0]
+    for m in layers:
+        handle = dwgraph.graphed_handle(m)
+        run = handle._forward  # what the handle calls when its graphs do not replay
+
+        def counted(*args, run=run, **kwargs):
+            eager[0] += 1
+            return run(*args, **kwargs)
+
+        handle._forward = counted
+    return eager
+
+
+def _train(ctx, fused: bool, micro: int, graphed: bool):
     model = _sharded(ctx, fused)
     reducer = dwdist.FullyShardReducer(model)
+    eager = _graph(ctx, model, reducer, ROWS // micro) if graphed else [0]
     per_step, reduce_scatters, landings, queued = [], [], [], []
     for step in range(STEPS):
         x, y = batch(step, ROWS * ctx.world_size, ctx.device)
@@ -70,7 +92,7 @@ def _train(ctx, fused: bool, micro: int):
             reducer.finish()
         reduce_scatters.append(rs.count)
         landings.append(reducer.landings())
-        queued.append(sum(m.num_queued_wgrad_units() for m in deferred_modules(model)))
+        queued.append(sum(m.num_pending_wgrad_units() for m in deferred_modules(model)))
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         with torch.no_grad():
             for p in model.parameters():
@@ -78,11 +100,12 @@ def _train(ctx, fused: bool, micro: int):
                 p.grad = None
         per_step.append(dict(grads=grads, params={n: p.full_tensor() for n, p in model.named_parameters()}))
     return dict(errors=max_errors(per_step, model_reference(fused, ctx.world_size)), reduce_scatters=reduce_scatters,
-                landings=landings, queued=queued)
+                landings=landings, queued=queued, eager_calls=eager[0])
 
 
-TRAIN = {f"train_{grad}{suffix}": (grad == "main_grad", micro)
-         for grad in ("grad", "main_grad") for suffix, micro in (("", 1), ("_accumulate", 2))}
+TRAIN = {f"train_{grad}{suffix}_{mode}": (grad == "main_grad", micro, mode == "graphed")
+         for grad in ("grad", "main_grad") for suffix, micro in (("", 1), ("_accumulate", 2))
+         for mode in ("eager", "graphed")}
 for _name, _args in TRAIN.items():
     globals()[f"scenario_{_name}"] = lambda ctx, _args=_args: _train(ctx, *_args)
 
@@ -146,8 +169,8 @@ def scenario_root_must_be_fully_sharded(ctx):
 
 
 def scenario_graphed_make_graphed_callables(ctx):
-    """Graphs of an FSDP2 model: FSDP gathers and frees parameters in module hooks that a
-    replay would not run, so the capture refuses (typed) instead of replaying stale memory."""
+    """A graph of a module that contains FSDP units: their hooks (all-gather, reshard) would
+    run inside the capture and never at replay, so the capture refuses (typed)."""
     model = _sharded(ctx, False)
     dwdist.FullyShardReducer(model)
     x, _ = _local_batch(ctx)
@@ -172,7 +195,28 @@ def scenario_graphed_step(ctx):
         reducer.finish()
 
 
-SCENARIOS = [*TRAIN, "plain_fully_shard", "rank_skips_backward_dw", "missing_finish_optimizer",
+def scenario_graphed_called_outside_its_unit(ctx):
+    """A graphed layer of the root called directly, while FSDP has its sharded parameters
+    registered (the kept unsharded storage holds the previous step's values): refused."""
+    model = _sharded(ctx, False)
+    reducer = dwdist.FullyShardReducer(model)
+    _graph(ctx, model, reducer, ROWS)
+    x, y = _local_batch(ctx)
+    loss_fn(model(x), y).backward()
+    for m in deferred_modules(model):
+        m.backward_dw()
+    reducer.finish()
+    model[2](torch.randn(ROWS, HIDDEN, device=ctx.device))
+
+
+def scenario_graphed_unit_without_reducer(ctx):
+    """dwgraph.make_graphed_callables on an FSDP unit directly: its parameters are sharded
+    DTensors between calls; typed, pointing at FullyShardReducer.make_graphed_callables."""
+    model = _sharded(ctx, False)
+    dwgraph.make_graphed_callables(model[0], (torch.randn(ROWS, IN, device=ctx.device),), num_warmup_iters=1)
+
+
+SCENARIOS = [*TRAIN, "graphed_called_outside_its_unit", "graphed_unit_without_reducer", "plain_fully_shard", "rank_skips_backward_dw", "missing_finish_optimizer",
              "missing_finish_next_forward", "root_must_be_fully_sharded", "graphed_make_graphed_callables",
              "graphed_step"]
 
@@ -195,9 +239,10 @@ def test_training_matches_single_process(trained, name):
         # FSDP's own reduce-scatter, once per parameter group (model[0], model[3], root)
         # per step; each deferred module landed once per microbatch; nothing left queued.
         assert res["reduce_scatters"] == [3] * STEPS, res["reduce_scatters"]
-        micro = 2 if name.endswith("accumulate") else 1
+        micro = 2 if "accumulate" in name else 1
         assert all(set(l.values()) == {micro} for l in res["landings"]), res["landings"]
         assert res["queued"] == [0] * STEPS
+        assert res["eager_calls"] == 0  # graphed: every call replayed
 
 
 def test_plain_fully_shard_is_a_typed_error_before_landing(results):
@@ -224,9 +269,20 @@ def test_root_must_be_fully_sharded(results):
 
 
 @pytest.mark.parametrize("name,error,says", [("graphed_make_graphed_callables", "ArgumentError", "hooks"),
-                                             ("graphed_step", "GraphStateError", "has no memory")])
+                                             ("graphed_step", "ArgumentError", "DTensor")])
 def test_graphs_of_an_fsdp2_model_are_refused(results, name, error, says):
     # Typed, before anything is written (graphed_step's first call was an eager warmup;
     # it once crashed at the capture, cloning the freed unsharded parameters).
     for r in results[name]:
         assert isinstance(r, Failure) and r.type == error and says in r.message, r
+
+
+def test_graphed_layer_called_outside_its_unit_is_refused(results):
+    for r in results["graphed_called_outside_its_unit"]:
+        assert isinstance(r, Failure) and r.type == "GraphStateError" and "not the tensor the graphs captured" in \
+            r.message, r
+
+
+def test_graphing_an_fsdp_unit_without_the_reducer_is_refused(results):
+    for r in results["graphed_unit_without_reducer"]:
+        assert isinstance(r, Failure) and r.type == "ArgumentError" and "FullyShardReducer" in r.message, r

@@ -113,13 +113,31 @@ def _module_specs(module: torch.nn.Module) -> list:
     return specs
 
 
+def around_calls(fn):
+    """Marks a module hook as one that belongs around every call of the module, replays
+    included (dwgraph's own: FullyShardReducer attaching main_grad); returns ``fn``."""
+    fn._dwgraph_around_calls = True
+    return fn
+
+
+def _runs_around_calls(hook) -> bool:
+    """A hook on the graphed module itself that must run around each replay, not inside
+    the captured region: FSDP2's (it unshards the parameters the graphs read into storage
+    it keeps, and reshards after) and the ones marked with around_calls()."""
+    if getattr(hook, "_dwgraph_around_calls", False):
+        return True
+    owner = getattr(hook, "__self__", None)
+    return type(owner).__name__ == "FSDPState" and type(owner).__module__.startswith("torch.distributed.fsdp")
+
+
 def _first_hook(module: torch.nn.Module, include_self: bool):
     """(where, what) of the first module or parameter hook inside `module`, or None."""
     for name, sub in module.named_modules():
         if not name and not include_self:
             continue
         for kind in _HOOK_KINDS:
-            if getattr(sub, kind, None):
+            hooks = getattr(sub, kind, None) or {}
+            if any(not (not name and _runs_around_calls(h)) for h in hooks.values()):
                 return ("itself" if not name else repr(name)), kind[1:].replace("_", " ")
     for name, p in module.named_parameters():
         if getattr(p, "_backward_hooks", None):
@@ -519,6 +537,19 @@ def make_graphed_callables(
     return out[0] if single else tuple(out)
 
 
+def _slot_reader(module: torch.nn.Module):
+    """What every parameter slot of `module`'s tree holds, read at each call without a
+    traversal (FSDP2 swaps parameters straight into module._parameters)."""
+    slots = [(f"{name}.{n}" if name else n, sub._parameters, n)
+             for name, sub in module.named_modules(remove_duplicate=False)
+             for n, p in sub._parameters.items() if p is not None]
+
+    def read():
+        return [(q, d[n]) for q, d, n in slots if d.get(n) is not None]
+
+    return read
+
+
 def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
     specs, forwards, out_sigs = [], [], []
     for i, module in enumerate(modules):
@@ -550,6 +581,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
             spec.parameter_names = [n for n, _ in named]
             spec.current_parameters = lambda module=module: list(module.named_parameters())
             spec.parameters_version = _C.graphs.registration_version
+            spec.registered_parameters = _slot_reader(module)
             spec.modules = _module_specs(module)
             named_buffers = list(module.named_buffers())
             spec.buffers = [b for _, b in named_buffers]

@@ -7,7 +7,9 @@ FSDP2's own controls so that the deferred gradient reaches the sharded ``.grad``
 an undeferred one does: manual backward finalization on the root, and, for the FSDP modules
 that hold deferred parameters, no gradient sync and no reshard after backward (the
 unsharded parameters and their gradients stay) until :meth:`finish`, which turns both back
-on and lets ``finalize_backward()`` run FSDP's reduce-scatter.
+on and lets ``finalize_backward()`` run FSDP's reduce-scatter. Its
+:meth:`~FullyShardReducer.make_graphed_callables` graphs the model's units over their
+unsharded parameters, kept at fixed addresses.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .. import _C, _guards
+from .. import _C, _guards, graphed
 from ..errors import ArgumentError, GraphStateError
 from ..nn import DistributedWeight, _DeferredWgradModule
 
@@ -125,7 +127,67 @@ class FullyShardReducer:
         finally:
             self._accumulating = False
 
+    def make_graphed_callables(self, modules, sample_args, **kwargs):
+        """``dwgraph.make_graphed_callables`` for modules of this reducer's FSDP2 model:
+        FSDP units themselves (``fully_shard(block)``, graphed as ``block``) or modules
+        inside one unit (the root's own layers). Same arguments and return value.
+
+        The graphs capture each unit's unsharded parameters, so their storage must stay
+        where it is: the units holding the graphed modules' parameters get
+        ``set_keep_unsharded_storage(True)`` (their unsharded parameters stay allocated
+        between steps, as without resharding; gradients and optimizer state stay sharded),
+        and are unsharded for the capture and resharded after it. FSDP's hooks on a graphed
+        unit run around each replay: its all-gather refills the kept storage before the
+        forward (and, resharded after forward, before the backward), its reduce-scatter
+        reads the gradients the replays handed over. A graphed module whose unit has
+        registered its sharded parameters (called outside the unit's forward) raises
+        GraphStateError. Every rank must capture together: the warmup runs the modules
+        eagerly, without FSDP's collectives.
+        """
+        if not hasattr(self.root, "set_keep_unsharded_storage"):
+            raise ArgumentError("dwgraph.distributed.FullyShardReducer.make_graphed_callables: this torch's FSDP2 "
+                                "cannot keep unsharded parameter storage (FSDPModule.set_keep_unsharded_storage); "
+                                "graphs need it at fixed addresses (torch 2.15 or newer)")
+        mods = tuple(modules) if isinstance(modules, (tuple, list)) else (modules,)
+        owners = self._units_by_parameter()
+        units: List[torch.nn.Module] = []
+        for i, m in enumerate(mods):
+            if not isinstance(m, torch.nn.Module):
+                continue
+            if not any(m is sub for sub in self.root.modules()):
+                raise ArgumentError(f"dwgraph.distributed.FullyShardReducer.make_graphed_callables: modules[{i}] "
+                                    f"('{type(m).__name__}') is not part of this reducer's root module")
+            for p in m.parameters():
+                unit = owners.get(id(p))
+                if unit is not None and not any(unit is u for u in units):
+                    units.append(unit)
+        for u in units:
+            u.set_keep_unsharded_storage(True, recurse=False)
+        try:
+            for u in units:
+                u.unshard()
+            for _, m in self._modules:
+                if m.fuse_wgrad_accumulation:
+                    self._attach_main_grads(m, ())  # the capture needs them on the unsharded parameters
+            return graphed.make_graphed_callables(modules, sample_args, **kwargs)
+        finally:
+            for u in units:
+                u.reshard()
+
+    def _units_by_parameter(self) -> Dict[int, torch.nn.Module]:
+        """id of each sharded parameter -> the FSDP unit (module) that owns it."""
+        out: Dict[int, torch.nn.Module] = {}
+        fsdp_cls = _fsdp_module_class()
+        for unit in self.root.modules():
+            if not isinstance(unit, fsdp_cls):
+                continue
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    out[id(fp.sharded_param)] = unit
+        return out
+
     @staticmethod
+    @graphed.around_calls
     def _attach_main_grads(module, _args) -> None:
         # The forward sees FSDP's unsharded parameter (created once, reused every step).
         for _, p in module._fused_parameters():
