@@ -7,7 +7,9 @@ deferred), is reduce-scattered into the shard and averaged over the group, as da
 training over sharded parameters (ZeRO-3, FSDP) does. dwgraph's autograd functions keep the
 parameter object as a plain reference (Note [Weights are plain references]), so
 ``saved_tensors_hooks`` cannot strip its type and a ``retain_graph=True`` backward
-all-gathers again.
+all-gathers again. Inside a dwgraph capture the collectives are handed to the host around
+each replay (Note [Host work around a replay], graphs/host_calls.h): the graphs read a
+full buffer all-gathered before each replay and the reduce-scatter runs after it.
 """
 
 from __future__ import annotations
