@@ -73,7 +73,9 @@ DataParallelReducer::DataParallelReducer(c10::intrusive_ptr<c10d::ProcessGroup> 
 }
 
 bool DataParallelReducer::drained(size_t m) const {
-  return !modules_[m].store || modules_[m].store->num_units() == 0;
+  // Pending in a graphed callable counts: a graphed module's replayed backward holds its
+  // work outside the queue until its backward_dw() (ops::WgradStore::num_pending).
+  return !modules_[m].store || modules_[m].store->num_pending() == 0;
 }
 
 std::string DataParallelReducer::describe_module(size_t m) const { return "'" + modules_[m].name + "'"; }
@@ -165,8 +167,9 @@ void DataParallelReducer::finish(const std::vector<std::vector<at::Tensor>>& buf
       problems.push_back(c10::str("module ", describe_module(m), ": no weight gradient landed since the last "
                                   "finish() (it did not run, or its backward_dw() was not called)"));
     } else if (!drained(m)) {
-      problems.push_back(c10::str("module ", describe_module(m), ": ", modules_[m].store->num_units(),
-                                  " backward(s) still queued; call backward_dw() once per backward before finish()"));
+      problems.push_back(c10::str("module ", describe_module(m), ": ", modules_[m].store->num_pending(),
+                                  " backward(s) still queued or pending in a graph; call backward_dw() once per "
+                                  "backward before finish()"));
     }
   }
   std::vector<at::Tensor> current(params_.size());

@@ -113,4 +113,22 @@ GradsDetached::~GradsDetached() {
   for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = grads_[i];
 }
 
+GradDtypesUnset::GradDtypesUnset(std::vector<at::Tensor> params) : params_(std::move(params)) {
+  for (const auto& p : params_) {
+    dtypes_.push_back(p.requires_grad() ? p.grad_dtype() : std::nullopt);
+    if (dtypes_.back()) p.set_grad_dtype(std::nullopt);
+  }
+}
+
+GradDtypesUnset::~GradDtypesUnset() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!dtypes_[i]) continue;
+    try {
+      params_[i].set_grad_dtype(dtypes_[i]);
+    } catch (const std::exception& e) {  // a destructor: warn, never throw
+      TORCH_WARN("dwgraph: restoring the grad_dtype of a parameter after a capture failed: ", e.what());
+    }
+  }
+}
+
 }  // namespace dwgraph::graphs

@@ -77,4 +77,23 @@ class GradsDetached {
   std::vector<at::Tensor> grads_;
 };
 
+// Note [A graph returns the gradient autograd computed]: on the way to a leaf's
+// AccumulateGrad the engine casts its gradient to the leaf's grad_dtype (a BF16 parameter
+// accumulating in FP32). Captured, that cast would be fixed at the capture's grad_dtype,
+// while eager code asks for it at each backward (FSDP2 switches it between microbatches).
+// So a backward capture runs with no grad_dtype on its parameters: the graph returns the
+// gradient in the dtype autograd computes it, and the replay's engine casts it as it
+// would cast an eager backward's.
+class GradDtypesUnset {
+ public:
+  explicit GradDtypesUnset(std::vector<at::Tensor> params);
+  ~GradDtypesUnset();
+  GradDtypesUnset(const GradDtypesUnset&) = delete;
+  GradDtypesUnset& operator=(const GradDtypesUnset&) = delete;
+
+ private:
+  std::vector<at::Tensor> params_;
+  std::vector<std::optional<at::ScalarType>> dtypes_;
+};
+
 }  // namespace dwgraph::graphs

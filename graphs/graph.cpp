@@ -58,6 +58,7 @@ void Graph::capture_end() {
     records_ = recorder_->take_records();
     host_calls_ = std::move(recorder_->host_calls());
     recorder_.reset();
+    check_fills_not_written();
     after_capture();
     order_id_ = pool_->order().add_graph(name_, detail::pool_accesses(ledger_, records_));
   } catch (...) {
@@ -65,6 +66,20 @@ void Graph::capture_end() {
     throw;
   }
   captured_ = true;
+}
+
+void Graph::check_fills_not_written() {
+  auto filled = std::move(host_calls_.filled_from);
+  host_calls_.filled_from.clear();
+  for (const auto& [storage, what] : filled) {
+    const auto entry = ledger_.find(storage.data());
+    DWGRAPH_CHECK_ARG(!entry || !detail::record_touches(records_, *entry, /*writes_only=*/true), "dwgraph graph: ",
+                      name_.empty() ? "the captured region" : name_, " writes ", what,
+                      " in place, whose value a host call gathers before each replay (Note [Host work around a "
+                      "replay]); the replay would use the value from before that write, where eager code gathers "
+                      "after it. Make the write outside the graphed region (before the call, or in the optimizer "
+                      "step)");
+  }
 }
 
 void Graph::capture_abort() noexcept {

@@ -32,6 +32,12 @@ class ActiveRecording;
 struct OpRecord;
 }  // namespace detail
 
+// A buffer graphs refill before their replays (graphs/host_calls.h), while its owner lives.
+struct ReplayBuffer {
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> owner;
+  at::Tensor buffer;
+};
+
 // A private memory pool that several graphs can share. A later capture may reuse blocks
 // an earlier one freed, so the pool also keeps the order its graphs must replay in
 // (Note [Replay order on a shared pool]).
@@ -43,11 +49,11 @@ class GraphPool {
   PoolOrder& order() { return order_; }
   // Note [Host work around a replay]: the buffers its graphs refill before their replays,
   // by (owner, tag).
-  std::map<std::pair<const void*, std::string>, at::Tensor>& replay_buffers() { return replay_buffers_; }
+  std::map<std::pair<const void*, std::string>, ReplayBuffer>& replay_buffers() { return replay_buffers_; }
 
  private:
   PoolOrder order_;
-  std::map<std::pair<const void*, std::string>, at::Tensor> replay_buffers_;
+  std::map<std::pair<const void*, std::string>, ReplayBuffer> replay_buffers_;
 };
 
 struct StorageInfo {
@@ -128,6 +134,8 @@ class Graph {
   std::vector<detail::OpRecord> records_;
 
  private:
+  void check_fills_not_written();
+
   std::unique_ptr<detail::ActiveRecording> recording_;
   detail::HostCalls host_calls_;
   std::string refuse_after_;

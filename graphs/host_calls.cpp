@@ -32,11 +32,16 @@ at::Tensor replay_buffer(const at::Tensor& owner, const std::string& tag, at::In
   GraphPool& pool = *rec.pool();
   DWGRAPH_CHECK_ARG(owner.device().type() == pool.device().type(), kApi, ": argument 'owner' is on ", owner.device(),
                     " but the capture is on ", pool.device());
+  for (int64_t s : sizes) DWGRAPH_CHECK_ARG(s >= 0, kApi, ": argument 'sizes' must be non-negative, got ", sizes);
   auto& cache = pool.replay_buffers();
+  // Entries of owners that died go (graphs that read them keep their own reference): a
+  // long-lived pool does not hold every buffer it ever handed out, and a new owner at a dead
+  // one's address never shares its buffer.
+  for (auto e = cache.begin(); e != cache.end();) e = e->second.owner.expired() ? cache.erase(e) : std::next(e);
   const auto key = std::make_pair(static_cast<const void*>(owner.unsafeGetTensorImpl()), tag);
   auto it = cache.find(key);
-  if (it == cache.end() || it->second.sizes() != sizes || it->second.scalar_type() != dtype ||
-      it->second.device() != owner.device()) {
+  const auto& held = it == cache.end() ? at::Tensor() : it->second.buffer;
+  if (!held.defined() || held.sizes() != sizes || held.scalar_type() != dtype || held.device() != owner.device()) {
     // Not a call of the region: the allocation must not be recorded. On the host it is
     // not a block of the graph's pool either (the recorder would otherwise keep its
     // capture-time bytes as a constant and restore them over the fill); on CUDA it is a
@@ -51,10 +56,14 @@ at::Tensor replay_buffer(const at::Tensor& owner, const std::string& tag, at::In
     } else {
       buffer = at::empty(sizes, owner.options().dtype(dtype));
     }
-    it = cache.insert_or_assign(key, buffer).first;
+    it = cache.insert_or_assign(key, ReplayBuffer{decltype(ReplayBuffer::owner)(owner.getIntrusivePtr()), buffer}).first;
   }
-  at::Tensor buffer = it->second;
+  at::Tensor buffer = it->second.buffer;
   rec.host_calls().before.push_back([buffer, fill = std::move(fill)] { fill(buffer); });
+  if (owner.has_storage()) {
+    rec.host_calls().filled_from.emplace_back(
+        owner.storage(), c10::str("a ", owner.scalar_type(), " tensor of shape ", owner.sizes(), " ('", tag, "')"));
+  }
   return buffer;
 }
 

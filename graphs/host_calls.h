@@ -11,13 +11,15 @@
 //    costs one buffer per pool however many microbatch slots read it);
 //  * after_replay(): `fn` runs right after every replay, before the caller sees anything
 //    (before the hand-off's delayed hooks).
-// Hoisting is exact when nothing inside the graph writes what the fill reads (parameters:
-// graphs never write them) and nothing inside it reads what the after-call writes (the
+// Hoisting is exact when nothing inside the graph writes what the fill reads (a region that
+// writes the owner, such as a weight clamped in place in the forward, is refused at
+// capture end) and nothing inside it reads what the after-call writes (the
 // caller's .grad of a sharded weight: a graph that reads .grad after the reduction, such as
 // a graphed optimizer step, refuses after-calls; see Graph::refuse_after_calls).
 // On CUDA both run on the current stream, before and after the graph's launch.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
 
 #include <functional>
 #include <string>
@@ -44,6 +46,10 @@ namespace detail {
 struct HostCalls {
   std::vector<std::function<void()>> before;
   std::vector<std::function<void()>> after;
+  // The storages the fills read, with what they are (for the message): a graph that writes
+  // one would read, at replay, the value from before its own write (Graph::capture_end
+  // refuses it). Held only until the capture ends.
+  std::vector<std::pair<c10::Storage, std::string>> filled_from;
   // Non-empty: after_replay() raises ArgumentError with this explanation.
   std::string refuse_after;
 };

@@ -40,9 +40,12 @@ struct GraphableCallable {
   // dwgraph modules (deferring or not: hooks, main_grad) and other modules with
   // backward_dw()/need_backward_dw() found in the callable.
   std::vector<ModuleSpec> modules;
-  // Optional: the training mode of every module the callable runs, as a string ("1101":
-  // train, train, eval, train). The graphs replay only in the mode captured; in any other
-  // (a module switched to eval, BatchNorm frozen) the callable runs eagerly.
+  // Optional: the mode of a call, as a string compared with the capture's: the training
+  // flag of every module the callable runs ("1101": train, train, eval, train) and whatever
+  // else a forward decides its kernels by (Python adds the grad_dtype of dwgraph modules'
+  // parameters). The graphs replay only in the mode captured; in any other (a module
+  // switched to eval, BatchNorm frozen, FSDP2's mixed precision deferring the FP32 upcast)
+  // the callable runs eagerly.
   std::function<std::string()> training_mode;
   // Optional: run before (after=false) and after (after=true) each forward ("forward") and
   // backward ("backward") of warmup and capture, outside the captured region, never

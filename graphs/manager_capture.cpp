@@ -272,6 +272,7 @@ void GraphManager::capture_bwd(size_t s) {
                     "parameters of the module or inputs of the callable");
   // The captured kernels write only fresh graph-pool buffers (SPEC C3).
   const GradsDetached detached(c.parameters);
+  const GradDtypesUnset raw_grads(c.parameters);  // Note [A graph returns the gradient autograd computed]
   std::vector<at::Tensor> grads;
   capture(slot.bwd, Phase::kBackward, s, [&] {
     grads = run_autograd_engine([&] {

@@ -177,6 +177,23 @@ def scenario_rank_skips_backward_dw(ctx):
     return dict(error=None)
 
 
+def scenario_graphed_rank_skips_last_backward_dw(ctx):
+    """Graphed, two microbatches: rank 1 leaves out the graphed backward_dw() of the last
+    one, whose replayed backward holds the work outside the modules' queues (the first
+    microbatch's landing had marked them landed): every rank raises at finish()."""
+    model = make_model(False)
+    rows = ROWS // 2
+    g = dwgraph.make_graphed_callables(model, (torch.randn(rows, IN),), num_warmup_iters=1)
+    ddp = dwdist.DistributedDataParallel(GraphedNet(model, g), deferred_bucket_cap_mb=BUCKET_MB)
+    x, y = _local_batch(ctx)
+    for k, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):
+        with ddp.no_sync() if k == 0 else contextlib.nullcontext():
+            (loss_fn(ddp(xm), ym) / 2).backward()
+        if not (k == 1 and ctx.rank == 1):
+            g.backward_dw()
+    ddp.finish()
+
+
 def scenario_abandoned_step_then_clean_step(ctx):
     """A step that raises inside deferred_step() (on every rank) is abandoned without
     waiting; the next step reduces into fresh buckets and matches the reference."""
@@ -208,6 +225,7 @@ def scenario_no_deferred_modules(ctx):
 
 
 SCENARIOS = [*TRAIN, "tied_and_reused_in_forward_order", "plain_ddp_eager", "plain_ddp_graphed",
+             "graphed_rank_skips_last_backward_dw",
              "missing_finish_next_forward", "missing_finish_optimizer", "rank_skips_backward_dw",
              "abandoned_step_then_clean_step", "finish_twice", "no_deferred_modules"]
 
@@ -259,6 +277,13 @@ def test_missing_finish_is_caught_at_the_next_step(results, name):
     for r in results[name]:
         assert isinstance(r, Failure) and r.type == "GraphStateError", r
         assert "finish()" in r.message
+
+
+def test_a_rank_that_skips_a_graphed_backward_dw_fails_every_rank(results):
+    rs = results["graphed_rank_skips_last_backward_dw"]
+    for r in rs:
+        assert isinstance(r, Failure) and r.type == "GraphStateError" and "1 of 2 ranks" in r.message, r
+    assert "pending in a graph" in rs[1].message
 
 
 def test_a_rank_that_skips_backward_dw_fails_every_rank_before_writing(results):

@@ -16,7 +16,7 @@ import contextlib
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dwgraph
 import dwgraph.distributed as dwdist
@@ -26,12 +26,12 @@ from dist_models import (HIDDEN, IN, LR, ROWS, STEPS, assert_matches, batch, def
 
 
 
-def _sharded(ctx, fused: bool):
+def _sharded(ctx, fused: bool, **fsdp_kwargs):
     model = make_model(fused, device=ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    fully_shard(model[0], mesh=mesh)
-    fully_shard(model[3], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model[0], mesh=mesh, **fsdp_kwargs)
+    fully_shard(model[3], mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
     return model
 
 
@@ -56,12 +56,12 @@ class _CountingReduceScatter:
         dist.reduce_scatter_single = self._orig
 
 
-def _graph(ctx, model, reducer, rows: int):
+def _graph(ctx, model, reducer, rows: int, dtype=torch.float32):
     """The two FSDP units (model[0], model[3]) and the root's own layers (model[2],
     model[4]) graphed; returns a counter of eager fallbacks (a graph that did not replay)."""
     layers = (model[0], model[2], model[3], model[4])
-    samples = ((torch.randn(rows, IN, device=ctx.device),),
-               *((torch.randn(rows, HIDDEN, device=ctx.device, requires_grad=True),) for _ in range(3)))
+    samples = ((torch.randn(rows, IN, device=ctx.device, dtype=dtype),),
+               *((torch.randn(rows, HIDDEN, device=ctx.device, dtype=dtype, requires_grad=True),) for _ in range(3)))
     reducer.make_graphed_callables(layers, samples, num_warmup_iters=1)
     eager = [0]
     for m in layers:
@@ -76,10 +76,11 @@ def _graph(ctx, model, reducer, rows: int):
     return eager
 
 
-def _train(ctx, fused: bool, micro: int, graphed: bool):
-    model = _sharded(ctx, fused)
+def _train(ctx, fused: bool, micro: int, graphed: bool, skip=None, sample_dtype=torch.float32, **fsdp_kwargs):
+    """`skip(step, microbatch, module, model)`: True where this rank leaves out a backward_dw()."""
+    model = _sharded(ctx, fused, **fsdp_kwargs)
     reducer = dwdist.FullyShardReducer(model)
-    eager = _graph(ctx, model, reducer, ROWS // micro) if graphed else [0]
+    eager = _graph(ctx, model, reducer, ROWS // micro, sample_dtype) if graphed else [0]
     per_step, reduce_scatters, landings, queued = [], [], [], []
     for step in range(STEPS):
         x, y = batch(step, ROWS * ctx.world_size, ctx.device)
@@ -88,7 +89,8 @@ def _train(ctx, fused: bool, micro: int, graphed: bool):
                 with reducer.no_sync() if k < micro - 1 else contextlib.nullcontext():
                     (loss_fn(model(xm), ym) / micro).backward()
                 for m in reversed(deferred_modules(model)):
-                    m.backward_dw()
+                    if skip is None or not skip(step, k, m, model):
+                        m.backward_dw()
             reducer.finish()
         reduce_scatters.append(rs.count)
         landings.append(reducer.landings())
@@ -99,6 +101,8 @@ def _train(ctx, fused: bool, micro: int, graphed: bool):
                 p.sub_(LR * p.grad)
                 p.grad = None
         per_step.append(dict(grads=grads, params={n: p.full_tensor() for n, p in model.named_parameters()}))
+    if fsdp_kwargs:  # another precision than the reference's: the run itself is the result
+        return dict(per_step=per_step, eager_calls=eager[0])
     return dict(errors=max_errors(per_step, model_reference(fused, ctx.world_size)), reduce_scatters=reduce_scatters,
                 landings=landings, queued=queued, eager_calls=eager[0])
 
@@ -195,6 +199,86 @@ def scenario_graphed_step(ctx):
         reducer.finish()
 
 
+def _skipping(ctx, everyone: bool):
+    """Graphed, two microbatches; a rank (or every rank) leaves out model[0].backward_dw()
+    of the last one: its replayed backward holds that work outside the module's queue."""
+    return _train(ctx, False, 2, True,
+                  skip=lambda step, k, m, model: k == 1 and (everyone or ctx.rank == 1) and m is model[0])
+
+
+def scenario_graphed_rank_skips_backward_dw(ctx):
+    return _skipping(ctx, everyone=False)
+
+
+def scenario_graphed_every_rank_skips_backward_dw(ctx):
+    return _skipping(ctx, everyone=True)
+
+
+def scenario_mixed_precision_fused(ctx):
+    """A BF16 mixed-precision policy with fused FP32 main_grad (FSDP reduces in FP32): the
+    reducer hands main_grad over in FSDP's gradient dtype; graphed equals eager bitwise.
+    FSDP defers the FP32 upcast after a microbatch has left a gradient (grad_dtype None),
+    which dwgraph modules' forwards read: those calls run eagerly (a mode not captured)."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    eager = _train(ctx, True, 2, False, mp_policy=policy)
+    graphed = _train(ctx, True, 2, True, mp_policy=policy, sample_dtype=torch.bfloat16)
+    return dict(eager=eager["per_step"], graphed=graphed["per_step"], eager_calls=graphed["eager_calls"])
+
+
+def scenario_fused_block_unit_and_root_only(ctx):
+    """A unit that is a block holding a fused deferred module (the reducer's main_grad hook
+    sat on a submodule), and a model whose only unit is the root, graphed whole: both
+    match their eager runs."""
+    def build(root_only: bool):
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(dwgraph.nn.Linear(IN, HIDDEN, delay_wgrad_compute=True,
+                                                      fuse_wgrad_accumulation=True), torch.nn.GELU())
+        model = torch.nn.Sequential(block, dwgraph.nn.Linear(HIDDEN, IN, delay_wgrad_compute=True)).to(ctx.device)
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        if not root_only:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, block
+
+    out = {}
+    for root_only in (False, True):
+        runs = []
+        for graphed in (False, True):
+            model, block = build(root_only)
+            reducer = dwdist.FullyShardReducer(model)
+            if graphed:
+                target = model if root_only else block
+                reducer.make_graphed_callables(target, (torch.randn(ROWS, IN, device=ctx.device),),
+                                               num_warmup_iters=1)
+            grads = []
+            for step in range(3):
+                x, _ = batch(step, ROWS * ctx.world_size, ctx.device)
+                model(local(ctx, x)).square().mean().backward()
+                if graphed and root_only:
+                    model.backward_dw()  # the graphed root's deferred work, both modules
+                else:
+                    model[1].backward_dw()
+                    (block if graphed else block[0]).backward_dw()
+                reducer.finish()
+                grads.append({n: (p.grad if p.grad is not None else p.main_grad).full_tensor().clone()
+                              for n, p in model.named_parameters() if p.grad is not None})
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.sub_(LR * p.grad)
+                        p.grad = None
+            runs.append(grads)
+        out["root_only" if root_only else "block"] = runs
+    return out
+
+
+def scenario_capture_mid_step(ctx):
+    model = _sharded(ctx, False)
+    reducer = dwdist.FullyShardReducer(model)
+    x, y = _local_batch(ctx)
+    loss = loss_fn(model(x), y)
+    _graph(ctx, model, reducer, ROWS)  # between the forward and its backward
+
+
 def scenario_graphed_called_outside_its_unit(ctx):
     """A graphed layer of the root called directly, while FSDP has its sharded parameters
     registered (the kept unsharded storage holds the previous step's values): refused."""
@@ -216,7 +300,9 @@ def scenario_graphed_unit_without_reducer(ctx):
     dwgraph.make_graphed_callables(model[0], (torch.randn(ROWS, IN, device=ctx.device),), num_warmup_iters=1)
 
 
-SCENARIOS = [*TRAIN, "graphed_called_outside_its_unit", "graphed_unit_without_reducer", "plain_fully_shard", "rank_skips_backward_dw", "missing_finish_optimizer",
+SCENARIOS = [*TRAIN, "graphed_called_outside_its_unit", "graphed_unit_without_reducer",
+             "graphed_rank_skips_backward_dw", "graphed_every_rank_skips_backward_dw", "mixed_precision_fused",
+             "fused_block_unit_and_root_only", "capture_mid_step", "plain_fully_shard", "rank_skips_backward_dw", "missing_finish_optimizer",
              "missing_finish_next_forward", "root_must_be_fully_sharded", "graphed_make_graphed_callables",
              "graphed_step"]
 
@@ -286,3 +372,40 @@ def test_graphed_layer_called_outside_its_unit_is_refused(results):
 def test_graphing_an_fsdp_unit_without_the_reducer_is_refused(results):
     for r in results["graphed_unit_without_reducer"]:
         assert isinstance(r, Failure) and r.type == "ArgumentError" and "FullyShardReducer" in r.message, r
+
+
+@pytest.mark.parametrize("name", ["graphed_rank_skips_backward_dw", "graphed_every_rank_skips_backward_dw"])
+def test_a_skipped_graphed_backward_dw_fails_every_rank_before_fsdp_reduces(results, name):
+    # The replayed backward holds its work outside the module's queue; finish() counts it.
+    for r in results[name]:
+        assert isinstance(r, Failure) and r.type == "GraphStateError" and "still queued" in r.message, r
+    assert any("pending in a graph" in r.message for r in results[name])  # the rank that skipped
+
+
+def test_mixed_precision_with_fused_main_grad_graphed_equals_eager(results):
+    for r in results["mixed_precision_fused"]:
+        assert not isinstance(r, Failure), f"{r.type}: {r.message}\n{r.traceback}"
+        # Of 4 graphed layers x 2 microbatches x 5 steps, at most the second microbatch's
+        # three dwgraph layers ran eagerly (those whose parameters FSDP left without
+        # grad_dtype at that forward: the root's); the rest replayed.
+        assert 0 < r["eager_calls"] <= 3 * STEPS
+        for e, g in zip(r["eager"], r["graphed"], strict=True):
+            for kind in ("grads", "params"):
+                for n in e[kind]:
+                    assert torch.equal(e[kind][n], g[kind][n]), (kind, n)
+
+
+def test_fused_block_unit_and_root_only_unit_graphed_equal_eager(results):
+    for r in results["fused_block_unit_and_root_only"]:
+        assert not isinstance(r, Failure), f"{r.type}: {r.message}\n{r.traceback}"
+        for case in ("block", "root_only"):
+            eager, graphed = r[case]
+            for e, g in zip(eager, graphed, strict=True):
+                assert e.keys() == g.keys() and e
+                for n in e:
+                    assert torch.equal(e[n], g[n]), (case, n)
+
+
+def test_capture_in_the_middle_of_a_step_is_refused(results):
+    for r in results["capture_mid_step"]:
+        assert isinstance(r, Failure) and r.type == "GraphStateError" and "step is in progress" in r.message, r

@@ -128,12 +128,30 @@ def scenario_graphed_step_is_refused(ctx):
         step(torch.randn(4, 8))
 
 
+def scenario_graphed_forward_writes_its_shard(ctx):
+    """A forward that constrains its sharded weight in place before using it: the
+    all-gather runs before the replay and would miss the write; refused at capture."""
+    class Clamped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.lin = dwgraph.nn.Linear(4, 2 * ctx.world_size)
+            self.lin.weight = dwdist.ShardedWeight.from_full(self.lin.weight)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.lin.weight.clamp_(-0.1, 0.1)
+            return self.lin(x)
+
+    dwgraph.make_graphed_callables(Clamped(), (torch.randn(3, 4),), num_warmup_iters=1)
+
+
 def scenario_shard_rows_must_divide(ctx):
     dwdist.ShardedWeight.from_full(torch.zeros(3, 4))
 
 
 SCENARIOS = [*TRAIN, "saved_tensor_hooks_and_retain_graph", "plain_ddp_with_sharded_weights",
-             "graphed_step_is_refused", "shard_rows_must_divide"]
+             "graphed_step_is_refused", "graphed_forward_writes_its_shard", "shard_rows_must_divide"]
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +208,8 @@ def test_shard_rows_must_divide(results):
 def test_graphed_step_over_a_sharded_weight_is_refused(results):
     for r in results["graphed_step_is_refused"]:
         assert isinstance(r, Failure) and r.type == "ArgumentError" and "reduce-scatter" in r.message, r
+
+
+def test_a_graphed_forward_that_writes_its_shard_is_refused(results):
+    for r in results["graphed_forward_writes_its_shard"]:
+        assert isinstance(r, Failure) and r.type == "ArgumentError" and "gathers before each replay" in r.message, r

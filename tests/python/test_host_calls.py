@@ -95,3 +95,17 @@ def test_graphed_step_refuses_after_calls(device):
         for _ in range(3):  # the capture comes after the step's eager calls
             step(torch.randn(2, 4, device=device))
     assert step.num_graphs == 0
+
+
+def test_a_region_that_writes_what_a_fill_reads_is_refused(device):
+    """The fill runs before the replay; a kernel of the region that changes its source
+    first (a weight clamped in place in the forward) would be lost: refused at capture."""
+    source = torch.ones(4, device=device)
+    g = dwgraph.graphs.Graph(device)
+    with pytest.raises(dwgraph.ArgumentError, match="gathers before each replay"):
+        with g.capture():
+            source.mul_(2.0)
+            dwgraph.graphs.replay_buffer(source, "x", (4,), torch.float32, lambda b: b.copy_(source))
+    assert not g.is_captured
+    _sync(device)
+    assert torch.equal(source, torch.ones(4, device=device))  # the capture's write was undone

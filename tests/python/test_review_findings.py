@@ -1162,3 +1162,41 @@ def test_fork_rng_around_code_without_draws_is_graphed_exactly():
         return _land(model, y.square().mean())
 
     _check_step_against_eager(_two_deferred(), _two_deferred(), body, 4, zero=True)
+
+
+# ---- grad_dtype switched between capture and replay (FSDP2 mixed precision) -------------------
+
+def _bf16_pair(kind: str):
+    def make():
+        torch.manual_seed(0)
+        m = (torch.nn.Linear(16, 8) if kind == "torch" else dwgraph.nn.Linear(16, 8)).bfloat16()
+        for p in m.parameters():
+            p.grad_dtype = torch.float32
+        return m
+
+    eager, graphed = make(), make()
+    dwgraph.make_graphed_callables(graphed, (torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True),),
+                                   num_warmup_iters=1)
+    return eager, graphed
+
+
+@pytest.mark.parametrize("kind", ["torch", "dwgraph"])
+def test_grad_dtype_changed_after_capture_lands_as_eager(kind):
+    # Captured with grad_dtype FP32; called with it unset (FSDP2 defers the upcast once a
+    # microbatch has left a gradient). A torch module's graph returns the gradient autograd
+    # computes and the engine casts it now; a dwgraph module's forward reads grad_dtype, so
+    # that call runs eagerly. Either way: eager's dtype and values, bitwise.
+    eager, graphed = _bf16_pair(kind)
+    for step, grad_dtype in enumerate((None, torch.float32, None)):
+        for m in (eager, graphed):
+            for p in m.parameters():
+                p.grad = None
+                p.grad_dtype = grad_dtype
+        x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+        xg = x.detach().clone().requires_grad_(True)
+        eager(x).float().square().sum().backward()
+        graphed(xg).float().square().sum().backward()
+        for (name, pe), pg in zip(eager.named_parameters(), graphed.parameters()):
+            assert pe.grad.dtype == pg.grad.dtype, (step, name, pe.grad.dtype, pg.grad.dtype)
+            assert torch.equal(pe.grad, pg.grad), (step, name)
+        assert torch.equal(x.grad, xg.grad)

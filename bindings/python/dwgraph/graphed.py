@@ -16,6 +16,7 @@ turns pytrees into the flat tensor lists it works on.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -54,6 +55,15 @@ def _flag_accessors(param: torch.Tensor):
     return get, set_
 
 
+def _main_grad_of(param: torch.Tensor, name: str) -> torch.Tensor:
+    mg = getattr(param, "main_grad", None)
+    if mg is None:
+        raise GraphStateError(f"dwgraph: parameter '{name}' has no main_grad any more; the graphs accumulate its "
+                              "weight gradient into the main_grad they captured. Zero it in place instead of "
+                              "deleting it, or reset() and capture again")
+    return mg
+
+
 def _dwgraph_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
     info = _C.graphs.DwgraphModuleInfo()
     info.name = name
@@ -65,7 +75,7 @@ def _dwgraph_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
     info.parameter_names = [n for n, _ in named]
     info.parameters = [p for _, p in named]
     info.run_hooks = module._run_wgrad_hooks
-    info.main_grad = lambda n: getattr(module, n).main_grad
+    info.main_grad = lambda n: _main_grad_of(getattr(module, n), n)
     info.get_flag = lambda n: _flag_accessors(getattr(module, n))[0]()
     info.set_flag = lambda n, v: _flag_accessors(getattr(module, n))[1](v)
     return _C.graphs.dwgraph_module_spec(info)
@@ -87,7 +97,7 @@ def _foreign_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
         if fusing and hasattr(p, "main_grad"):
             f = _C.graphs.FusedParameter()
             f.name, f.param = qualified, p
-            f.main_grad = lambda p=p: p.main_grad
+            f.main_grad = lambda p=p, q=qualified: _main_grad_of(p, q)
             f.get_flag, f.set_flag = _flag_accessors(p)
             fused.append(f)
         else:
@@ -537,6 +547,18 @@ def make_graphed_callables(
     return out[0] if single else tuple(out)
 
 
+def _call_mode(module: torch.nn.Module) -> str:
+    """What a call's kernels depend on besides its tensors, as a string the core compares
+    with the capture's (a call in another mode runs eagerly): every module's training flag,
+    and the grad_dtype of dwgraph modules' parameters, which their forward reads to choose
+    the weight-gradient GEMM's output dtype (FSDP2 under a mixed-precision policy switches it
+    between microbatches)."""
+    flags = "".join("1" if m.training else "0" for m in module.modules())
+    dtypes = ["." if getattr(p, "grad_dtype", None) in (None, p.dtype) else str(p.grad_dtype)
+              for m in module.modules() if _is_dwgraph_module(m) for p in m.parameters(recurse=False)]
+    return flags + "|" + ",".join(dtypes)
+
+
 def _slot_reader(module: torch.nn.Module):
     """What every parameter slot of `module`'s tree holds, read at each call without a
     traversal (FSDP2 swaps parameters straight into module._parameters)."""
@@ -587,7 +609,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
             spec.buffers = [b for _, b in named_buffers]
             spec.buffer_names = [n for n, _ in named_buffers]
             spec.current_buffers = lambda module=module: list(module.named_buffers())
-            spec.training_mode = lambda module=module: "".join("1" if m.training else "0" for m in module.modules())
+            spec.training_mode = functools.partial(_call_mode, module)
         h = hooks[i]
         if any(h.values()):
             def capture_time_hook(phase: str, after: bool, h=h, module=module):

@@ -79,10 +79,13 @@ class FullyShardReducer:
         self._last_landings = [0] * len(self._modules)
         self._accumulating = False  # inside no_sync()
         self._closed = False  # the step's last forward (outside no_sync) ran
+        self._in_step = False  # a forward ran since the last finish()
         self._handles = [m.register_wgrad_hook(functools.partial(self._landed, i))
                          for i, (_, m) in enumerate(self._modules)]
-        self._handles += [m.register_forward_pre_hook(self._attach_main_grads)
-                          for _, m in self._modules if m.fuse_wgrad_accumulation]
+        # FSDP creates the unsharded parameters at the first all-gather: main_grad is attached
+        # then (make_graphed_callables attaches it for the modules it graphs and drops the hook).
+        self._main_grad_hooks = {id(m): m.register_forward_pre_hook(self._attach_main_grads)
+                                 for _, m in self._modules if m.fuse_wgrad_accumulation}
         # First, so a refused forward has started no collective of FSDP.
         self._handles.append(root.register_forward_pre_hook(self._before_forward, prepend=True))
         sharded = next(p for p in root.parameters())
@@ -106,9 +109,11 @@ class FullyShardReducer:
             h.set_requires_gradient_sync(False, recurse=False)
             h.set_reshard_after_backward(False, recurse=False)
 
+    @graphed.around_calls
     def _before_forward(self, _module, _args) -> None:
         if not torch.is_grad_enabled():
             return
+        self._in_step = True
         if self._closed:
             raise GraphStateError(
                 "dwgraph.distributed.FullyShardReducer: a new forward after the previous step's last forward "
@@ -148,6 +153,10 @@ class FullyShardReducer:
             raise ArgumentError("dwgraph.distributed.FullyShardReducer.make_graphed_callables: this torch's FSDP2 "
                                 "cannot keep unsharded parameter storage (FSDPModule.set_keep_unsharded_storage); "
                                 "graphs need it at fixed addresses (torch 2.15 or newer)")
+        if self._in_step or self.pending():
+            raise GraphStateError("dwgraph.distributed.FullyShardReducer.make_graphed_callables: a step is in "
+                                  "progress (a forward ran or weight gradients landed since the last finish()); "
+                                  "capture between steps, after finish()")
         mods = tuple(modules) if isinstance(modules, (tuple, list)) else (modules,)
         owners = self._units_by_parameter()
         units: List[torch.nn.Module] = []
@@ -166,9 +175,16 @@ class FullyShardReducer:
         try:
             for u in units:
                 u.unshard()
-            for _, m in self._modules:
-                if m.fuse_wgrad_accumulation:
-                    self._attach_main_grads(m, ())  # the capture needs them on the unsharded parameters
+            inside = [m for _, m in self._modules if m.fuse_wgrad_accumulation and
+                      any(m is sub for g in mods if isinstance(g, torch.nn.Module) for sub in g.modules())]
+            for m in inside:
+                # The capture needs main_grad on the unsharded parameters, which stay (kept
+                # storage), so the hook that attaches it lazily is no longer needed there (a
+                # hook inside a graphed module would be refused: a replay does not run it).
+                self._attach_main_grads(m, ())
+                hook = self._main_grad_hooks.pop(id(m), None)
+                if hook is not None:
+                    hook.remove()
             return graphed.make_graphed_callables(modules, sample_args, **kwargs)
         finally:
             for u in units:
@@ -187,7 +203,6 @@ class FullyShardReducer:
         return out
 
     @staticmethod
-    @graphed.around_calls
     def _attach_main_grads(module, _args) -> None:
         # The forward sees FSDP's unsharded parameter (created once, reused every step).
         for _, p in module._fused_parameters():
@@ -212,8 +227,11 @@ class FullyShardReducer:
         """Lets FSDP reduce-scatter every gradient of the step into the sharded ``.grad``.
         Raises GraphStateError on every rank, before any collective of FSDP, when a rank
         still has queued weight-gradient work."""
-        problems = [f"module '{n}': {m.num_queued_wgrad_units()} backward(s) still queued; call backward_dw() "
-                    "once per backward before finish()" for n, m in self._modules if m.num_queued_wgrad_units()]
+        # Pending in a graphed callable counts: its replayed backward holds the work outside
+        # the module's queue until backward_dw().
+        problems = [f"module '{n}': {m.num_pending_wgrad_units()} backward(s) still queued or pending in a graph; "
+                    "call backward_dw() once per backward before finish()"
+                    for n, m in self._modules if m.num_pending_wgrad_units()]
         agreeing = _C.distributed.count_agreeing(self._group, not problems, self._device)
         world = torch.distributed.get_world_size(self._group)
         if agreeing != world:
@@ -227,7 +245,9 @@ class FullyShardReducer:
                 mg = getattr(p, "main_grad", None)
                 if mg is None:
                     continue
-                g = mg.to(p.dtype, copy=True)  # main_grad is zeroed below
+                # In the dtype FSDP reduces this parameter's gradient in (grad_dtype: FP32 under a
+                # mixed-precision policy with a BF16 parameter); main_grad is zeroed below.
+                g = mg.to(getattr(p, "grad_dtype", None) or p.dtype, copy=True)
                 p.grad = g if p.grad is None else p.grad.add_(g)
                 mg.zero_()
         for h in self._holders:
@@ -239,6 +259,7 @@ class FullyShardReducer:
             self._arm()
             self._last_landings, self._landings = self._landings, [0] * len(self._modules)
             self._closed = False
+            self._in_step = False
 
     @contextlib.contextmanager
     def deferred_step(self):
@@ -248,7 +269,12 @@ class FullyShardReducer:
         self.finish()
 
     def remove(self) -> None:
-        for h in self._handles:
+        """Detaches the reducer: its hooks go and FSDP is configured as without it (gradient
+        sync, reshard after backward, automatic backward finalization)."""
+        for h in [*self._handles, *self._main_grad_hooks.values()]:
             h.remove()
-        self._handles = []
+        self._handles, self._main_grad_hooks = [], {}
+        for h in self._holders:
+            h.set_requires_gradient_sync(True, recurse=False)
+            h.set_reshard_after_backward(True, recurse=False)
         self.root.set_manual_backward_finalization(False)
