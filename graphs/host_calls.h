@@ -12,8 +12,9 @@
 //  * after_replay(): `fn` runs right after every replay, before the caller sees anything
 //    (before the hand-off's delayed hooks).
 // Hoisting is exact when nothing inside the graph writes what the fill reads (a region that
-// writes the owner, such as a weight clamped in place in the forward, is refused at
-// capture end) and nothing inside it reads what the after-call writes (the
+// writes the owner's storage, such as a weight clamped in place in the forward, is refused
+// at capture end, even after its last read; a fill must read only its owner, the one
+// storage checked) and nothing inside it reads what the after-call writes (the
 // caller's .grad of a sharded weight: a graph that reads .grad after the reduction, such as
 // a graphed optimizer step, refuses after-calls; see Graph::refuse_after_calls).
 // On CUDA both run on the current stream, before and after the graph's launch.

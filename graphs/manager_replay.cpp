@@ -384,6 +384,17 @@ void GraphManager::reset() {
   }
   shared_contributions_.clear();
   pool_.reset();
+  // The callables' functions hold the caller's modules (Python objects whose references
+  // through C++ the garbage collector cannot see): released too, so a reset module can be
+  // freed. Every call after this is refused by check_live(); names stay for messages.
+  for (auto& c : callables_) {
+    GraphableCallable named;
+    named.name = c.name;
+    c = std::move(named);
+  }
+  for (auto& p : params_) p = CapturedParameters();
+  for (auto& b : buffers_) b = CapturedParameters();
+  for (auto& m : main_grads_) m = CapturedMainGrads();
   reset_ = true;
 }
 

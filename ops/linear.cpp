@@ -383,6 +383,11 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
   DWGRAPH_CHECK_ARG(!weights.empty(), cfg.module_name, ": at least one weight is required");
   const bool packed = weights.size() == 1 && weights[0]->param.dim() == 3;
   const at::Tensor& w0 = weights[0]->param;
+  // The group count of a packed weight is its first dimension, which a distributed weight's
+  // parameter (a shard) does not hold whole.
+  DWGRAPH_CHECK_ARG(!packed || !weights[0]->materialize_forward, cfg.module_name, ": the packed weight '",
+                    weights[0]->name, "' is a DistributedWeight (a shard of shape ", w0.sizes(),
+                    "); packed weights cannot be distributed: use packed_weights=False (one weight per group)");
   const int64_t groups = packed ? w0.size(0) : static_cast<int64_t>(weights.size());
   const auto gemm_dtype = autocast_gemm_dtype(x.device().type());
   check_input(cfg, x, w0, w0.size(-1), gemm_dtype);

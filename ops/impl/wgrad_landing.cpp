@@ -71,31 +71,18 @@ WgradResult compute_wgrad(const WeightRef& w, const WeightRef* bias, const Wgrad
     gemm(*w.main_grad, /*accumulate=*/true, bias_out);
     if (w.on_main_grad_accumulated) w.on_main_grad_accumulated();
   } else if (w.grad_dtype.has_value() && *w.grad_dtype != w.param.scalar_type()) {
-    // Note [grad_dtype]: the first contribution is written by the GEMM (beta = 0) into a
-    // fresh buffer of grad_dtype, later ones accumulate into .grad (beta = 1). Without
-    // deferral the accumulated buffer is returned with .grad cleared, so AccumulateGrad
-    // takes it back instead of adding the buffer to itself.
-    at::Tensor& grad = w.param.mutable_grad();
+    // Note [grad_dtype]: the GEMM writes a fresh buffer of grad_dtype (beta = 0) from the
+    // low-precision operands; an existing .grad gets it added (deferred: here; otherwise
+    // AccumulateGrad). Never accumulated by the GEMM itself (beta = 1), which rounds
+    // differently on large problems: a graph, which cannot write the caller's .grad, adds
+    // its fresh buffer afterwards, and both must give the same bits.
     make_bias_out(*w.grad_dtype);
-    if (!grad.defined()) {
-      at::Tensor g = fresh_like(w, *w.grad_dtype);
-      gemm(g, false, bias_out);
-      if (deferred) {
-        grad = g;
-      } else {
-        r.weight = g;
-      }
+    at::Tensor g = fresh_like(w, *w.grad_dtype);
+    gemm(g, /*accumulate=*/false, bias_out);
+    if (deferred) {
+      land_grad(w.param, g, module + ": parameter '" + w.name + "'");
     } else {
-      DWGRAPH_CHECK_ARG(grad.scalar_type() == *w.grad_dtype && grad.sizes() == w.param.sizes() &&
-                            grad.is_contiguous(),
-                        module, ": parameter '", w.name, "' has grad_dtype ", *w.grad_dtype,
-                        "; expected its .grad to be a contiguous ", *w.grad_dtype, " ",
-                        w.param.sizes(), " tensor, got ", grad.scalar_type(), " ", grad.sizes());
-      gemm(grad, true, bias_out);
-      if (!deferred) {
-        r.weight = grad;
-        grad = at::Tensor();
-      }
+      r.weight = g;
     }
   } else {
     at::Tensor g = fresh_like(w, w.param.scalar_type());

@@ -23,7 +23,8 @@ struct WgradResult {
 //  - distributed weight: the fresh wgrad, of the materialised weight's shape
 //    `materialized_sizes` (a sharded parameter is smaller), goes to WeightRef::finalize;
 //  - main_grad: accumulated into it by the GEMM (beta = 1), then on_main_grad_accumulated;
-//  - grad_dtype: the GEMM writes a fresh .grad (beta = 0) or accumulates into it (beta = 1);
+//  - grad_dtype: the GEMM writes a fresh buffer of that dtype (beta = 0), added to an existing
+//    .grad as any other gradient (Note [grad_dtype]);
 //  - otherwise a fresh wgrad.
 // With `deferred`, everything lands now (.grad initialised when None, added otherwise) and
 // the result is empty; without, plain gradients are returned for autograd to accumulate.

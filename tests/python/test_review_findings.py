@@ -658,9 +658,10 @@ def test_graphed_call_refuses_inputs_changed_in_place_as_eager(when, device):
     _grads_equal(m, e, "the call after the refusal")
 
 
-def test_tied_bf16_weight_with_fp32_grad_dtype_accumulating_is_within_rounding():
-    # Documented limit (docs/memory-contract.md, "Known limits"): eager folds both tied
-    # contributions into the existing FP32 .grad one by one, the graph adds their sum.
+def test_tied_bf16_weight_with_fp32_grad_dtype_accumulating_is_bitwise():
+    # Was a documented limit: eager folded each tied contribution into the existing FP32
+    # .grad inside its GEMM (beta = 1), the graph added their sum. Every grad_dtype
+    # contribution is now a fresh buffer added as any gradient (Note [grad_dtype]).
     def mk():
         torch.manual_seed(0)
         m = torch.nn.Sequential(dwgraph.nn.Linear(16, 16, dtype=torch.bfloat16),
@@ -672,16 +673,41 @@ def test_tied_bf16_weight_with_fp32_grad_dtype_accumulating_is_within_rounding()
 
     m, e = mk(), mk()
     g = dwgraph.make_graphed_callables(m, (torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True),))
-    for it in range(3):
+    for _ in range(3):
         x = torch.randn(8, 16, dtype=torch.bfloat16)
         g(x).float().square().sum().backward()
         e(x).float().square().sum().backward()
         a, b = m[0].weight.grad, e[0].weight.grad
         assert a.dtype == b.dtype == torch.float32
-        if it == 0:
-            assert torch.equal(a, b), "a fresh gradient is bitwise"
-        else:
-            torch.testing.assert_close(a, b, rtol=2 * torch.finfo(torch.float32).eps, atol=1e-6)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("module", ["linear", "grouped", "mlp"])
+@pytest.mark.parametrize("delay", [False, True])
+def test_grad_dtype_accumulation_across_backwards_is_bitwise(module, delay):
+    # Large enough that the CPU GEMM rounds a beta = 1 accumulation differently from a
+    # fresh product added afterwards (what a graph does): eager now does the latter too.
+    def mk():
+        torch.manual_seed(0)
+        m = {"linear": lambda: dwgraph.nn.Linear(64, 64, delay_wgrad_compute=delay),
+             "grouped": lambda: dwgraph.nn.GroupedLinear(2, 64, 64, delay_wgrad_compute=delay),
+             "mlp": lambda: dwgraph.nn.LayerNormMLP(64, 96, delay_wgrad_compute=delay)}[module]().bfloat16()
+        for q in m.parameters():
+            q.grad_dtype = torch.float32
+        return m
+
+    args = (lambda x: (x, [256, 256])) if module == "grouped" else (lambda x: (x,))
+    e, g = mk(), mk()
+    dwgraph.make_graphed_callables(g, args(torch.randn(512, 64, dtype=torch.bfloat16, requires_grad=True)),
+                                   num_warmup_iters=1)
+    for _ in range(3):  # no zero_grad: the gradients accumulate
+        x = torch.randn(512, 64, dtype=torch.bfloat16, requires_grad=True)
+        for m in (e, g):
+            m(*args(x)).float().square().mean().backward()
+            if delay:
+                m.backward_dw()
+        for (n, pe), pg in zip(e.named_parameters(), g.parameters()):
+            assert torch.equal(pe.grad, pg.grad), n
 
 
 def test_step_module_met_only_through_backward_dw_is_guarded():
@@ -1200,3 +1226,32 @@ def test_grad_dtype_changed_after_capture_lands_as_eager(kind):
             assert pe.grad.dtype == pg.grad.dtype, (step, name, pe.grad.dtype, pg.grad.dtype)
             assert torch.equal(pe.grad, pg.grad), (step, name)
         assert torch.equal(x.grad, xg.grad)
+
+
+def test_a_reset_graphed_module_can_be_freed():
+    # The graphs' functions referenced the module from C++, where the garbage collector
+    # cannot see the cycle (module -> its graphed forward -> graphs -> module): a reset
+    # graphed model stayed alive for the life of the process.
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.GELU())
+    dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),), num_warmup_iters=1)
+    model(torch.randn(B, H)).sum().backward()
+    model.backward_dw()
+    dwgraph.graphed_handle(model).reset()
+    with pytest.raises(dwgraph.GraphStateError, match="after reset"):
+        model(torch.randn(B, H))
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_packed_grouped_weight_cannot_be_distributed():
+    # Its group count is its first dimension, which a shard does not hold whole (a sharded
+    # packed weight failed with "m_splits must have num_gemms = 1 entries" on 2 groups).
+    m = dwgraph.nn.GroupedLinear(2, 4, 6, packed_weights=True)
+    m.weight = dwgraph.nn.DistributedWeight(m.weight.detach().clone())
+    with pytest.raises(dwgraph.ArgumentError, match="packed weights cannot be distributed"):
+        m(torch.randn(6, 4), [3, 3])

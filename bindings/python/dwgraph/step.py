@@ -448,8 +448,12 @@ class GraphedStep:
 
     def _variant_state(self) -> str:
         modes = "".join("1" if m.training else "0" for m in self._all_modules.values())
+        # The engine casts a leaf's gradient to its grad_dtype and dwgraph modules choose
+        # their weight-gradient GEMM's output dtype by it: part of what the kernels are.
+        grad_dtypes = ",".join("." if getattr(p, "grad_dtype", None) in (None, p.dtype) else str(p.grad_dtype)
+                               for m in self._all_modules.values() for p in m.parameters(recurse=False))
         optimizers = list(self._optimizers.items())
-        return (f"training {modes}|hooks {self._hooks()}|optimizers {[i for i, _ in optimizers]}"
+        return (f"training {modes}|grad_dtype {grad_dtypes}|hooks {self._hooks()}|optimizers {[i for i, _ in optimizers]}"
                 f"|{_hyperparameters(o for _, o in optimizers)}|state {_state_identity(o for _, o in optimizers)}")
 
     def _unique_arguments(self, found: List[torch.Tensor]):
