@@ -1228,6 +1228,38 @@ def test_grad_dtype_changed_after_capture_lands_as_eager(kind):
         assert torch.equal(x.grad, xg.grad)
 
 
+@pytest.mark.parametrize("order", [None, "pipeline"])
+def test_a_dropped_graphed_model_is_freed(order):
+    # Note [Graphs hold their modules weakly]: without reset(), a graphed model (and its
+    # graphs, pool and static buffers) dropped by the caller stayed alive for the life of
+    # the process. Pipeline slots are returned to the caller and hold their module.
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.GELU(),
+                                dwgraph.nn.LayerNormMLP(H, 2 * H, fuse_wgrad_accumulation=True))
+    model[2]._allocate_main_grads()
+    if order is None:
+        dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),), num_warmup_iters=1,
+                                       capture_time_hooks=[{"forward_hooks": {0: lambda m: None}}])
+        run, land = model, model.backward_dw
+    else:
+        slots = dwgraph.make_graphed_callables((model,), tuple((torch.randn(B, H, requires_grad=True),)
+                                                            for _ in range(2)), order=[1, 1, -1, -1.5, -1, -1.5])
+        run, land = slots[0], slots[0].backward_dw
+    model.eval()
+    run(torch.randn(B, H))  # a mode not captured: eager, through the graphs' functions
+    model.train()
+    run(torch.randn(B, H)).sum().backward()
+    land()
+    alive = weakref.ref(model)
+    del model, run, land
+    if order is not None:
+        del slots
+    gc.collect()
+    assert alive() is None
+
+
 def test_a_reset_graphed_module_can_be_freed():
     # The graphs' functions referenced the module from C++, where the garbage collector
     # cannot see the cycle (module -> its graphed forward -> graphs -> module): a reset

@@ -16,7 +16,7 @@ turns pytrees into the flat tensor lists it works on.
 from __future__ import annotations
 
 import copy
-import functools
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -64,7 +64,26 @@ def _main_grad_of(param: torch.Tensor, name: str) -> torch.Tensor:
     return mg
 
 
+def _weak(module: torch.nn.Module):
+    """A function returning `module` while it lives. Note [Graphs hold their modules
+    weakly]: the core keeps the functions it is given; a strong reference from there to
+    the module would close the cycle module -> its graphed forward -> graphs -> module
+    through C++, where the garbage collector cannot see it, and a dropped graphed model
+    would never be freed. The module owns its graphs, so it outlives every call that asks."""
+    ref = weakref.ref(module)
+    name = type(module).__name__
+
+    def get():
+        m = ref()
+        if m is None:
+            raise GraphStateError(f"dwgraph: the graphed module ('{name}') was freed while its graphs were in use")
+        return m
+
+    return get
+
+
 def _dwgraph_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
+    mod = _weak(module)  # Note [Graphs hold their modules weakly]
     info = _C.graphs.DwgraphModuleInfo()
     info.name = name
     info.display_name = module._display_name()
@@ -74,10 +93,10 @@ def _dwgraph_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
     named = list(module.named_parameters(recurse=False))
     info.parameter_names = [n for n, _ in named]
     info.parameters = [p for _, p in named]
-    info.run_hooks = module._run_wgrad_hooks
-    info.main_grad = lambda n: _main_grad_of(getattr(module, n), n)
-    info.get_flag = lambda n: _flag_accessors(getattr(module, n))[0]()
-    info.set_flag = lambda n, v: _flag_accessors(getattr(module, n))[1](v)
+    info.run_hooks = lambda: mod()._run_wgrad_hooks()
+    info.main_grad = lambda n: _main_grad_of(getattr(mod(), n), n)
+    info.get_flag = lambda n: _flag_accessors(getattr(mod(), n))[0]()
+    info.set_flag = lambda n, v: _flag_accessors(getattr(mod(), n))[1](v)
     return _C.graphs.dwgraph_module_spec(info)
 
 
@@ -89,7 +108,8 @@ def _foreign_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
     spec = _C.graphs.ModuleSpec()
     spec.name = name or type(module).__name__
     spec.defers = bool(module.need_backward_dw())
-    spec.backward_dw = module.backward_dw
+    mod = _weak(module)  # Note [Graphs hold their modules weakly]
+    spec.backward_dw = lambda: mod().backward_dw()
     fusing = bool(getattr(module, "fuse_wgrad_accumulation", False))
     deferred, fused = [], []
     for n, p in module.named_parameters():
@@ -582,10 +602,15 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
         # around eager calls.
         forward = module.forward if is_module else module
         out_sig: Dict[str, Any] = {}
+        mod = _weak(module) if is_module else None  # Note [Graphs hold their modules weakly]
+        if mod is not None and getattr(forward, "__self__", None) is module:
+            call = (lambda f, mod: lambda *a, **k: f(mod(), *a, **k))(forward.__func__, mod)
+        else:
+            call = forward  # a plain callable, or a forward set on the instance (held as given)
 
-        def run(tensors, forward=forward, in_sig=in_sigs[i], out_sig=out_sig, i=i, module=module):
+        def run(tensors, call=call, in_sig=in_sigs[i], out_sig=out_sig, i=i):
             args, kwargs = in_sig.rebuild(tensors)
-            out = forward(*args, **kwargs)
+            out = call(*args, **kwargs)
             sig = _Signature(out)
             if "sig" not in out_sig:
                 out_sig["sig"] = sig
@@ -601,22 +626,22 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
             named = list(module.named_parameters())
             spec.parameters = [p for _, p in named]
             spec.parameter_names = [n for n, _ in named]
-            spec.current_parameters = lambda module=module: list(module.named_parameters())
+            spec.current_parameters = lambda mod=mod: list(mod().named_parameters())
             spec.parameters_version = _C.graphs.registration_version
             spec.registered_parameters = _slot_reader(module)
             spec.modules = _module_specs(module)
             named_buffers = list(module.named_buffers())
             spec.buffers = [b for _, b in named_buffers]
             spec.buffer_names = [n for n, _ in named_buffers]
-            spec.current_buffers = lambda module=module: list(module.named_buffers())
-            spec.training_mode = functools.partial(_call_mode, module)
+            spec.current_buffers = lambda mod=mod: list(mod().named_buffers())
+            spec.training_mode = lambda mod=mod: _call_mode(mod())
         h = hooks[i]
         if any(h.values()):
-            def capture_time_hook(phase: str, after: bool, h=h, module=module):
+            def capture_time_hook(phase: str, after: bool, h=h, target=mod or (lambda module=module: module)):
                 kind = {("forward", False): "forward_pre_hooks", ("forward", True): "forward_hooks",
                         ("backward", False): "backward_pre_hooks", ("backward", True): "backward_hooks"}.get((phase, after))
                 for fn in h.get(kind, ()):
-                    if fn(module) is not None:
+                    if fn(target()) is not None:
                         raise ArgumentError(f"dwgraph.make_graphed_callables: capture_time_hooks {kind} must not "
                                             "return a value")
 
