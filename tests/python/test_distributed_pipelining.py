@@ -154,7 +154,79 @@ def scenario_zero_bubble_without_dw_builder(ctx):
     torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=LR).step()
 
 
-SCENARIOS = [*TRAIN, *NAIVE, "1f1b_without_dw_builder", "zero_bubble_without_dw_builder", "graphed_out_of_order"]
+def _fsdp_stages(ctx, kind: str, reducer_first: bool = False):
+    """Data parallel over the ranks by FSDP2 (each block and each stage module sharded
+    over the world), the pipeline within each rank (both stages local): torch's
+    PipelineStage drives FSDP itself, its reduce-scatter after the stage's last W step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r]) for r in range(ctx.world_size)]
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    blocks = _blocks(False)
+    modules = [torch.nn.Sequential(*blocks[2 * s:2 * s + 2]).to(ctx.device) for s in range(2)]
+    for m in modules:
+        for b in m:
+            fully_shard(b, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    if reducer_first:
+        import dwgraph.distributed as dwdist
+        dwdist.FullyShardReducer(modules[0])
+    stages = [dwpp.PipelineStage(modules[s], s, 2, ctx.device, group=groups[ctx.rank]) for s in range(2)]
+    return modules, SCHEDULES[kind](stages, MICROBATCHES, loss_fn=loss_fn)
+
+
+def _fsdp_run(ctx, kind: str):
+    modules, schedule = _fsdp_stages(ctx, kind)
+    params = [(f"{2 * s + int(n.split('.', 1)[0])}.{n.split('.', 1)[1]}", p)
+              for s, m in enumerate(modules) for n, p in m.named_parameters()]
+    per_step = []
+    for step in range(STEPS):
+        x, y = _batch_rows(step, ctx.world_size)
+        schedule.step(x.chunk(ctx.world_size)[ctx.rank].to(ctx.device),
+                      target=y.chunk(ctx.world_size)[ctx.rank].to(ctx.device))
+        grads = {n: p.grad.full_tensor() for n, p in params}
+        with torch.no_grad():
+            for _, p in params:
+                p.sub_(LR * p.grad)
+                p.grad = None
+        per_step.append(dict(grads=grads, params={n: p.full_tensor() for n, p in params}))
+    ref = reference_run(torch.nn.Sequential(*_blocks(False)), [_batch_rows(s, ctx.world_size) for s in range(STEPS)])
+    return dict(errors=max_errors(per_step, ref))
+
+
+def _batch_rows(step: int, world: int):
+    gen = torch.Generator().manual_seed(3000 + step)
+    rows = world * MICROBATCHES * MB_ROWS
+    return torch.randn(rows, D, generator=gen), torch.randn(rows, D, generator=gen)
+
+
+FSDP = {f"fsdp_{kind}": kind for kind in ("interleaved_1f1b", "zbv_zero_bubble")}
+for _name, _kind in FSDP.items():
+    globals()[f"scenario_{_name}"] = lambda ctx, _kind=_kind: _fsdp_run(ctx, _kind)
+
+
+def scenario_fsdp_stage_with_reducer(ctx):
+    _fsdp_stages(ctx, "zbv_zero_bubble", reducer_first=True)
+
+
+def scenario_fsdp_reducer_over_stage(ctx):
+    import dwgraph.distributed as dwdist
+
+    modules, _ = _fsdp_stages(ctx, "zbv_zero_bubble")
+    dwdist.FullyShardReducer(modules[1])
+
+
+def scenario_fsdp_graphed_stages(ctx):
+    _, schedule = _fsdp_stages(ctx, "zbv_zero_bubble")
+    dwpp.make_graphed_stages(schedule, {0: (torch.randn(MB_ROWS, D),), 1: (torch.randn(MB_ROWS, D, requires_grad=True),)},
+                             num_warmup_iters=1)
+
+
+SCENARIOS = [*TRAIN, *NAIVE, *FSDP, "1f1b_without_dw_builder", "zero_bubble_without_dw_builder", "graphed_out_of_order",
+             "fsdp_stage_with_reducer", "fsdp_reducer_over_stage", "fsdp_graphed_stages"]
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +263,20 @@ def test_zero_bubble_without_dw_builder_fails_at_the_first_weight_step(results):
     for r in results["zero_bubble_without_dw_builder"]:
         assert isinstance(r, Failure) and r.type == "RuntimeError" and "not have been used" in r.message, r
         assert "backward_weight_one_chunk" in r.traceback
+
+
+@pytest.mark.parametrize("name", list(FSDP))
+def test_fsdp2_stage_modules_match_single_process(results, name):
+    # Eager: torch's stage keeps FSDP from reducing until after the last W step, so the
+    # deferred gradients are in before the reduce-scatter.
+    for res in results[name]:
+        assert not isinstance(res, Failure), f"{res.type}: {res.message}\n{res.traceback}"
+        assert_matches(res["errors"])
+
+
+@pytest.mark.parametrize("name,says", [("fsdp_stage_with_reducer", "drives FSDP2 itself"),
+                                       ("fsdp_reducer_over_stage", "drives FSDP2 itself"),
+                                       ("fsdp_graphed_stages", "not supported")])
+def test_fsdp2_with_pipelining_refuses_what_would_fight_torchs_stage(results, name, says):
+    for r in results[name]:
+        assert isinstance(r, Failure) and r.type == "ArgumentError" and says in r.message, r

@@ -18,6 +18,7 @@ before replaying) an action out of that order.
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -26,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
+from .. import _guards
 from ..errors import ArgumentError, GraphStateError
 from ..graphed import make_graphed_callables
 from ..nn import _DeferredWgradModule
@@ -51,6 +53,39 @@ class _ReplayPlan:
         self.cursor = (self.cursor + 1) % len(self.actions)
 
 
+# The submodules of live stages: FullyShardReducer refuses them (torch's stage drives FSDP2).
+_stage_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _overlaps(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return any(a is m for m in b.modules()) or any(b is m for m in a.modules())
+
+
+def _refuse_reducer_overlap(module: torch.nn.Module, api: str) -> None:
+    """torch's PipelineStage drives an FSDP2 stage module itself (no gradient sync and no
+    reshard until its last weight step, then finalize_backward): a FullyShardReducer over
+    the same modules would fight it."""
+    from .fsdp import FullyShardReducer
+
+    for r in list(_guards._reducers):
+        if isinstance(r, FullyShardReducer) and r._handles and _overlaps(r.root, module):
+            raise ArgumentError(
+                f"{api}: the module is driven by a dwgraph.distributed.FullyShardReducer, and torch's PipelineStage "
+                "drives FSDP2 itself (gradient sync and the reduce-scatter after the stage's last weight step). With "
+                "pipelining, fully_shard the stage modules without a FullyShardReducer (reducer.remove() detaches "
+                "one); fused main_grad is not supported there")
+
+
+def _refuse_stage_overlap(root: torch.nn.Module) -> None:
+    for m in list(_stage_modules):
+        if _overlaps(m, root):
+            raise ArgumentError(
+                "dwgraph.distributed.FullyShardReducer: argument 'root' is (part of) the module of a pipeline "
+                "stage; torch's PipelineStage drives FSDP2 itself (gradient sync and the reduce-scatter after the "
+                "stage's last weight step). With pipelining, fully_shard the stage modules without a "
+                "FullyShardReducer")
+
+
 class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` (same arguments, without ``dw_builder``) for a submodule
     containing dwgraph deferred-wgrad modules. See the module docstring."""
@@ -60,6 +95,8 @@ class PipelineStage(_TorchPipelineStage):
             raise ArgumentError("dwgraph.distributed.pipelining.PipelineStage: argument 'dw_builder' is provided "
                                 "by the stage (it runs the deferred modules' weight steps); got one")
         kwargs["dw_builder"] = self._build_dw
+        _refuse_reducer_overlap(submodule, "dwgraph.distributed.pipelining.PipelineStage")
+        _stage_modules.add(submodule)
         self._deferred = [m for m in submodule.modules()
                           if isinstance(m, _DeferredWgradModule) and m.delay_wgrad_compute]
         self._keep: Optional[List[int]] = None
@@ -221,6 +258,15 @@ def make_graphed_stages(schedule, sample_args: Dict[int, Sequence[torch.Tensor]]
             raise ArgumentError(f"dwgraph.distributed.pipelining.make_graphed_stages: argument 'sample_args' has "
                                 f"no entry for stage {s.stage_index} (this rank's stages: {sorted(chunk)})")
     modules = tuple(s.submod for s in stages)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        FSDPModule = ()
+    for s in stages:
+        if any(isinstance(m, FSDPModule) for m in s.submod.modules()):
+            raise ArgumentError(f"dwgraph.distributed.pipelining.make_graphed_stages: stage {s.stage_index} holds "
+                                "FSDP2 modules (fully_shard); graphed pipeline stages of FSDP2 models are not "
+                                "supported (FSDP's hooks inside a stage would not run at replay): run them eagerly")
     args = [tuple(sample_args[s.stage_index]) for s in stages for _ in range(microbatches)]
     graphed = make_graphed_callables(modules, tuple(args), order=order, num_layers_per_chunk=[1] * len(stages),
                                      num_warmup_iters=num_warmup_iters, pool=pool)
