@@ -19,9 +19,11 @@ void Landing::check(const std::string& where) const {
 }
 
 void Landing::land() const {
+  // A hook may reset() the graphs that own this landing (destroying it): run from a copy.
+  const Landing self = *this;
   {
     const at::NoGradGuard no_grad;
-    for (const auto& c : contributions) {
+    for (const auto& c : self.contributions) {
       at::Tensor& grad = c.param.mutable_grad();
       if (!grad.defined()) {
         grad = c.buffer.clone();
@@ -32,8 +34,8 @@ void Landing::land() const {
       }
     }
   }
-  for (const auto& f : mark_flags) f();
-  for (const auto& h : hooks) h();
+  for (const auto& f : self.mark_flags) f();
+  for (const auto& h : self.hooks) h();
 }
 
 }  // namespace dwgraph::graphs

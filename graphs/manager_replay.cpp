@@ -316,9 +316,10 @@ void GraphManager::run_eager_backward_dw(size_t s) {
   // Units the modules queued themselves: calls that ran eagerly (a training mode the
   // graphs were not captured in). Run them as the modules' own backward_dw() would.
   const Slot& slot = slots_.at(s);
-  const auto& c = callables_[slot.info.callable];
+  // A copy: a module's hook may reset() the graphs, which releases the callables.
+  const std::vector<ModuleSpec> modules = callables_[slot.info.callable].modules;
   bool any = false;
-  for (const auto& m : c.modules) any = any || (module_defers(m) && m.store && !m.store->empty());
+  for (const auto& m : modules) any = any || (module_defers(m) && m.store && !m.store->empty());
   SlotState state;
   {
     const std::lock_guard<std::mutex> lock(mu_);
@@ -327,7 +328,7 @@ void GraphManager::run_eager_backward_dw(size_t s) {
   DWGRAPH_CHECK_STATE(any, where(s), ".backward_dw(): ",
                       state == SlotState::kForward ? "its backward has not run yet"
                                                    : "no backward is pending (called before any backward, or twice)");
-  for (const auto& m : c.modules) {
+  for (const auto& m : modules) {
     if (!module_defers(m) || !m.store || m.store->empty()) continue;
     m.backward_dw();
     if (m.run_hooks) m.run_hooks();

@@ -1287,3 +1287,36 @@ def test_a_packed_grouped_weight_cannot_be_distributed():
     m.weight = dwgraph.nn.DistributedWeight(m.weight.detach().clone())
     with pytest.raises(dwgraph.ArgumentError, match="packed weights cannot be distributed"):
         m(torch.randn(6, 4), [3, 3])
+
+
+def test_reset_inside_a_wgrad_hook_while_gradients_land():
+    # A hook that reset() the graphs destroyed the landing (and the callables) it was
+    # being run from: a segfault with two hooked modules. The landing runs from a copy.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True),
+                                dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+    ran = []
+    dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),), num_warmup_iters=1)
+    model[0].register_wgrad_hook(lambda m: (ran.append(0), dwgraph.graphed_handle(model).reset()))
+    model[1].register_wgrad_hook(lambda m: ran.append(1))
+    model(torch.randn(B, H)).sum().backward()
+    model.backward_dw()
+    assert sorted(ran) == [0, 1] and model[0].weight.grad is not None and model[1].weight.grad is not None
+    with pytest.raises(dwgraph.GraphStateError, match="after reset"):
+        model(torch.randn(B, H))
+
+
+def test_a_forward_set_on_the_instance_is_what_gets_graphed():
+    # make_graphed_callables stripped any instance 'forward' (meant for its own, from an
+    # earlier graphing), so the graphs ran the class forward instead of the caller's.
+    torch.manual_seed(0)
+    m = torch.nn.Linear(H, H)
+    e = copy.deepcopy(m)
+    for mm in (m, e):
+        mm.forward = (lambda mm: lambda x: torch.nn.functional.linear(x, mm.weight, mm.bias) * 3.0)(mm)
+    dwgraph.make_graphed_callables(m, (torch.randn(B, H, requires_grad=True),), num_warmup_iters=1)
+    x = torch.randn(B, H)
+    assert torch.equal(m(x), e(x))
+    m.eval()
+    e.eval()
+    assert torch.equal(m(x), e(x))  # the eager fallback runs it too

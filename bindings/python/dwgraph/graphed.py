@@ -378,6 +378,10 @@ _INSTALLED = ("forward", "dwgraph_graphed", "backward_dw", "need_backward_dw", "
 
 
 def _strip_graphs(module: torch.nn.Module) -> Dict[str, Any]:
+    """What _install_on_module put on a graphed module; nothing on another (a forward the
+    caller set on the instance is the caller's, and is what gets graphed)."""
+    if "dwgraph_graphed" not in module.__dict__:
+        return {}
     return {k: module.__dict__.pop(k) for k in _INSTALLED if k in module.__dict__}
 
 
@@ -603,10 +607,12 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
         forward = module.forward if is_module else module
         out_sig: Dict[str, Any] = {}
         mod = _weak(module) if is_module else None  # Note [Graphs hold their modules weakly]
-        if mod is not None and getattr(forward, "__self__", None) is module:
+        if mod is not None and getattr(forward, "__self__", None) is module and hasattr(forward, "__func__"):
             call = (lambda f, mod: lambda *a, **k: f(mod(), *a, **k))(forward.__func__, mod)
         else:
-            call = forward  # a plain callable, or a forward set on the instance (held as given)
+            # A plain callable, a forward set on the instance or bound some other way
+            # (functools.partialmethod): held as given, strongly.
+            call = forward
 
         def run(tensors, call=call, in_sig=in_sigs[i], out_sig=out_sig, i=i):
             args, kwargs = in_sig.rebuild(tensors)

@@ -53,8 +53,8 @@ class _ReplayPlan:
         self.cursor = (self.cursor + 1) % len(self.actions)
 
 
-# The submodules of live stages: FullyShardReducer refuses them (torch's stage drives FSDP2).
-_stage_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+# Live stages: FullyShardReducer refuses their modules (torch's stage drives FSDP2).
+_stages: "weakref.WeakSet[PipelineStage]" = weakref.WeakSet()
 
 
 def _overlaps(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -77,8 +77,8 @@ def _refuse_reducer_overlap(module: torch.nn.Module, api: str) -> None:
 
 
 def _refuse_stage_overlap(root: torch.nn.Module) -> None:
-    for m in list(_stage_modules):
-        if _overlaps(m, root):
+    for stage in list(_stages):
+        if _overlaps(stage.submod, root):
             raise ArgumentError(
                 "dwgraph.distributed.FullyShardReducer: argument 'root' is (part of) the module of a pipeline "
                 "stage; torch's PipelineStage drives FSDP2 itself (gradient sync and the reduce-scatter after the "
@@ -96,7 +96,6 @@ class PipelineStage(_TorchPipelineStage):
                                 "by the stage (it runs the deferred modules' weight steps); got one")
         kwargs["dw_builder"] = self._build_dw
         _refuse_reducer_overlap(submodule, "dwgraph.distributed.pipelining.PipelineStage")
-        _stage_modules.add(submodule)
         self._deferred = [m for m in submodule.modules()
                           if isinstance(m, _DeferredWgradModule) and m.delay_wgrad_compute]
         self._keep: Optional[List[int]] = None
@@ -105,6 +104,7 @@ class PipelineStage(_TorchPipelineStage):
         self._graphs: Optional[Dict[int, object]] = None
         self._plan: Optional[_ReplayPlan] = None
         super().__init__(submodule, stage_index, num_stages, device, *args, **kwargs)
+        _stages.add(self)
 
     # -- forward: the graphed slot of this microbatch -----------------------------------------
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
