@@ -301,9 +301,7 @@ class GraphedCallable:
         version = _C.graphs.registration_version()
         if version != self._tree_version:
             if [id(m) for m in self.module.modules()] != self._tree:
-                raise GraphStateError(
-                    f"graphed {self._native.name}: a submodule was added, removed or replaced since capture; the "
-                    "graphs would keep running the captured one. Capture again")
+                raise _submodules_changed(self._native.name)
             self._tree_version = version
 
     def __call__(self, *args, **kwargs):
@@ -571,16 +569,39 @@ def make_graphed_callables(
     return out[0] if single else tuple(out)
 
 
-def _call_mode(module: torch.nn.Module) -> str:
+def _submodules_changed(name: str) -> GraphStateError:
+    return GraphStateError(f"graphed {name}: a submodule was added, removed or replaced since capture; the graphs "
+                           "would keep running the captured one. Capture again")
+
+
+def _call_mode_reader(module: torch.nn.Module):
     """What a call's kernels depend on besides its tensors, as a string the core compares
     with the capture's (a call in another mode runs eagerly): every module's training flag,
     and the grad_dtype of dwgraph modules' parameters, which their forward reads to choose
     the weight-gradient GEMM's output dtype (FSDP2 under a mixed-precision policy switches it
-    between microbatches)."""
-    flags = "".join("1" if m.training else "0" for m in module.modules())
-    dtypes = ["." if getattr(p, "grad_dtype", None) in (None, p.dtype) else str(p.grad_dtype)
-              for m in module.modules() if _is_dwgraph_module(m) for p in m.parameters(recurse=False)]
-    return flags + "|" + ",".join(dtypes)
+    between microbatches). The tree is read once here (a changed tree is refused at the call
+    by _check_call); modules are held weakly (Note [Graphs hold their modules weakly])."""
+    modules = [weakref.ref(m) for m in module.modules()]
+    dw = [(weakref.ref(m), n) for m in module.modules() if _is_dwgraph_module(m)
+          for n, _ in m.named_parameters(recurse=False)]
+    name = type(module).__name__
+
+    def live(r):
+        m = r()
+        if m is None:
+            raise _submodules_changed(name)
+        return m
+
+    def read() -> str:
+        flags = "".join("1" if live(r).training else "0" for r in modules)
+        dtypes = []
+        for r, n in dw:
+            p = getattr(live(r), n)
+            g = getattr(p, "grad_dtype", None)
+            dtypes.append("." if g is None or g == p.dtype else str(g))
+        return flags + "|" + ",".join(dtypes)
+
+    return read
 
 
 def _slot_reader(module: torch.nn.Module):
@@ -640,7 +661,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
             spec.buffers = [b for _, b in named_buffers]
             spec.buffer_names = [n for n, _ in named_buffers]
             spec.current_buffers = lambda mod=mod: list(mod().named_buffers())
-            spec.training_mode = lambda mod=mod: _call_mode(mod())
+            spec.training_mode = _call_mode_reader(module)
         h = hooks[i]
         if any(h.values()):
             def capture_time_hook(phase: str, after: bool, h=h, target=mod or (lambda module=module: module)):
