@@ -165,11 +165,11 @@ void DataParallelReducer::finish(const std::vector<std::vector<at::Tensor>>& buf
     complete[m] = landed_[m] && drained(m);
     if (!landed_[m]) {
       problems.push_back(c10::str("module ", describe_module(m), ": no weight gradient landed since the last "
-                                  "finish() (it did not run, or its backward_dw() was not called)"));
+                                  "finish() (it did not run, its backward_dw() was not called, or this step was finished already)"));
     } else if (!drained(m)) {
       problems.push_back(c10::str("module ", describe_module(m), ": ", modules_[m].store->num_pending(),
                                   " backward(s) still queued or pending in a graph; call backward_dw() once per "
-                                  "backward before finish()"));
+                                  "backward before finish() (discard_wgrad_units() drops work of an abandoned step)"));
     }
   }
   std::vector<at::Tensor> current(params_.size());

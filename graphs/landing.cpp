@@ -19,11 +19,9 @@ void Landing::check(const std::string& where) const {
 }
 
 void Landing::land() const {
-  // A hook may reset() the graphs that own this landing (destroying it): run from a copy.
-  const Landing self = *this;
   {
     const at::NoGradGuard no_grad;
-    for (const auto& c : self.contributions) {
+    for (const auto& c : contributions) {
       at::Tensor& grad = c.param.mutable_grad();
       if (!grad.defined()) {
         grad = c.buffer.clone();
@@ -34,8 +32,11 @@ void Landing::land() const {
       }
     }
   }
-  for (const auto& f : self.mark_flags) f();
-  for (const auto& h : self.hooks) h();
+  for (const auto& f : mark_flags) f();
+  // A hook may reset() the graphs that own this landing, destroying it: the hooks run from
+  // a copy (nothing of the landing is read after them).
+  const std::vector<std::function<void()>> run = hooks;
+  for (const auto& h : run) h();
 }
 
 }  // namespace dwgraph::graphs

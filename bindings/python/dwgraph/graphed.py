@@ -64,19 +64,23 @@ def _main_grad_of(param: torch.Tensor, name: str) -> torch.Tensor:
     return mg
 
 
-def _weak(module: torch.nn.Module):
-    """A function returning `module` while it lives. Note [Graphs hold their modules
-    weakly]: the core keeps the functions it is given; a strong reference from there to
-    the module would close the cycle module -> its graphed forward -> graphs -> module
-    through C++, where the garbage collector cannot see it, and a dropped graphed model
-    would never be freed. The module owns its graphs, so it outlives every call that asks."""
+def _weak(module: torch.nn.Module, freed: Optional[Callable[[], Exception]] = None):
+    """A function returning `module` while it lives, raising `freed()` (default: a
+    GraphStateError naming it) after. Note [Graphs hold their modules weakly]: the core
+    keeps the functions it is given; a strong reference from there to the module would
+    close the cycle module -> its graphed forward -> graphs -> module through C++, where
+    the garbage collector cannot see it, and a dropped graphed model would never be freed.
+    The module owns its graphs, so it outlives every call that asks."""
     ref = weakref.ref(module)
     name = type(module).__name__
+    if freed is None:
+        freed = lambda: GraphStateError(  # noqa: E731
+            f"dwgraph: the graphed module ('{name}') was freed while its graphs were in use")
 
     def get():
         m = ref()
         if m is None:
-            raise GraphStateError(f"dwgraph: the graphed module ('{name}') was freed while its graphs were in use")
+            raise freed()
         return m
 
     return get
@@ -167,7 +171,7 @@ def _first_hook(module: torch.nn.Module, include_self: bool):
             continue
         for kind in _HOOK_KINDS:
             hooks = getattr(sub, kind, None) or {}
-            if any(not (not name and _runs_around_calls(h)) for h in hooks.values()):
+            if any(name or not _runs_around_calls(h) for h in hooks.values()):
                 return ("itself" if not name else repr(name)), kind[1:].replace("_", " ")
     for name, p in module.named_parameters():
         if getattr(p, "_backward_hooks", None):
@@ -581,22 +585,16 @@ def _call_mode_reader(module: torch.nn.Module):
     the weight-gradient GEMM's output dtype (FSDP2 under a mixed-precision policy switches it
     between microbatches). The tree is read once here (a changed tree is refused at the call
     by _check_call); modules are held weakly (Note [Graphs hold their modules weakly])."""
-    modules = [weakref.ref(m) for m in module.modules()]
-    dw = [(weakref.ref(m), n) for m in module.modules() if _is_dwgraph_module(m)
-          for n, _ in m.named_parameters(recurse=False)]
     name = type(module).__name__
-
-    def live(r):
-        m = r()
-        if m is None:
-            raise _submodules_changed(name)
-        return m
+    modules = [_weak(m, lambda: _submodules_changed(name)) for m in module.modules()]
+    dw = [(get, n) for get, m in zip(modules, module.modules()) if _is_dwgraph_module(m)
+          for n, _ in m.named_parameters(recurse=False)]
 
     def read() -> str:
-        flags = "".join("1" if live(r).training else "0" for r in modules)
+        flags = "".join("1" if get().training else "0" for get in modules)
         dtypes = []
-        for r, n in dw:
-            p = getattr(live(r), n)
+        for get, n in dw:
+            p = getattr(get(), n)
             g = getattr(p, "grad_dtype", None)
             dtypes.append("." if g is None or g == p.dtype else str(g))
         return flags + "|" + ",".join(dtypes)

@@ -233,8 +233,8 @@ class FullyShardReducer:
         # Pending in a graphed callable counts: its replayed backward holds the work outside
         # the module's queue until backward_dw().
         problems = [f"module '{n}': {m.num_pending_wgrad_units()} backward(s) still queued or pending in a graph; "
-                    "call backward_dw() once per backward before finish()"
-                    for n, m in self._modules if m.num_pending_wgrad_units()]
+                    "call backward_dw() once per backward before finish() (discard_wgrad_units() drops work of an "
+                    "abandoned step)" for n, m in self._modules if m.num_pending_wgrad_units()]
         agreeing = _C.distributed.count_agreeing(self._group, not problems, self._device)
         world = torch.distributed.get_world_size(self._group)
         if agreeing != world:
