@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -40,6 +41,39 @@ def reduced_parameter_names(model: torch.nn.Module) -> List[str]:
     skip = {id(p) for _, m in _dwgraph_modules(model) for _, p in _owned(m)}
     return [n for n, p in model.named_parameters()
             if id(p) in skip or isinstance(p, DistributedWeight)]
+
+
+# The live dwgraph DistributedDataParallel wrappers, for the parameters their torch side
+# reduces: see _refuse_reduced_twice.
+_wrappers: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
+
+
+def _refuse_reduced_twice(named: List[Tuple[str, torch.Tensor]], group, api: str) -> None:
+    """A parameter is reduced over a process group by one data-parallel reduction only:
+    raises ArgumentError when one of ``named`` is already reduced over ``group`` by an
+    active DataParallelReducer (not removed) or by the torch side of a live dwgraph
+    DistributedDataParallel (whose reducer is not removed). A weight shared by the modules
+    of two reducers (a tied embedding and output head, two pipeline stages of one rank
+    sharing a weight) would be reduced by each, neither waiting for the other's modules to
+    land their gradients."""
+    ids = {id(p): n for n, p in named}
+    others = [(r, r._params) for r in list(_guards._reducers)
+              if isinstance(r, DataParallelReducer) and r._handles and r.process_group is group]
+    others += [(w, w._dwgraph_torch_reduced) for w in list(_wrappers)
+               if w.deferred._handles and w.process_group is group]
+    for other, theirs in others:
+        for theirs_name, p in theirs:
+            if id(p) in ids:
+                what = ("the torch DistributedDataParallel side of another dwgraph.distributed.DistributedDataParallel"
+                        if isinstance(other, DistributedDataParallel) else "another DataParallelReducer")
+                raise ArgumentError(
+                    f"{api}: parameter '{ids[id(p)]}' is already reduced by {what} (as '{theirs_name}'); a parameter "
+                    "used by several modules (a tied embedding and output head, two pipeline stages of this rank "
+                    "sharing a weight) must be reduced once, after all of its gradients have landed. Build one "
+                    "DataParallelReducer over a module holding every module that uses it (for pipeline stages: a "
+                    "torch.nn.ModuleList of this rank's stage modules, schedule.step() inside its no_sync() and "
+                    "finish() after it; docs/distributed.md, Shared weights), or remove() the other reducer "
+                    "(ddp.deferred.remove() for a DistributedDataParallel) if it is no longer used")
 
 
 class DataParallelReducer:
@@ -95,6 +129,7 @@ class DataParallelReducer:
                                 "parameters (no dwgraph module with delay_wgrad_compute or "
                                 "fuse_wgrad_accumulation); torch's DistributedDataParallel alone reduces it")
         self._params = [(d["name"], d["param"]) for d in params]
+        _refuse_reduced_twice(self._params, self.process_group, "dwgraph.distributed.DataParallelReducer")
         if broadcast_from_rank0:
             dist._broadcast_coalesced(self.process_group, [p.detach() for _, p in self._params],
                                       int(bucket_cap_mb * 2**20), 0)
@@ -201,10 +236,17 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def __init__(self, module: torch.nn.Module, *args, deferred_bucket_cap_mb: float = 25.0, **kwargs):
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         ignored.update(reduced_parameter_names(module))
+        # Checked before torch's DDP registers anything: both sides, torch's and dwgraph's.
+        _refuse_reduced_twice([(n, p) for n, p in module.named_parameters() if p.requires_grad],
+                              kwargs.get("process_group") or dist.group.WORLD,
+                              "dwgraph.distributed.DistributedDataParallel")
+        torch_reduced = [(n, p) for n, p in module.named_parameters() if n not in ignored and p.requires_grad]
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(ignored))
         super().__init__(module, *args, **kwargs)
+        self._dwgraph_torch_reduced = torch_reduced
         self.deferred = DataParallelReducer(module, self.process_group, bucket_cap_mb=deferred_bucket_cap_mb,
                                             broadcast_from_rank0=kwargs.get("init_sync", True))
+        _wrappers.add(self)
 
     def forward(self, *inputs, **kwargs):
         self.deferred.begin_forward(sync=self.require_backward_grad_sync)

@@ -7,8 +7,13 @@ it takes the weight-gradient units that backward queued out of each module's FIF
 schedule's W step for that microbatch runs exactly those, then the modules' wgrad hooks.
 Which microbatch a W step lands therefore does not depend on the order of W steps or on
 anything else queued. Every schedule works: ``Schedule1F1B``, ``ScheduleInterleaved1F1B``
-(the W step runs right after each full backward), ``ScheduleInterleavedZeroBubble`` and
-``ScheduleZBVZeroBubble`` (W steps where the schedule puts them).
+(the W step runs right after each full backward), ``ScheduleInterleavedZeroBubble``,
+``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (W steps where the schedule puts them,
+and right after its full backwards).
+
+``scale_grads`` divides each parameter once per step, after its last contribution, also
+when several stages of the rank hold it (a tied embedding and head on a V schedule), and a
+fused weight's ``main_grad`` with it: Note [Shared parameters are scaled once].
 
 :func:`make_graphed_stages` captures one graph set per (stage, microbatch) with
 ``dwgraph.make_graphed_callables`` in the pipeline schedule, whose ``order`` is this rank's
@@ -51,6 +56,79 @@ class _ReplayPlan:
                 f"(action {self.cursor} of {len(self.actions)} of the schedule); replaying out of the captured "
                 "order could overwrite graph memory another microbatch still needs")
         self.cursor = (self.cursor + 1) % len(self.actions)
+
+
+class _Step:
+    """The dwgraph stages of this process that one schedule step runs, and which of them
+    hold each parameter.
+
+    Note [Shared parameters are scaled once]: torch's schedules call ``scale_grads`` once
+    per stage and step, right after that stage's last backward (B or W) of the step, and
+    torch's ``PipelineStage.scale_grads`` divides the ``.grad`` of every parameter of the
+    stage module. A parameter held by two stages of one rank (a tied embedding and output
+    head on the first and last stage of a V schedule, layers sharing a weight on stages s
+    and s + ranks of an interleaved one) is then divided twice, the first time before the
+    other stage's remaining weight steps have added to it. dwgraph's stages divide each
+    parameter once per step (its ``.grad``, and its ``main_grad`` when a dwgraph module of
+    any holder fuses it), when the last of the step's stages holding it scales: that stage
+    has run its last backward, and the others have too (they scaled before), so every
+    contribution of the step has landed, wherever the schedule puts the W steps. A
+    parameter of one stage is divided when that stage scales, as torch divides it. The
+    step's stages are the ones the schedule clears together when ``step()`` starts
+    (``clear_runtime_states``, called on each of its stages before any of them computes);
+    a stage no schedule has stepped (``scale_grads`` called by hand) divides all of its own
+    parameters, as torch's does.
+    """
+
+    def __init__(self):
+        self.stages: "weakref.WeakSet[PipelineStage]" = weakref.WeakSet()
+        self.open = True  # until one of the stages computes
+        self._holders: Optional[Dict[int, list]] = None  # id(p) -> [p, holders, fused]
+        self._scaled: Dict[int, int] = {}  # id(p) -> how many of its holders scaled so far
+
+    def _index(self) -> Dict[int, list]:
+        if self._holders is None:
+            holders: Dict[int, list] = {}
+            for stage in list(self.stages):
+                for p, fused in stage._stage_parameters():
+                    entry = holders.setdefault(id(p), [p, 0, False])
+                    entry[1] += 1
+                    entry[2] = entry[2] or fused
+            self._holders = holders
+        return self._holders
+
+    def to_scale(self, stage: "PipelineStage") -> List[Tuple[torch.Tensor, bool]]:
+        """(parameter, fused) of the parameters of ``stage`` whose last holder in this step
+        is ``stage``; fused when a dwgraph module of any holder accumulates it into main_grad."""
+        index = self._index()
+        out = []
+        for p, fused in stage._stage_parameters():
+            entry = index.get(id(p))
+            if entry is None or entry[1] == 1:
+                out.append((p, fused))
+                continue
+            seen = self._scaled.get(id(p), 0) + 1
+            if seen < entry[1]:
+                self._scaled[id(p)] = seen
+                continue
+            self._scaled.pop(id(p), None)
+            out.append((p, entry[2]))
+        return out
+
+
+_current_step: Optional["weakref.ref[_Step]"] = None
+
+
+def _join_step(stage: "PipelineStage") -> None:
+    """``stage`` starts a step: it joins the stages cleared since the last computation on
+    this process, or starts a new set."""
+    global _current_step
+    step = _current_step() if _current_step is not None else None
+    if step is None or not step.open or stage in step.stages:
+        step = _Step()
+        _current_step = weakref.ref(step)
+    step.stages.add(stage)
+    stage._step = step
 
 
 # Live stages: FullyShardReducer refuses their modules (torch's stage drives FSDP2).
@@ -103,6 +181,7 @@ class PipelineStage(_TorchPipelineStage):
         self._fwd_mb: Optional[int] = None
         self._graphs: Optional[Dict[int, object]] = None
         self._plan: Optional[_ReplayPlan] = None
+        self._step: Optional[_Step] = None
         super().__init__(submodule, stage_index, num_stages, device, *args, **kwargs)
         _stages.add(self)
 
@@ -110,6 +189,8 @@ class PipelineStage(_TorchPipelineStage):
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
         if self._plan is not None:
             self._plan.expect(self.stage_index, "F", fwd_chunk_id)
+        if self._step is not None:
+            self._step.open = False
         self._fwd_mb = fwd_chunk_id
         try:
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
@@ -162,15 +243,33 @@ class PipelineStage(_TorchPipelineStage):
 
         return run
 
+    # -- scaling: once per parameter and step (Note [Shared parameters are scaled once]) ----
+    def clear_runtime_states(self) -> None:
+        # The schedule calls this on each of its stages at the start of every step, before
+        # any of them computes: the stages cleared together are the step's stages.
+        super().clear_runtime_states()
+        _join_step(self)
+
+    def _stage_parameters(self) -> List[Tuple[torch.Tensor, bool]]:
+        """(parameter, fused) of every parameter of the stage module, each once; fused when
+        a dwgraph module of the stage accumulates it into main_grad."""
+        fused = {id(p) for m in self.submod.modules() if isinstance(m, _DeferredWgradModule)
+                 for _, p in m._fused_parameters()}
+        return [(p, id(p) in fused) for p in self.submod.parameters()]
+
     def scale_grads(self, grad_scale_factor: int) -> None:
-        # torch scales .grad; a fused weight's gradient is its main_grad.
-        super().scale_grads(grad_scale_factor)
-        if grad_scale_factor != 1:
-            for m in self.submod.modules():
-                if isinstance(m, _DeferredWgradModule):
-                    for _, p in m._fused_parameters():
-                        if getattr(p, "main_grad", None) is not None:
-                            p.main_grad.div_(grad_scale_factor)
+        # torch's divides the .grad of every parameter of the stage module, a parameter that
+        # another stage of this rank holds too once by each; here each parameter once per
+        # step, by the last stage of the step holding it, and a fused weight's main_grad
+        # with it (Note [Shared parameters are scaled once]).
+        if grad_scale_factor == 1:
+            return
+        step = self._step if self._step is not None and self in self._step.stages else None
+        for p, fused in (step.to_scale(self) if step is not None else self._stage_parameters()):
+            if p.grad is not None:
+                p.grad.div_(grad_scale_factor)
+            if fused and getattr(p, "main_grad", None) is not None:
+                p.main_grad.div_(grad_scale_factor)
 
 
 def _schedule_stages(schedule) -> List[PipelineStage]:
@@ -213,7 +312,8 @@ def _rank_actions(schedule, stages) -> List[Tuple[int, str, int]]:
     else:
         raise ArgumentError(f"dwgraph.distributed.pipelining.make_graphed_stages: {type(schedule).__name__} is not "
                             "supported; use Schedule1F1B, ScheduleGPipe or a schedule with a per-rank action "
-                            "list (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)")
+                            "list (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, "
+                            "ScheduleDualPipeV)")
     return [(stage.stage_index, kind, mb) for kind, mb in order]
 
 
