@@ -679,3 +679,198 @@ def test_warmup_zero_without_params(device):
     for s, held in enumerate(grads_seen):
         for g, c in held:
             assert torch.equal(g, c), f"the .grad handed over at call {s} was overwritten by a later replay"
+
+
+# --------------------------------------------------------------------------------------
+# a dropped step is freed (Note [A graphed step holds itself weakly], dwgraph/step.py)
+# --------------------------------------------------------------------------------------
+def _whole_step(model: Net, opt, xs, ys):
+    loss, out = body(model, xs, ys)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, out
+
+
+def _graphed_whole_step(model: Net, opt):
+    # Its own scope: `del` of the test's names cannot empty the cells the step's function
+    # holds, so only the step itself keeps model and optimizer alive.
+    return dwgraph.graphed_step(lambda xs, ys: _whole_step(model, opt, xs, ys), warmup_iters=1)
+
+
+def test_a_dropped_graphed_step_is_freed(device):
+    # The step gave the C++ core its bound methods, which held the step (and through its
+    # function the model and the optimizer) from C++, where the garbage collector cannot
+    # see the cycle: a dropped step, its graphs and its pool were never freed.
+    import gc
+    import weakref
+
+    eager = Net(device=device)
+    graphed = copy.deepcopy(eager)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=LR, momentum=0.9)
+    opt_g = torch.optim.SGD(graphed.parameters(), lr=LR, momentum=0.9)
+    step = _graphed_whole_step(graphed, opt_g)
+    xs, ys = data(5, 1, device=device)
+    for s in range(5):
+        gc.collect()  # a live step's functions in the core still reach it
+        lg, og = step(xs[s], ys[s])
+        le, oe = _whole_step(eager, opt_e, xs[s], ys[s])
+        assert torch.equal(lg, le) and torch.equal(og, oe), f"call {s}"
+        assert_params_equal(eager, graphed, f"call {s}")
+        assert_grads_equal(eager, graphed, f"call {s}")
+    assert step.num_captures == 1 and step.num_graphs == 1  # captured at call 1, replayed at 2..4
+    alive = [weakref.ref(o) for o in (step, graphed, opt_g, graphed.lin)]
+    del step, graphed, opt_g, lg, og
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * len(alive), "a dropped graphed step (or what it trained) lives on"
+
+
+# --------------------------------------------------------------------------------------
+# container arguments: the caller's own objects on eager calls
+# --------------------------------------------------------------------------------------
+def test_container_arguments_are_the_callers_own_on_eager_calls():
+    # Eager (warmup) calls got copies of list, dict and object arguments, rebuilt around
+    # the tensors: an append inside the step never reached the caller. A capture runs the
+    # step on copies around the static inputs, and a replay runs no Python, so a step that
+    # changes an argument's structure is refused at its capture, before anything is written.
+    import types
+
+    eager = _small()
+    m = copy.deepcopy(eager)
+    ids = []
+
+    def logged(model, x, log, stats, batch):
+        ids.append((id(log), id(stats), id(batch)))
+        loss = _small_body(model, x)
+        log.append(loss.detach())
+        stats["last"] = loss.detach()
+        batch.seen = True
+        return loss
+
+    step = dwgraph.graphed_step(lambda x, log, stats, batch: logged(m, x, log, stats, batch), warmup_iters=2)
+    log_g, stats_g, batch_g = [], {}, types.SimpleNamespace(tag="b")
+    for s in range(2):
+        x = torch.randn(B, H)
+        le = logged(eager, x, [], {}, types.SimpleNamespace(tag="b"))
+        lg = step(x, log_g, stats_g, batch_g)
+        assert torch.equal(lg, le), f"warmup call {s}"
+        assert ids[-1] == (id(log_g), id(stats_g), id(batch_g)), f"warmup call {s} ran on copies of the arguments"
+        assert len(log_g) == 1 and torch.equal(log_g[0], le) and torch.equal(stats_g["last"], le), f"call {s}"
+        assert batch_g.seen is True
+        assert_grads_equal(eager, m, f"warmup call {s}")
+        log_g.clear(), stats_g.clear()  # the same key again next call
+        del batch_g.seen
+        m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(dwgraph.GraphStateError, match=r"changed its argument args\[1\]"):
+        step(torch.randn(B, H), log_g, stats_g, batch_g)
+    assert log_g == [] and stats_g == {} and not hasattr(batch_g, "seen"), "the refused capture changed an argument"
+    assert all(p.grad is None for p in m.parameters()), "the refused capture wrote a gradient"
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    assert step.num_graphs == 0
+
+
+def test_container_arguments_a_step_only_reads_replay_like_eager():
+    # Lists, dicts and objects whose structure the step leaves alone are graphed as usual
+    # (the tensors in them are static inputs), and in-place writes into their tensors reach
+    # the caller's tensors at every call, replays included.
+    import types
+
+    eager = _small()
+    m = copy.deepcopy(eager)
+
+    def reads(model, batch, extra):
+        loss = _small_body(model, batch.x)
+        extra["seen"].add_(1)
+        return loss
+
+    step = dwgraph.graphed_step(lambda batch, extra: reads(m, batch, extra), warmup_iters=1)
+    seen_g, seen_e = torch.zeros(()), torch.zeros(())
+    for s in range(4):
+        x = torch.randn(B, H)
+        lg = step(types.SimpleNamespace(x=x), {"seen": seen_g})
+        le = reads(eager, types.SimpleNamespace(x=x), {"seen": seen_e})
+        assert torch.equal(lg, le), f"call {s}"
+        assert torch.equal(seen_g, seen_e) and seen_g.item() == s + 1, f"call {s}"
+        assert_grads_equal(eager, m, f"call {s}")
+        m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
+    assert step.num_captures == 1
+
+
+# --------------------------------------------------------------------------------------
+# around torch.compile (inductor): Note [A step around compiled code], dwgraph/step.py
+# --------------------------------------------------------------------------------------
+def _compiled_twins(device, kind):
+    def mk():
+        torch.manual_seed(0)
+        if kind == "torch":  # one graph, fused by inductor
+            return torch.nn.Sequential(torch.nn.Linear(H, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                       torch.nn.Linear(32, 4)).to(device)
+        # dwgraph.nn's deferred forwards are compiler-disabled: dynamo breaks the graph in
+        # Sequential's loop and runs it eagerly, compiling none of it (the step's watching
+        # code there must not become compiled frames of its own)
+        return torch.nn.Sequential(dwgraph.nn.Linear(H, 32, delay_wgrad_compute=True), torch.nn.GELU(),
+                                   torch.nn.LayerNorm(32),
+                                   dwgraph.nn.Linear(32, 4, delay_wgrad_compute=True)).to(device)
+
+    return mk(), mk(), mk()
+
+
+def _compiled_body(model, x, deferred=()):
+    loss = model(x).square().mean()
+    loss.backward()
+    for m in deferred:
+        m.backward_dw()
+    return loss
+
+
+def _grads_of(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _within_ulps(a: torch.Tensor, b: torch.Tensor, ulps: int) -> bool:
+    """|a - b| <= ulps FP32 epsilons of b's largest magnitude, everywhere."""
+    return bool((a - b).abs().max() <= ulps * torch.finfo(torch.float32).eps * b.abs().max())
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+@pytest.mark.parametrize("kind", ["torch", "dwgraph"])
+def test_step_around_an_inductor_compiled_model(device, kind):
+    # The step's watching mode and module hook were dynamo-disabled: under them dynamo
+    # broke the compiled graph at every op, so inductor fused nothing and even the eager
+    # warmup calls differed from the undecorated compiled step at rounding level. Now
+    # they are traced as nothing, and never compiled as frames of their own where the
+    # compiled model runs eagerly. The warmup calls (more than dynamo's recompile limit:
+    # the hook's key is fixed, so nothing recompiles per call) equal the compiled twin
+    # bitwise. A CUDA graph captures inductor's kernels, so replays equal it too; the host
+    # graph records ATen kernels and inductor's CPU kernels are not ATen kernels, so on the
+    # CPU the capture runs the compiled code's own Python: replays equal the uncompiled
+    # twin bitwise, and differ from the compiled one by inductor's rounding.
+    torch._dynamo.reset()
+    m, twin, plain = _compiled_twins(device, kind)
+    compiled, twin_compiled = torch.compile(m), torch.compile(twin)
+    deferred = (lambda model: (model[0], model[3])) if kind == "dwgraph" else (lambda model: ())
+    warmup = 10
+    step = dwgraph.graphed_step(lambda x: _compiled_body(compiled, x, deferred(m)), warmup_iters=warmup)
+    xs = per_step(torch.randn(warmup + 4, B, H), device)
+    fused_differs = False
+    for s in range(warmup + 4):
+        lg = step(xs[s])
+        gg = _grads_of(m)
+        lc, gc_ = _compiled_body(twin_compiled, xs[s], deferred(twin)), _grads_of(twin)
+        lu, gu = _compiled_body(plain, xs[s], deferred(plain)), _grads_of(plain)
+        fused_differs |= not (torch.equal(lc, lu) and all(torch.equal(a, b) for a, b in zip(gc_, gu)))
+        exact = (lc, gc_) if s < warmup or device == "cuda" else (lu, gu)
+        what = f"call {s} ({'warmup' if s < warmup else 'capture' if s == warmup else 'replay'})"
+        assert torch.equal(lg, exact[0]), f"{what}: loss differs"
+        assert all(torch.equal(a, b) for a, b in zip(gg, exact[1])), f"{what}: a gradient differs"
+        # The bound between the two: FP32 rounding of inductor's fused, reordered
+        # reductions, a few ulps of each tensor's magnitude (3 and 5 on this model).
+        assert _within_ulps(lg, lc, 16), f"{what}: loss beyond 16 ulps of the compiled step's"
+        assert all(_within_ulps(a, b, 16) for a, b in zip(gg, gc_)), f"{what}: a gradient beyond 16 ulps"
+        for model in (m, twin, plain):
+            model.zero_grad(set_to_none=True)
+    assert step.num_captures == 1
+    if kind == "torch":
+        # Inductor's fusion changed bits on some call: the test tells a compiled step from
+        # an uncompiled (graph-broken) one.
+        assert fused_differs, "inductor gave the uncompiled bits on every call; the test no longer tells them apart"

@@ -23,6 +23,8 @@ step touches and turns arguments into tensors and a key. See docs/graphed-step.m
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -51,9 +53,136 @@ class _Watch(threading.local):
         self.step: Optional["GraphedStep"] = None
         self.optimizer = None  # the optimizer whose step() is running
         self.state_before = None  # inside a capture: its state's keys before that step()
+        self.seeing: list = []  # (step, its watcher) of each step call running on this thread (_seen_module)
 
 
 _watch = _Watch()
+
+
+def _eager_frame(fn=None, *, below: bool = False):
+    """Note [A step around compiled code]: dynamo never compiles a frame of `fn` (where a
+    compiled region runs code eagerly, after a graph break, it would otherwise compile the
+    step's watching code as a frame of its own: one op graphs for inductor, or, for a
+    function that tests torch.compiler.is_compiling(), a compiled body that skips what it
+    does), yet still traces through `fn` where compiled code calls it. `below`: neither
+    does it compile what `fn` calls. Without torch's switch for this, `fn` is dynamo-
+    disabled: what the step watches stays exact, the compiled code around it does not."""
+    if fn is None:
+        return functools.partial(_eager_frame, below=below)
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return torch._dynamo.disable(fn)
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP,
+                                                          FrameAction.SKIP if below else FrameAction.DEFAULT))
+    return fn
+
+
+# Note [A step around compiled code]: a step calls torch.compile'd code (a compiled model,
+# a compiled function) like the undecorated function does only if dynamo sees the same
+# program. Under an active torch function mode dynamo traces the mode's __torch_function__
+# into every op, and with global module hooks it traces the hooks into every module call;
+# a dynamo-disabled one there is a graph break, one per op, so inductor fuses nothing and
+# even the eager warmup calls round differently. So the step's watcher (_GradientWatcher)
+# and its module hook (_seen_module) are traced as nothing (torch.compiler.is_compiling()),
+# the compiled graph is the same one (a cache entry of its own: dynamo guards on the mode
+# stack's types and on the hooks' keys, hence one key for the hook for the whole process),
+# and the eager calls run inductor's kernels, bitwise the undecorated compiled step's.
+# Where a compiled region runs code eagerly (after a graph break) dynamo would compile the
+# watching code's own frames (one-op graphs for inductor, or a body that tests
+# is_compiling() and does nothing): _eager_frame keeps them plain Python there.
+# What the watcher does not see inside: a compiled module called from eager code stands
+# for its whole module tree and all of its parameters (_seen_module); inside a compiled
+# function (or a module.compile()d module) the modules and frozen parameters dynamo traced
+# into its graph are not seen: on the host a capture runs that code eagerly (below) and sees them, which
+# takes one more capture; a CUDA capture does not, so there their training flags and
+# hooks are not in the key (docs/graphed-step.md, "torch.compile inside the step").
+#
+# Capture: a CUDA graph captures inductor's kernels, so its replays are the compiled
+# step's bits too. The host graph records ATen kernels at the dispatcher, and inductor's
+# CPU kernels are C++ functions it calls directly, which a host capture would miss (a
+# replay would skip them and read the capture's values). So inside a host capture the
+# compiled code runs its own Python eagerly (torch's thread-local switch that its compiler
+# uses for nested compiled code), and host replays are bitwise the same step with
+# torch.compile removed: within inductor's FP32 rounding of the compiled step, not equal
+# to it. test_graphed_step.py, test_step_around_an_inductor_compiled_model, checks both.
+@_eager_frame(below=True)
+def _seen_module(module, _inputs) -> None:
+    """The global forward pre-hook that finds the modules a step runs (their training
+    flags, buffers and hooks are what its graphs depend on); a no-op on threads running no
+    step. Under torch.compile it does nothing and is traced as nothing (Note [A step
+    around compiled code]); a torch.compile'd module, called from eager code, stands for
+    its whole module tree and every parameter in it (its frozen ones too)."""
+    if torch.compiler.is_compiling():
+        return
+    inner = _compiled_module_tree(module)
+    for step, watcher in _watch.seeing:
+        step._all_modules.setdefault(id(module), module)
+        for m in inner:
+            step._all_modules.setdefault(id(m), m)
+            for p in m.parameters(recurse=False):
+                watcher._see(p)
+
+
+_seen_module._dwgraph_internal = True  # not a user's global hook (make_graphed_callables refuses those)
+
+
+def _compiled_module_tree(module) -> list:
+    """The modules inside a torch.compile'd module (an OptimizedModule), else []."""
+    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    optimized = getattr(optimized, "OptimizedModule", None)
+    if optimized is None or not isinstance(module, optimized):
+        return []
+    return list(module._orig_mod.modules())
+
+
+def _compiled_code_as_captured():
+    """Note [A step around compiled code]. Around the step's code: inside a capture on
+    the host graph, torch.compile'd code (this thread only) runs its original Python
+    eagerly; anywhere else (eager calls, CUDA captures) it runs compiled."""
+    if not _C.graphs.capturing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return contextlib.nullcontext()
+    # torch's own thread-local switch (its compiler runs nested compiled code eagerly
+    # with it); test_graphed_step.py fails if a torch without it records half a step.
+    eager = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "_use_eager_on_nested_compile", None)
+    return eager() if eager is not None else contextlib.nullcontext()
+
+
+class _ModuleHook:
+    """_seen_module, in torch's global forward pre-hooks while any thread runs a step's
+    call (warmup and capture; replays run no module), under one key for the life of the
+    process: torch.compile guards on the keys of that dict, so a fresh registration per
+    call would recompile compiled code inside the step at every call (and fall back to
+    eager at its recompile limit)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._key: Optional[int] = None
+
+    # Through the plain dict's methods: dwgraph._watch may have made torch's hook dicts
+    # watching dicts, whose changes make every graphed callable check again; this hook is
+    # dwgraph's own (_dwgraph_internal), which no check looks at.
+    def enter(self) -> None:
+        hooks = torch.nn.modules.module._global_forward_pre_hooks
+        base = collections.OrderedDict if isinstance(hooks, collections.OrderedDict) else dict
+        with self._lock:
+            if self._key is None:
+                self._key = torch.utils.hooks.RemovableHandle(hooks).id  # a key of its own, never removed
+            self._users += 1
+            base.__setitem__(hooks, self._key, _seen_module)
+
+    def leave(self) -> None:
+        hooks = torch.nn.modules.module._global_forward_pre_hooks
+        base = collections.OrderedDict if isinstance(hooks, collections.OrderedDict) else dict
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                base.pop(hooks, self._key, None)
+
+
+_module_hook = _ModuleHook()
 _hooks_installed = False
 
 
@@ -150,6 +279,13 @@ def _leaves_of(roots) -> List[torch.Tensor]:
     return out
 
 
+@_eager_frame(below=True)
+def _compiler_at_work() -> bool:
+    """True while torch.compile compiles a frame on this thread (also in its bookkeeping
+    outside the traced region, which handles fake tensors under the active modes)."""
+    return torch._guards.CompileContext.try_get() is not None
+
+
 class _GradientWatcher(TorchFunctionMode):
     """Records, on this thread, what a step may train: every tensor its backward calls give
     a gradient to (the leaves they reach), every tensor whose .grad it reads or sets, and
@@ -167,9 +303,23 @@ class _GradientWatcher(TorchFunctionMode):
         if isinstance(t, torch.Tensor) and id(t) not in self.sink:
             self.sink[id(t)] = (t, t.grad)
 
-    @torch._dynamo.disable  # a torch.compile'd model inside the step: watched, not traced into
+    @_eager_frame
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Note [A step around compiled code]: under torch.compile the mode is traced as
+        # nothing, so the compiled graph (and inductor's fusion of it) is the one the same
+        # code compiles to without the step; the compiler's own work on fake tensors (its
+        # bookkeeping after tracing runs under the mode) is not watched either. The call
+        # itself runs as the caller's frame would run it (what it calls may be compiled).
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling() or _compiler_at_work():
+            return func(*args, **kwargs)
+        self._before(func, args, kwargs)
+        result = func(*args, **kwargs)
+        self._after(args, kwargs, result)
+        return result
+
+    @_eager_frame(below=True)
+    def _before(self, func, args, kwargs) -> None:
         if func is torch.Tensor.backward:
             inputs = kwargs.get("inputs")
             for t in (inputs if inputs is not None else _leaves_of([args[0]])):
@@ -191,7 +341,9 @@ class _GradientWatcher(TorchFunctionMode):
                     for b in a:
                         if isinstance(b, torch.nn.Parameter):
                             self._see(b)
-        result = func(*args, **kwargs)
+
+    @_eager_frame(below=True)
+    def _after(self, args, kwargs, result) -> None:
         outs = result if isinstance(result, (tuple, list)) else (result,)
         # What the call was given is not made by it: in-place ops return self
         # (x.requires_grad_()), foreach ops their list (torch._foreach_add_(params, ...)).
@@ -203,7 +355,6 @@ class _GradientWatcher(TorchFunctionMode):
         for r in outs:
             if isinstance(r, torch.Tensor) and id(r) not in given:
                 self.made.add(id(r))
-        return result
 
 
 # -- arguments: tensors anywhere, everything else by value ---------------------------------------
@@ -275,8 +426,9 @@ def _note_displaced(t: torch.Tensor) -> None:
 
 
 def _was_displaced(t: torch.Tensor) -> bool:
-    r = _displaced_tensors.get(id(t))
-    return r is not None and r() is t
+    from . import _watch  # the registration watch records displaced tensors
+
+    return _watch.was_displaced(t)
 
 
 def _schedulers_of(optimizers) -> list:
@@ -313,6 +465,51 @@ def _state_identity(optimizers) -> str:
     return ";".join(parts)
 
 
+def _refuse_changed_arguments(caller, rebuilt, given: List[torch.Tensor], static: List[torch.Tensor]) -> None:
+    """Raises GraphStateError (at capture) when the step changed the structure of one of
+    its arguments: replaced, added or removed an element of a list or dict argument, or
+    set an attribute of an object argument. Eagerly that change reaches the caller's
+    object at every call; a replay runs no Python, so the caller's object would stop
+    changing after the warmup calls: a silent difference, refused before the graph exists.
+    `caller` holds the caller's (args, kwargs), unchanged (the capture ran on `rebuilt`, a
+    copy around the static inputs: the caller's tensor given[i] is static[i] there)."""
+    static_of = {id(t): s for t, s in zip(given, static)}
+    (args, kwargs), (new_args, new_kwargs) = caller, rebuilt
+    paths = [(f"args[{i}]", a, b) for i, (a, b) in enumerate(zip(args, new_args))]
+    paths += [(f"kwargs[{k!r}]", v, new_kwargs.get(k, _MISSING)) for k, v in kwargs.items()]
+    for path, before, after in paths:
+        was: List[torch.Tensor] = []
+        now: List[torch.Tensor] = []
+        try:
+            same = (after is not _MISSING and _flatten(before, was, path)[0] == _flatten(after, now, path)[0]
+                    and len(was) == len(now) and all(static_of.get(id(a)) is b for a, b in zip(was, now)))
+        except ArgumentError:  # the step put something into it that no key describes
+            same = False
+        if not same:
+            raise GraphStateError(
+                f"dwgraph.graphed_step: the step changed its argument {path} (an element of a list or dict "
+                "replaced, added or removed, or an attribute of an object set); eagerly that change reaches the "
+                "caller's object at every call, but a graph replays no Python, so from its capture on the caller's "
+                "object would stop changing. Return the values instead (or change the object outside the step)")
+
+
+_MISSING = object()
+
+
+def _weakly(step: "GraphedStep", method: str, name: str) -> Callable:
+    """`step.<method>` through a weak reference to `step` (Note [A graphed step holds
+    itself weakly]); a GraphStateError naming the step if it is gone."""
+    ref = weakref.ref(step)
+
+    def call(*args):
+        s = ref()
+        if s is None:
+            raise GraphStateError(f"dwgraph.graphed_step: the step '{name}' was freed while its graphs were in use")
+        return getattr(s, method)(*args)
+
+    return call
+
+
 class GraphedStep:
     """The callable ``@graphed_step`` returns. ``num_graphs`` and ``num_captures`` report
     how many graphs it holds and how often it captured; ``reset()`` releases them."""
@@ -345,12 +542,21 @@ class GraphedStep:
         self._ran_python = False
         self._hyper_before: Dict[int, tuple] = {}  # this call: each optimizer's values when first seen
         self._changes_own_hyperparameters: Optional[str] = None  # seen in an eager call
+        name = getattr(fn, "__name__", type(fn).__name__)
+        # Note [A graphed step holds itself weakly]: the core keeps the functions it is
+        # given for its lifetime, and this object keeps the core. A bound method (or a
+        # lambda over self) given to it would close the cycle step -> core -> function ->
+        # step through C++, where the garbage collector cannot see it: a dropped step, its
+        # graphs, its pool and everything its function reaches (the model, the optimizer)
+        # would never be freed. So the core gets functions that reach the step through a
+        # weak reference, as graphed modules do (Note [Graphs hold their modules weakly],
+        # graphed.py). The core calls them only from inside a call of this object, which
+        # holds it alive; its destructor calls none of them.
         self._native = _C.graphs.GraphedStep(
-            self._run_flat, warmup_iters=warmup_iters, pool=pool, max_graphs=max_graphs,
-            params=self._params, modules=self._module_specs,
-            buffers=lambda: [b for m in self._all_modules.values() for b in m.buffers(recurse=False)],
-            variant_state=self._variant_state,
-            name=getattr(fn, "__name__", type(fn).__name__))
+            _weakly(self, "_run_flat", name), warmup_iters=warmup_iters, pool=pool, max_graphs=max_graphs,
+            params=_weakly(self, "_params", name), modules=_weakly(self, "_module_specs", name),
+            buffers=_weakly(self, "_buffers", name), variant_state=_weakly(self, "_variant_state", name),
+            name=name)
 
     @staticmethod
     def _named(params):
@@ -394,7 +600,17 @@ class GraphedStep:
         # (_variant_state), as they are known only after the warmup calls.
         autocast = [(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
         key = f"{key_args}{key_kwargs}|aliases {where}|grad {torch.is_grad_enabled()}|autocast {autocast}"
-        self._current = (rebuild, key, tensors)
+        # Eager calls (warmup) run the step on the caller's own arguments, so what it does
+        # to them (an append to a list argument, an attribute set on a batch object) is
+        # what the undecorated function does; a capture runs it on a rebuilt copy holding
+        # the graph's static inputs (_run_flat).
+        self._current = (rebuild, key, tensors, args, kwargs)
+        try:
+            return self._call(tensors, key)
+        finally:
+            self._current = None  # the caller's arguments are not kept past the call
+
+    def _call(self, tensors: List[torch.Tensor], key: str):
         try:
             # Capture again on _FoundMore, now knowing more of what it trains and runs:
             # every retry knows at least one more tensor or module than the last, and
@@ -486,12 +702,18 @@ class GraphedStep:
         return unique, where
 
     def _run_flat(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        rebuild, key, _ = self._current
-        args, kwargs = rebuild(tensors)
+        rebuild, key, given, caller_args, caller_kwargs = self._current
         touched: Dict[int, tuple] = {}  # id -> (tensor, its .grad when first seen)
         # A capture follows the core asking what the step trains (_params); any other call
         # is eager. Taken here, so a failed capture leaves no stale "capturing" behind.
         handed, self._handed = self._handed, None
+        if handed is None:
+            # Eager: the caller's own objects, as the undecorated function gets them (the
+            # core passes the caller's tensors themselves).
+            args, kwargs = caller_args, caller_kwargs
+        else:
+            # Capturing: the same structure around the graph's static inputs.
+            args, kwargs = rebuild(tensors)
         if handed is not None and self._changes_own_hyperparameters:
             raise GraphStateError(
                 f"dwgraph.graphed_step: the step changes the hyperparameters of the {self._changes_own_hyperparameters} "
@@ -515,20 +737,12 @@ class GraphedStep:
         # backward_dw() met for the first time) is refused before it runs anything, as
         # its queued units are not under the capture's guard; the capture is retried.
         _step_context.capture_known = self._handed_modules if handed is not None else None
-        thread = threading.get_ident()
-
-        @torch._dynamo.disable  # compiled modules inside the step call it as a plain hook
-        def seen(module, _inputs):
-            if threading.get_ident() == thread:
-                self._all_modules.setdefault(id(module), module)
-
-        # Installed for this call only (warmup and capture; replays run no module), and a
-        # no-op on every other thread: it finds the modules whose training flags and
-        # buffers the graph depends on.
-        seen._dwgraph_internal = True  # not a user's global hook (make_graphed_callables on other threads)
-        handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
+        watcher = _GradientWatcher(touched)
+        seeing = (self, watcher)
+        _watch.seeing.append(seeing)
+        _module_hook.enter()
         try:
-            with _GradientWatcher(touched) as watcher:
+            with watcher, _compiled_code_as_captured():
                 out = self._fn(*args, **kwargs)
         except Exception as e:
             opt = _watch.optimizer
@@ -539,7 +753,8 @@ class GraphedStep:
                     "example) must run after the step returns") from e
             raise
         finally:
-            handle.remove()
+            _module_hook.leave()
+            _watch.seeing.remove(seeing)
             _watch.step, _watch.optimizer = saved
             _step_context.modules = saved_modules
             _step_context.capture_known = saved_known
@@ -555,6 +770,8 @@ class GraphedStep:
                 f"dwgraph.graphed_step: the step steps the LR scheduler {type(stepped[0]).__name__} of an optimizer it "
                 "steps; a graph replays no Python, so the schedule would stop at its capture. Step the scheduler "
                 "after the graphed step returns")
+        if handed is not None:
+            _refuse_changed_arguments((caller_args, caller_kwargs), (args, kwargs), given, tensors)
         changed = [type(o).__name__ for o, before in self._hyper_before.values() if _hyperparameters([o]) != before]
         self._changes_own_hyperparameters = changed[0] if changed else None  # as of the latest call
         if changed:
@@ -608,6 +825,9 @@ class GraphedStep:
             named = [(names.get(i, _describe(t)), t) for i, t in self._touched.items()]
         self._handed = {id(t): t for _, t in named}
         return named
+
+    def _buffers(self):
+        return [b for m in self._all_modules.values() for b in m.buffers(recurse=False)]
 
     def _module_specs(self):
         from .graphed import _dwgraph_module_spec
