@@ -16,6 +16,7 @@ void init_log(pybind11::module_& m);
 void init_nn(pybind11::module_& m);
 void init_graphs(pybind11::module_& m);
 void init_manager(pybind11::module_& m);  // after init_graphs
+void init_watch(pybind11::module_& m);    // after init_graphs
 void init_distributed(pybind11::module_& m);  // after init_nn
 
 }  // namespace dwgraph::bindings

@@ -9,6 +9,7 @@
 #include "graphs/graphed_step.h"
 #include "graphs/manager.h"
 #include "graphs/recorder.h"
+#include "graphs/state_epoch.h"
 
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
@@ -73,11 +74,21 @@ py::dict stats_dict(const GraphedStats& s) {
 void init_manager(py::module_& parent) {
   auto m = parent.attr("graphs").cast<py::module_>();
 
-  m.def("registration_version", &registration_version);
+  // Note [Checks paid when state changes] (graphs/state_epoch.h): dwgraph._watch moves the
+  // epoch; graphed_step reads it to know when to look at its modules again.
+  m.def("state_epoch", &state_epoch);
+  m.def("bump_state_epoch", &bump_state_epoch);
+  m.def("bump_registration_epoch", &bump_registration_epoch);
+  m.def("registration_version", &state_epoch);  // graphed_step's older name for the same epoch
   // True while the calling thread (or, on CUDA, its current stream) is inside a capture.
   m.def("capturing", [] { return graphs::detail::this_thread_records(); });
   m.def("note_reseed", &graphs::detail::note_reseed);
-  m.def("bump_registration_version", &bump_registration_version);
+  m.def(
+      "check_distinct_memory",
+      [](const std::vector<at::Tensor>& tensors, const std::string& where, const std::string& what) {
+        check_distinct_memory(tensors, {}, where, what.c_str());
+      },
+      py::arg("tensors"), py::arg("where"), py::arg("what") = "argument");
 
   py::class_<FusedParameter>(m, "FusedParameter")
       .def(py::init<>())
@@ -96,7 +107,13 @@ void init_manager(py::module_& parent) {
       .def_readwrite("deferred_names", &ModuleSpec::deferred_names)
       .def_readwrite("deferred", &ModuleSpec::deferred)
       .def_readwrite("fused", &ModuleSpec::fused)
-      .def_readwrite("store", &ModuleSpec::store);
+      .def_readwrite("store", &ModuleSpec::store)
+      .def(
+          "add_inner",
+          [](ModuleSpec& spec, std::shared_ptr<ops::WgradStore> store, std::function<void()> run_hooks, bool defers) {
+            spec.inner.push_back(ModuleSpec::Inner{std::move(store), std::move(run_hooks), defers});
+          },
+          py::arg("store"), py::arg("run_hooks"), py::arg("defers"));
 
   py::class_<DwgraphModuleInfo>(m, "DwgraphModuleInfo")
       .def(py::init<>())
@@ -120,8 +137,9 @@ void init_manager(py::module_& parent) {
       .def_readwrite("parameters", &GraphableCallable::parameters)
       .def_readwrite("parameter_names", &GraphableCallable::parameter_names)
       .def_readwrite("current_parameters", &GraphableCallable::current_parameters)
-      .def_readwrite("parameters_version", &GraphableCallable::parameters_version)
       .def_readwrite("registered_parameters", &GraphableCallable::registered_parameters)
+      .def_readwrite("check_state", &GraphableCallable::check_state)
+      .def_readwrite("state_watched", &GraphableCallable::state_watched)
       .def_readwrite("modules", &GraphableCallable::modules)
       .def_readwrite("training_mode", &GraphableCallable::training_mode)
       .def_readwrite("buffer_names", &GraphableCallable::buffer_names)
@@ -144,7 +162,9 @@ void init_manager(py::module_& parent) {
       .def("callable_of_slot", &Schedule::callable_of_slot, py::arg("slot"));
 
   py::class_<GraphedCallable, std::shared_ptr<GraphedCallable>>(m, "GraphedCallable")
-      .def("__call__", &GraphedCallable::operator(), py::arg("inputs"), py::call_guard<py::gil_scoped_release>())
+      // None when the callable is in a mode its graphs were not captured in: the front end
+      // then runs it eagerly with the caller's own arguments.
+      .def("__call__", &GraphedCallable::replay_or_nothing, py::arg("inputs"), py::call_guard<py::gil_scoped_release>())
       .def("replays", &GraphedCallable::replays)
       .def("backward_dw", &GraphedCallable::backward_dw, py::call_guard<py::gil_scoped_release>())
       .def("need_backward_dw", &GraphedCallable::need_backward_dw)
@@ -160,7 +180,7 @@ void init_manager(py::module_& parent) {
       [](std::vector<GraphableCallable> callables, const std::vector<std::vector<at::Tensor>>& sample_args,
          int num_warmup_iters, bool allow_unused_input, std::optional<Schedule> schedule,
          std::shared_ptr<GraphPool> pool, bool retain_graph_in_backward, bool reuse_static_buffers,
-         bool clone_outputs, bool unsafe_capture_with_caller_grad) {
+         bool clone_outputs, bool backward_under_autocast, bool unsafe_capture_with_caller_grad) {
         GraphedCallableOptions o;
         o.num_warmup_iters = num_warmup_iters;
         o.allow_unused_input = allow_unused_input;
@@ -169,6 +189,7 @@ void init_manager(py::module_& parent) {
         o.retain_graph_in_backward = retain_graph_in_backward;
         o.reuse_static_buffers = reuse_static_buffers;
         o.clone_outputs = clone_outputs;
+        o.backward_under_autocast = backward_under_autocast;
         o.unsafe_capture_with_caller_grad = unsafe_capture_with_caller_grad;
         // Warmup and capture run the autograd engine, which must not hold the GIL; the
         // Python forward functions and hooks take it back when they are called.
@@ -177,7 +198,8 @@ void init_manager(py::module_& parent) {
       },
       py::arg("callables"), py::arg("sample_args"), py::kw_only(), py::arg("num_warmup_iters"),
       py::arg("allow_unused_input"), py::arg("schedule"), py::arg("pool"), py::arg("retain_graph_in_backward"),
-      py::arg("reuse_static_buffers"), py::arg("clone_outputs"), py::arg("unsafe_capture_with_caller_grad"));
+      py::arg("reuse_static_buffers"), py::arg("clone_outputs"), py::arg("backward_under_autocast"),
+      py::arg("unsafe_capture_with_caller_grad"));
 
   py::class_<GraphedStep>(m, "GraphedStep")
       .def(py::init([](StepFn step, int warmup_iters, std::shared_ptr<GraphPool> pool, int64_t max_graphs,

@@ -55,6 +55,8 @@ void init_nn(py::module_& parent) {
       .def("num_graph_lost", &WgradStore::num_graph_lost)
       .def("clear", &WgradStore::clear)
       .def("hooks_suppressed", &WgradStore::hooks_suppressed)
+      .def("set_num_hooks", &WgradStore::set_num_hooks, py::arg("n"))
+      .def("num_hooks", &WgradStore::num_hooks)
       .def("take_after", &WgradStore::take_after, py::arg("keep"))
       // A copied module starts with nothing queued: queued work belongs to the original's
       // autograd graphs.

@@ -357,10 +357,10 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
   }
   v.main_grads = CapturedMainGrads(written);
   for (const auto& f : written) {
-    if (f.set_flag) v.landing.mark_flags.push_back([f] { f.set_flag(true); });
+    if (f.set_flag) v.landing.flags.push_back(FlagSetter{[f] { f.set_flag(true); }});
   }
   for (const auto& m : e.modules) {
-    if (m.run_hooks) v.landing.hooks.push_back(m.run_hooks);
+    if (m.run_hooks) v.landing.hooks.push_back(ModuleHooks{m.run_hooks, m.store, {}});
   }
   v.graph = std::move(graph);
   ++captures_;

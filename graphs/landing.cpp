@@ -6,8 +6,9 @@
 
 namespace dwgraph::graphs {
 
-void Landing::check(const std::string& where) const {
+void Landing::check(const std::string& where, const LiveMask& live) const {
   for (const auto& c : contributions) {
+    if (!is_live(live, c.param_index)) continue;
     const at::Tensor& grad = c.param.grad();
     if (!grad.defined()) continue;
     DWGRAPH_CHECK_ARG(grad.scalar_type() == c.buffer.scalar_type() && grad.sizes() == c.buffer.sizes() &&
@@ -18,10 +19,11 @@ void Landing::check(const std::string& where) const {
   }
 }
 
-void Landing::land() const {
+void Landing::land(const LiveMask& live) const {
   {
     const at::NoGradGuard no_grad;
     for (const auto& c : contributions) {
+      if (!is_live(live, c.param_index)) continue;
       at::Tensor& grad = c.param.mutable_grad();
       if (!grad.defined()) {
         grad = c.buffer.clone();
@@ -32,11 +34,19 @@ void Landing::land() const {
       }
     }
   }
-  for (const auto& f : mark_flags) f();
-  // A hook may reset() the graphs that own this landing, destroying it: the hooks run from
-  // a copy (nothing of the landing is read after them).
-  const std::vector<std::function<void()>> run = hooks;
-  for (const auto& h : run) h();
+  for (const auto& f : flags) {
+    if (is_live(live, f.param_index)) f.set();
+  }
+  // A hook may reset() the graphs that own this landing, destroying it: the hooks to run
+  // are copied first (nothing of the landing is read after them).
+  std::vector<std::function<void()>> run;
+  for (const auto& h : hooks) {
+    if (h.store && h.store->num_hooks() == 0) continue;
+    bool any = h.param_indices.empty();
+    for (size_t i : h.param_indices) any = any || is_live(live, i);
+    if (any) run.push_back(h.run);
+  }
+  for (const auto& fn : run) fn();
 }
 
 }  // namespace dwgraph::graphs

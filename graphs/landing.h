@@ -6,17 +6,30 @@
 //     (or, for a step that saw the caller's .grad, copied: the graph already added);
 //  2. grad_added_to_main_grad is set on every fused parameter the replay accumulated into
 //     (eager sets it inside the GEMM, so hooks see it set);
-//  3. the delayed hooks (register_wgrad_hook, distributed reduce hooks), once per module.
+//  3. the delayed hooks (register_wgrad_hook, distributed reduce hooks), once per module,
+//     for the modules that have hooks.
 // The caller therefore owns every .grad, and zero_grad(set_to_none=True) between replays
 // is always safe. check() runs before the replay: nothing is written when it throws.
+//
+// A landing may cover only part of what its graph computed (Note [What a backward asked
+// for] in graphs/manager_impl.h): `live`, indexed by the parameter index each piece
+// names, says which parameters the backward gave a gradient; the others get nothing, as
+// eager modules whose backward did not run for them queue nothing.
+
+#include "ops/wgrad_store.h"
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace dwgraph::graphs {
+
+// Which parameters (by index) a landing covers; an empty mask covers all of them.
+using LiveMask = std::vector<uint8_t>;
 
 struct Contribution {
   enum class Mode {
@@ -27,19 +40,35 @@ struct Contribution {
   at::Tensor buffer;  // the graph-pool buffer the captured kernels write
   std::string name;
   Mode mode = Mode::kAccumulate;
+  size_t param_index = 0;  // what `live` masks are indexed by
+};
+
+struct FlagSetter {
+  std::function<void()> set;
+  size_t param_index = 0;
+};
+
+// One module's delayed hooks: run when any of its parameters is live and it has hooks.
+struct ModuleHooks {
+  std::function<void()> run;
+  std::shared_ptr<ops::WgradStore> store;  // its num_hooks() says whether to call run (null: always)
+  std::vector<size_t> param_indices;       // empty: live whenever the landing runs
 };
 
 struct Landing {
   std::vector<Contribution> contributions;
-  std::vector<std::function<void()>> mark_flags;
-  std::vector<std::function<void()>> hooks;
+  std::vector<FlagSetter> flags;
+  std::vector<ModuleHooks> hooks;
 
   // ArgumentError, before anything is written, when an existing .grad has another dtype,
   // shape or device than its contribution (never a silent cast). `where` prefixes messages.
-  void check(const std::string& where) const;
-  // Hand-off, flags, hooks.
-  void land() const;
-  bool empty() const { return contributions.empty() && mark_flags.empty() && hooks.empty(); }
+  void check(const std::string& where, const LiveMask& live = {}) const;
+  // Hand-off, flags, hooks, for the live parameters.
+  void land(const LiveMask& live = {}) const;
+  bool empty() const { return contributions.empty() && flags.empty() && hooks.empty(); }
 };
+
+// An index the mask does not cover (a parameter outside the callable's list) is live.
+inline bool is_live(const LiveMask& live, size_t index) { return index >= live.size() || live[index] != 0; }
 
 }  // namespace dwgraph::graphs

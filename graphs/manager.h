@@ -28,15 +28,21 @@ struct GraphableCallable {
   std::vector<at::Tensor> parameters;
   std::vector<std::string> parameter_names;
   // Optional: the parameters the callable has now, by name (a replaced parameter or
-  // submodule is refused at replay), and when that may have changed (see
-  // CapturedParameters; without it the list is asked at every call).
+  // submodule is refused at replay).
   std::function<NamedTensors()> current_parameters;
-  std::function<uint64_t()> parameters_version;
   // Optional: what every parameter slot of the modules holds now ((qualified name, tensor),
-  // cheap: no traversal), asked at every call whatever the version says. Libraries swap
-  // parameters without registering them (FSDP2 puts its sharded and unsharded parameters
-  // straight into module._parameters), which the version cannot see.
+  // cheap: no traversal). Libraries swap parameters without registering them (FSDP2 puts
+  // its sharded and unsharded parameters straight into module._parameters), which
+  // current_parameters cannot tell from a registration.
   std::function<NamedTensors()> registered_parameters;
+  // Optional: what else only the front end can check (Python: module hooks registered
+  // after capture, a changed module tree); throws the typed error, naming `where`.
+  std::function<void(const std::string& where)> check_state;
+  // Note [Checks paid when state changes] (graphs/state_epoch.h): true when the front end
+  // moves the state epoch on every change the checks above (and the parameters'
+  // requires_grad, memory and main_grad, and training_mode) can see; the checks then run
+  // only after the epoch moved. False (the C++ API): they run at every call.
+  bool state_watched = false;
   // dwgraph modules (deferring or not: hooks, main_grad) and other modules with
   // backward_dw()/need_backward_dw() found in the callable.
   std::vector<ModuleSpec> modules;
@@ -72,6 +78,11 @@ struct GraphedCallableOptions {
   // their static inputs and grad outputs (TransformerEngine's
   // _reuse_graph_input_output_buffers; Note [Static buffers reused across microbatches]).
   bool reuse_static_buffers = false;
+  // Note [Autocast in the backward]: the backward graph is captured with autocast off, as
+  // the natural loop (forward under torch.autocast, loss.backward() outside it) runs it;
+  // true: in the forward's autocast state, for a loop that calls backward inside the
+  // region. A backward whose autocast state differs from its capture's is refused.
+  bool backward_under_autocast = false;
   // Outputs are fresh clones the caller owns (default), so keeping one across calls or
   // changing it in place cannot touch what the graphs hold. false: the graphs' static
   // outputs themselves, overwritten by the slot's next call (torch's and
@@ -107,9 +118,13 @@ struct GraphedStats {
 // the delayed hooks.
 class GraphedCallable {
  public:
+  // Replays, or runs the callable eagerly when it is in a mode its graphs were not
+  // captured in (replays() is false).
   std::vector<at::Tensor> operator()(const std::vector<at::Tensor>& inputs);
-  // False when the callable is in a training mode the graphs were not captured in: then
-  // operator() runs it eagerly.
+  // Replays; nullopt, having done nothing, when replays() is false (the front end then
+  // runs the callable eagerly with its own arguments).
+  std::optional<std::vector<at::Tensor>> replay_or_nothing(const std::vector<at::Tensor>& inputs);
+  // False when the callable is in a training mode the graphs were not captured in.
   bool replays() const;
   void backward_dw();
   bool need_backward_dw() const;

@@ -4,6 +4,7 @@
 
 #include "common/check.h"
 #include "graphs/capture_log.h"
+#include "graphs/state_epoch.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty_like.h>
@@ -13,6 +14,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace dwgraph::graphs {
@@ -28,12 +30,8 @@ bool contains_impl(const std::vector<T>& v, const at::Tensor& t) {
   return false;
 }
 
-// Leaves the autograd graph of `outputs` accumulates into, other than `known` ones.
-std::vector<at::Tensor> unknown_leaves(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& known) {
-  std::unordered_set<const void*> ok;
-  for (const auto& t : known) {
-    if (t.defined()) ok.insert(t.unsafeGetTensorImpl());
-  }
+// The leaves the autograd graph of `outputs` accumulates into.
+std::vector<at::Tensor> reached_leaves(const std::vector<at::Tensor>& outputs) {
   std::vector<at::Tensor> out;
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
@@ -45,7 +43,7 @@ std::vector<at::Tensor> unknown_leaves(const std::vector<at::Tensor>& outputs, c
     stack.pop_back();
     if (!seen.insert(node).second) continue;
     if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
-      if (ok.count(acc->variable.unsafeGetTensorImpl()) == 0) out.push_back(acc->variable);
+      out.push_back(acc->variable);
       continue;
     }
     for (const auto& e : node->next_edges()) {
@@ -55,12 +53,51 @@ std::vector<at::Tensor> unknown_leaves(const std::vector<at::Tensor>& outputs, c
   return out;
 }
 
+// Leaves the autograd graph of `outputs` accumulates into, other than `known` ones.
+std::vector<at::Tensor> unknown_leaves(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& known) {
+  std::unordered_set<const void*> ok;
+  for (const auto& t : known) {
+    if (t.defined()) ok.insert(t.unsafeGetTensorImpl());
+  }
+  std::vector<at::Tensor> out;
+  for (auto& leaf : reached_leaves(outputs)) {
+    if (ok.count(leaf.unsafeGetTensorImpl()) == 0) out.push_back(std::move(leaf));
+  }
+  return out;
+}
+
+// The state a backward capture runs in (Note [Autocast in the backward]): the forward's,
+// or the same with autocast disabled.
+ops::AutocastState backward_state(const ops::AutocastState& forward, bool under_autocast) {
+  if (under_autocast) return forward;
+  ops::AutocastState s = forward;
+  s.cpu = false;
+  s.cuda = false;
+  return s;
+}
+
+// The index of `p` in the callable's parameters (its size when it is not one of them).
+size_t parameter_index(const GraphableCallable& c, const at::Tensor& p) {
+  for (size_t i = 0; i < c.parameters.size(); ++i) {
+    if (c.parameters[i].unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return i;
+  }
+  return c.parameters.size();
+}
+
+// The indices of the parameters whose gradients module `m` lands (deferred or fused).
+std::vector<size_t> module_parameter_indices(const GraphableCallable& c, const ModuleSpec& m) {
+  std::vector<size_t> out;
+  for (const auto& p : m.deferred) out.push_back(parameter_index(c, p));
+  for (const auto& f : m.fused) out.push_back(parameter_index(c, f.param));
+  return out;
+}
+
 }  // namespace
 
 GraphManager::GraphManager(std::vector<GraphableCallable> callables, GraphedCallableOptions opts)
     : callables_(std::move(callables)), opts_(std::move(opts)) {}
 
-std::string GraphManager::where(size_t s) const {
+std::string GraphManager::describe_slot(size_t s) const {
   const SlotInfo& slot = slots_.at(s).info;
   const std::string& name = callables_[slot.callable].name;
   if (slot.chunk == 0) return c10::str("graphed callable ", slot.callable, " ('", name, "')");
@@ -92,6 +129,9 @@ CallerState GraphManager::caller_state() const {
     for (const auto& m : c.modules) {
       st.fused.insert(st.fused.end(), m.fused.begin(), m.fused.end());
       if (m.store) st.stores.push_back(m.store);
+      for (const auto& inner : m.inner) {
+        if (inner.store) st.stores.push_back(inner.store);
+      }
     }
   }
   return st;
@@ -149,7 +189,8 @@ std::vector<at::Tensor> GraphManager::backward_targets(size_t s, bool for_captur
   if (for_capture) {
     slot.grad_input_indices.clear();
     slot.grad_param_indices.clear();
-    slot.param_edge_deferred.clear();
+    slot.param_deferred.clear();
+    slot.param_fused.clear();
   }
   for (size_t i = 0; i < slot.buffers->inputs.tensors().size(); ++i) {
     if (slot.buffers->inputs.tensors()[i].requires_grad()) {
@@ -162,13 +203,16 @@ std::vector<at::Tensor> GraphManager::backward_targets(size_t s, bool for_captur
     targets.push_back(c.parameters[i]);
     if (!for_capture) continue;
     slot.grad_param_indices.push_back(i);
-    bool deferred = false;
+    bool deferred = false, fused = false;
     for (const auto& m : c.modules) {
+      bool in_fused = false;
+      for (const auto& f : m.fused) in_fused = in_fused || f.param.unsafeGetTensorImpl() == c.parameters[i].unsafeGetTensorImpl();
+      fused = fused || in_fused;
       if (!module_defers(m)) continue;
-      deferred = deferred || contains_impl(m.deferred, c.parameters[i]);
-      for (const auto& f : m.fused) deferred = deferred || f.param.unsafeGetTensorImpl() == c.parameters[i].unsafeGetTensorImpl();
+      deferred = deferred || in_fused || contains_impl(m.deferred, c.parameters[i]);
     }
-    slot.param_edge_deferred.push_back(deferred);
+    slot.param_deferred.push_back(deferred);
+    slot.param_fused.push_back(fused);
   }
   return targets;
 }
@@ -195,16 +239,23 @@ void GraphManager::warmup() {
                           " require grad through tensors that are neither its inputs nor its parameters; "
                           "make them parameters of the module or inputs of the callable");
         if (c.capture_time_hook) c.capture_time_hook("backward", false);
-        run_autograd_engine([&] {
-          return torch::autograd::grad(outs, targets, grads_out, /*retain_graph=*/false, /*create_graph=*/false,
-                                       /*allow_unused=*/true);
-        });
+        {
+          const ops::AutocastStateGuard autocast(backward_autocast_);  // Note [Autocast in the backward]
+          run_autograd_engine([&] {
+            return torch::autograd::grad(outs, targets, grads_out, /*retain_graph=*/false, /*create_graph=*/false,
+                                         /*allow_unused=*/true);
+          });
+        }
         if (c.capture_time_hook) c.capture_time_hook("backward", true);
       }
       for (const auto& m : c.modules) {
         if (!module_defers(m)) continue;
-        if (m.store && m.store->empty()) continue;  // its backward asked for no weight gradient
-        m.backward_dw();
+        if (!m.store) {
+          m.backward_dw();
+          continue;
+        }
+        // Every unit its backward queued (a module used twice queues two).
+        while (!m.store->empty()) m.backward_dw();
       }
     }
   }
@@ -213,7 +264,11 @@ void GraphManager::warmup() {
 void GraphManager::capture_fwd(size_t s) {
   Slot& slot = slots_[s];
   const auto& c = callables_[slot.info.callable];
-  slot.captured_mode = c.training_mode ? c.training_mode() : std::string();
+  auto& checks = *checks_[slot.info.callable];
+  if (c.training_mode && checks.mode.load() == 0) {
+    checks.captured_mode = c.training_mode();
+    checks.mode.store((state_epoch() << 1) | 1);
+  }
   std::vector<at::Tensor> outputs;
   capture(slot.fwd, Phase::kForward, s, [&] { outputs = c.forward(slot.buffers->inputs.tensors()); });
   slot.buffers->inputs.note_writes(*slot.fwd);
@@ -270,16 +325,27 @@ void GraphManager::capture_bwd(size_t s) {
   DWGRAPH_CHECK_ARG(!targets.empty(), kApi, ": the outputs of ", where(s),
                     " require grad through tensors that are neither its inputs nor its parameters; make them "
                     "parameters of the module or inputs of the callable");
+  record_reach(s, outs, targets);
   // The captured kernels write only fresh graph-pool buffers (SPEC C3).
   const GradsDetached detached(c.parameters);
   const GradDtypesUnset raw_grads(c.parameters);  // Note [A graph returns the gradient autograd computed]
+  std::vector<size_t> units_before;
+  for (const auto& m : c.modules) units_before.push_back(m.store ? m.store->num_units() : 0);
   std::vector<at::Tensor> grads;
   capture(slot.bwd, Phase::kBackward, s, [&] {
+    const ops::AutocastStateGuard autocast(backward_autocast_);  // Note [Autocast in the backward]
     grads = run_autograd_engine([&] {
       return torch::autograd::grad(outs, targets, grad_outs, opts_.retain_graph_in_backward, /*create_graph=*/false,
                                    /*allow_unused=*/true);
     });
   });
+  slot.units_per_backward.clear();
+  for (size_t k = 0; k < c.modules.size(); ++k) {
+    const auto& m = c.modules[k];
+    const size_t after = m.store ? m.store->num_units() : 0;
+    // Another library's module keeps its own queue: one backward_dw() per backward.
+    slot.units_per_backward.push_back(m.store ? (after > units_before[k] ? after - units_before[k] : 0) : 1);
+  }
   if (!opts_.allow_unused_input) {
     for (size_t j = 0; j < slot.grad_input_indices.size(); ++j) {
       DWGRAPH_CHECK_ARG(grads.size() > j && grads[j].defined(), kApi, ": ", where(s), ": sample input ",
@@ -288,6 +354,7 @@ void GraphManager::capture_bwd(size_t s) {
     }
   }
   slot.static_grad_inputs = grads;
+  make_param_node(s);
   if (!opts_.retain_graph_in_backward) slot.captured_outputs.clear();
   for (const auto& o : slot.static_outputs) slot.output_read_by_bwd.push_back(slot.bwd->touches(o.storage()));
   for (const auto& t : slot.buffers->inputs.tensors()) {
@@ -297,10 +364,34 @@ void GraphManager::capture_bwd(size_t s) {
   // end of each backward.
   for (const auto& m : c.modules) {
     if (module_defers(m)) continue;
+    std::vector<size_t> indices;
     for (const auto& f : m.fused) {
-      if (f.set_flag && f.param.requires_grad()) slot.after_backward.mark_flags.push_back([f] { f.set_flag(true); });
+      const size_t i = parameter_index(c, f.param);
+      indices.push_back(i);
+      if (f.set_flag && f.param.requires_grad()) slot.after_backward.flags.push_back(FlagSetter{[f] { f.set_flag(true); }, i});
     }
-    if (m.run_hooks) slot.after_backward.hooks.push_back(m.run_hooks);
+    if (m.run_hooks) slot.after_backward.hooks.push_back(ModuleHooks{m.run_hooks, m.store, module_parameter_indices(c, m)});
+  }
+  for (const auto& m : c.modules) {
+    for (const auto& inner : m.inner) {
+      if (!inner.defers && inner.run_hooks) slot.after_backward.hooks.push_back(ModuleHooks{inner.run_hooks, inner.store, {}});
+    }
+  }
+}
+
+void GraphManager::record_reach(size_t s, const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& targets) {
+  Slot& slot = slots_[s];
+  std::unordered_map<const void*, size_t> index;
+  for (size_t j = 0; j < targets.size(); ++j) index.emplace(targets[j].unsafeGetTensorImpl(), j);
+  slot.reaches.assign(outs.size(), std::vector<uint8_t>(targets.size(), 0));
+  slot.reached.assign(targets.size(), 0);
+  for (size_t i = 0; i < outs.size(); ++i) {
+    for (const auto& leaf : reached_leaves({outs[i]})) {
+      auto it = index.find(leaf.unsafeGetTensorImpl());
+      if (it == index.end()) continue;
+      slot.reaches[i][it->second] = 1;
+      slot.reached[it->second] = 1;
+    }
   }
 }
 
@@ -324,37 +415,53 @@ void GraphManager::capture_dw(size_t s) {
       DWGRAPH_CHECK_STATE(!m.store || !m.store->empty(), kApi, ": module '", m.name, "' of ", where(s),
                           " has no wgrad unit queued after its backward capture; its backward asked for none of "
                           "its weight gradients");
-      auto& shared = shared_contributions_[{slot.info.callable, k}];
-      if (!opts_.unsafe_capture_with_caller_grad) {
-        // Note [Contributions are shared across microbatches].
-        for (const auto& p : m.deferred) {
-          auto it = shared.find(p.unsafeGetTensorImpl());
-          if (it == shared.end()) continue;
-          it->second.zero_();
-          p.mutable_grad() = it->second;
+      const size_t runs = k < slot.units_per_backward.size() ? std::max<size_t>(slot.units_per_backward[k], 1) : 1;
+      // Every unit of one backward (a module used twice in the forward queued two), each
+      // into its own buffer, handed over in turn: eager's backward_dw() calls add them to
+      // .grad one by one, and the sums must round the same.
+      for (size_t r = 0; r < runs; ++r) {
+        auto& shared = shared_contributions_[{slot.info.callable, k, r}];
+        if (!opts_.unsafe_capture_with_caller_grad) {
+          // Note [Contributions are shared across microbatches].
+          for (const auto& p : m.deferred) {
+            auto it = shared.find(p.unsafeGetTensorImpl());
+            if (it == shared.end()) continue;
+            it->second.zero_();
+            p.mutable_grad() = it->second;
+          }
         }
-      }
-      m.backward_dw();
-      if (opts_.unsafe_capture_with_caller_grad) continue;
-      for (size_t i = 0; i < m.deferred.size(); ++i) {
-        const at::Tensor& p = m.deferred[i];
-        if (!p.grad().defined()) continue;
-        landing.contributions.push_back(Contribution{p, p.grad(), m.deferred_names.at(i)});
-        shared.emplace(p.unsafeGetTensorImpl(), p.grad());
-        p.mutable_grad() = at::Tensor();
+        m.backward_dw();
+        if (opts_.unsafe_capture_with_caller_grad) continue;
+        for (size_t i = 0; i < m.deferred.size(); ++i) {
+          const at::Tensor& p = m.deferred[i];
+          if (!p.grad().defined()) continue;
+          landing.contributions.push_back(Contribution{p, p.grad(), m.deferred_names.at(i),
+                                                       Contribution::Mode::kAccumulate, parameter_index(c, p)});
+          shared.emplace(p.unsafeGetTensorImpl(), p.grad());
+          p.mutable_grad() = at::Tensor();
+        }
       }
     }
   });
   for (const auto& m : c.modules) {
     if (!module_defers(m)) continue;
     for (const auto& f : m.fused) {
-      if (f.set_flag && f.param.requires_grad()) landing.mark_flags.push_back([f] { f.set_flag(true); });
+      if (f.set_flag && f.param.requires_grad()) {
+        landing.flags.push_back(FlagSetter{[f] { f.set_flag(true); }, parameter_index(c, f.param)});
+      }
     }
   }
   for (const auto& m : c.modules) {
-    if (module_defers(m) && m.run_hooks) landing.hooks.push_back(m.run_hooks);
+    if (!module_defers(m)) continue;
+    const std::vector<size_t> indices = module_parameter_indices(c, m);
+    if (m.run_hooks) landing.hooks.push_back(ModuleHooks{m.run_hooks, m.store, indices});
+    // dwgraph modules inside another library's module: their hooks after its hand-off.
+    for (const auto& inner : m.inner) {
+      if (inner.defers && inner.run_hooks) landing.hooks.push_back(ModuleHooks{inner.run_hooks, inner.store, indices});
+    }
   }
   slot.after_dw = std::move(landing);
+  for (const auto& o : slot.static_outputs) slot.output_read_by_dw.push_back(o.defined() && slot.dw->touches(o.storage()));
   for (const auto& t : slot.buffers->inputs.tensors()) {
     slot.input_read_by_dw.push_back(t.defined() && slot.dw->touches(t.storage()));
   }
@@ -413,6 +520,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     slot.buffers->inputs = StaticInputs(sample_args[s]);
     slot.buffers->slots = {s};
     slots_.push_back(std::move(slot));
+    slots_.back().where = describe_slot(s);
   }
   for (const auto& c : callables_) {
     for (size_t i = 0; i < c.parameters.size(); ++i) {
@@ -422,14 +530,17 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     }
     std::vector<FusedParameter> fused;
     for (const auto& m : c.modules) fused.insert(fused.end(), m.fused.begin(), m.fused.end());
-    params_.emplace_back(c.parameter_names, c.parameters, c.current_parameters, c.parameters_version);
+    params_.emplace_back(c.parameter_names, c.parameters, c.current_parameters);
     params_.back().watch_slots(c.registered_parameters);
     std::vector<std::string> buffer_names = c.buffer_names;
     for (size_t i = buffer_names.size(); i < c.buffers.size(); ++i) buffer_names.push_back(c10::str("buffer ", i));
     buffer_names.resize(c.buffers.size());
-    buffers_.emplace_back(buffer_names, c.buffers, c.current_buffers, c.parameters_version, "buffer");
+    buffers_.emplace_back(buffer_names, c.buffers, c.current_buffers, "buffer");
     main_grads_.emplace_back(std::move(fused));
+    checks_.push_back(std::make_unique<CallableChecks>());
   }
+  forward_autocast_ = ops::AutocastState::current();
+  backward_autocast_ = backward_state(forward_autocast_, opts_.backward_under_autocast);
   if (opts_.reuse_static_buffers) share_static_buffers();
   pool_ = opts_.pool ? opts_.pool : make_pool(device_);
   DWGRAPH_CHECK_ARG(pool_->device().type() == device_.type(), kApi, ": argument 'pool' is a pool of ",
@@ -439,6 +550,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     for (const auto& m : callables_[slots_[s].info.callable].modules) {
       if (m.store && module_defers(m)) m.store->set_graph_owner(where(s));
     }
+    for (const auto& store : deferring_stores(slots_[s].info.callable)) store->add_pending_source(slots_[s].pending);
   }
   // Warmup and capture leave no trace (SPEC C3, C8): the guard puts back .grad,
   // parameter, buffer and main_grad contents, flags, queued units and the RNG, whether

@@ -41,12 +41,46 @@
 // saved activations per slot, and the schedule gives a callable one slot per microbatch.
 // The pool's replay order (graphs/pool_order.h) guards what the slots share.
 
+// Note [What a backward asked for]: eager modules give gradients only to what a backward
+// reaches and asks for. An output the loss does not use gets no gradient (autograd passes
+// the node an undefined one), so parameters reached only from it keep .grad = None and
+// their deferred modules queue nothing; `loss.backward(inputs=[...])` and
+// `torch.autograd.grad(loss, [...])` ask for some leaves only. A graph computes
+// everything it captured, so the manager masks what it hands over: at capture it records
+// which backward targets each output reaches in the captured autograd graph; at each
+// backward it takes the outputs whose gradient is defined and what the engine's graph task
+// asks for (its exec_info), and only those parameters get a gradient from the backward,
+// a contribution, a grad_added_to_main_grad flag and their modules' hooks at backward_dw().
+// What the graph accumulates into main_grad cannot be masked: a backward that asks for
+// some gradients only but reaches a fused parameter it does not ask for is refused. A
+// fused parameter reached only from unused outputs is accumulated with a zero gradient,
+// which leaves main_grad's value as it was (up to the sign of a zero).
+//
+// Note [Parameter gradients through one node]: a graphed call's autograd node has an edge
+// per input that requires grad and one edge to a node the slot keeps for its whole life,
+// whose edges lead to the parameters. Building an edge per parameter at every call would
+// make the call cost grow with the module tree; the persistent node's edges are built once
+// at capture. The backward stashes the parameters' gradients for it, and it hands them to
+// the parameters' AccumulateGrad nodes (which also run the parameters' tensor hooks).
+//
+// Note [Autocast in the backward]: the autograd engine runs a backward in the autocast
+// state of the thread that started it, so an op that the forward ran in FP32 (an
+// autocast(enabled=False) region, an FP32 input) has its backward run in BF16 when
+// loss.backward() is called inside the autocast region and in FP32 when called outside.
+// A graph bakes in one of the two: the backward graph is captured (and warmed up) with
+// autocast off, as the natural loop runs it, or in the forward's state with
+// backward_under_autocast; a backward started in the other state is refused.
+
+#include "common/autograd_node.h"
 #include "graphs/caller_state.h"
 #include "graphs/landing.h"
 #include "graphs/manager.h"
+#include "ops/autocast.h"
 
+#include <atomic>
 #include <map>
 #include <mutex>
+#include <tuple>
 
 namespace dwgraph::graphs {
 
@@ -72,14 +106,16 @@ struct WatchedVersion {
 
 struct Slot {
   SlotInfo info;
+  std::string where;  // "graphed callable 0 ('Linear')", for messages
   std::shared_ptr<StaticBuffers> buffers;
   std::vector<at::Tensor> captured_outputs;  // with the capture's autograd graph, until bwd capture
   std::vector<at::Tensor> static_outputs;
   std::vector<bool> output_requires_grad;
   std::vector<bool> output_read_by_bwd;  // the backward graph reads the static output (saved for backward)
+  std::vector<bool> output_read_by_dw;   // the backward-dw graph reads it (a deferred GEMM's input)
   // The backward (backward-dw) graph reads the static input: the eager ops saved the input.
   std::vector<bool> input_read_by_bwd, input_read_by_dw;
-  std::vector<WatchedVersion> dw_inputs;  // of the call whose backward-dw is pending
+  std::vector<WatchedVersion> dw_inputs;  // of the call whose backward-dw is pending (inputs, outputs)
   std::vector<bool> grad_output_read_by_dw;  // per output: the backward-dw graph reads its static grad output
   std::vector<WatchedVersion> dw_grads;  // of the backward whose backward-dw is pending
   std::vector<at::Tensor> static_grad_outputs;
@@ -87,19 +123,51 @@ struct Slot {
   // that require grad; the graph's results land in static_grad_inputs.
   std::vector<size_t> grad_input_indices;
   std::vector<size_t> grad_param_indices;
-  std::vector<bool> param_edge_deferred;  // per grad_param_indices: lands in backward_dw()
+  std::vector<bool> param_deferred;  // per grad_param_indices: lands in backward_dw() (or main_grad)
+  std::vector<bool> param_fused;     // per grad_param_indices: accumulates into main_grad in a graph
+  // Note [What a backward asked for]: per output requiring grad, per target (inputs, then
+  // parameters, as static_grad_inputs), whether the captured autograd graph reaches it;
+  // `reached` is their union (a target no output reaches is never masked out).
+  std::vector<std::vector<uint8_t>> reaches;
+  std::vector<uint8_t> reached;
   std::vector<at::Tensor> static_grad_inputs;
   std::unique_ptr<Graph> fwd, bwd, dw;
+  // Note [Parameter gradients through one node]: built once at capture.
+  dwgraph::detail::NodePtr param_node;
+  at::Tensor param_token;  // what the call's node sends param_node
+  std::vector<at::Tensor> param_grads;  // stashed by the backward for param_node
   Landing after_backward;  // flags and hooks of modules without deferral
   Landing after_dw;        // hand-off, flags and hooks of deferring modules
-  std::string captured_mode;  // GraphableCallable::training_mode at capture
+  LiveMask dw_live;        // of the backward whose backward-dw is pending (empty: all)
+  // Per module of the callable: how many units one backward queues (a module used twice
+  // in the forward queues two), so the backward-dw graph runs them all.
+  std::vector<size_t> units_per_backward;
   // Replay state (Note [Slot states]), guarded by GraphManager::mu_.
   SlotState state = SlotState::kIdle;
+  // Counted by every deferring module's store as a pending backward-dw (O(1) to flip).
+  std::shared_ptr<ops::PendingFlag> pending = std::make_shared<ops::PendingFlag>(0);
   // kDwPending: where its backward stands among the deferred work of the process
   // (ops::next_wgrad_sequence()), so backward_dw() lands older eager units first.
   uint64_t dw_sequence = 0;
   uint64_t generation = 0;  // of the latest forward that created an autograd node
   bool graph_retained = false;  // that node can still run a backward (retain_graph=True)
+};
+
+// Note [Checks paid when state changes]: the state epoch at which each of a callable's
+// checks last passed (0: never).
+struct CallableChecks {
+  std::atomic<uint64_t> tensors{0};    // parameters, buffers, main_grad
+  std::atomic<uint64_t> front_end{0};  // GraphableCallable::check_state
+  std::atomic<uint64_t> mode{0};       // (epoch << 1) | (the mode read then was the captured one)
+  std::string captured_mode;           // training_mode at the callable's first capture
+};
+
+// What a backward of a graphed call hands back: the inputs' gradients, then the token for
+// param_node (Note [Parameter gradients through one node]), and which parameters it gave a
+// gradient (Note [What a backward asked for]; empty: all).
+struct BackwardResult {
+  std::vector<at::Tensor> grads;
+  LiveMask live;
 };
 
 class GraphManager : public std::enable_shared_from_this<GraphManager> {
@@ -111,25 +179,32 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
 
   // Replay half.
   std::vector<at::Tensor> call(size_t s, const std::vector<at::Tensor>& inputs);
-  std::vector<at::Tensor> backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
-                                   bool deferred_asked, bool all_params_asked);
+  // The backward of slot s's call `generation`, with the gradients of the outputs that
+  // require grad (undefined: unused), `asked` per target (inputs, then parameters) from the
+  // engine; returns the input gradients and stashes the parameters' for param_node.
+  BackwardResult backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
+                          const std::vector<uint8_t>& asked);
+  std::vector<at::Tensor> take_param_grads(size_t s);
   void node_released(size_t s, uint64_t generation) noexcept;
   void node_done(size_t s, uint64_t generation) noexcept;  // its backward freed the graph
   void backward_dw(size_t s);
   bool need_backward_dw(size_t s) const { return defers_[slots_.at(s).info.callable]; }
-  bool replays(size_t s) const;
+  bool replays(size_t s);
   void reset();
   int64_t contribution_bytes(size_t s) const;
   GraphedStats stats() const;
   const std::string& name(size_t s) const { return callables_.at(slots_.at(s).info.callable).name; }
+  const std::string& where(size_t s) const { return slots_.at(s).where; }
   size_t callable_index(size_t s) const { return slots_.at(s).info.callable; }
   size_t num_slots() const { return slots_.size(); }
   const Landing& after_backward(size_t s) const { return slots_.at(s).after_backward; }
-  const std::vector<bool>& param_edge_deferred(size_t s) const { return slots_.at(s).param_edge_deferred; }
+  const ops::AutocastState& backward_autocast() const { return backward_autocast_; }
+  const torch::autograd::Node* param_node(size_t s) const { return slots_.at(s).param_node.get(); }
+  size_t num_grad_inputs(size_t s) const { return slots_.at(s).grad_input_indices.size(); }
 
  private:
   // Capture half.
-  std::string where(size_t s) const;
+  std::string describe_slot(size_t s) const;
   CallerState caller_state() const;
   void name_storages(Graph& g, size_t s) const;
   template <class Body>
@@ -138,19 +213,26 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   void capture_fwd(size_t s);
   void capture_bwd(size_t s);
   void capture_dw(size_t s);
+  void record_reach(size_t s, const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& targets);
+  void make_param_node(size_t s);
   std::vector<at::Tensor> backward_targets(size_t s, bool for_capture);
   bool module_defers(const ModuleSpec& m) const;
   void check_live(const char* what) const;
+  // Note [Checks paid when state changes]: every replay check of callable c, unless the
+  // state epoch has not moved since they last passed.
+  // `front_end`: also GraphableCallable::check_state (at calls; a backward does not ask).
+  void verify(size_t c, const std::string& where, bool front_end);
   void run_eager_backward_dw(size_t s);
   void share_static_buffers();
   bool busy(const Slot& slot) const;  // with mu_ held
-  // Moves a slot to `next` (with mu_ held), keeping the modules' count of backwards
-  // whose work waits in graphs (ops::WgradStore::num_graph_pending) in step.
+  // Moves a slot to `next` (with mu_ held), keeping its pending flag in step.
   void set_state(Slot& slot, SlotState next);
   // Marks every pending backward-dw as lost in the modules' stores (graphs released).
   void release_pending();
   // The slot's backward and backward-dw will not read what its last forward saved.
   void abandon_activations(Slot& slot);
+  // The stores of callable c's deferring modules (their own and inner ones).
+  std::vector<std::shared_ptr<ops::WgradStore>> deferring_stores(size_t c) const;
 
   std::vector<GraphableCallable> callables_;
   GraphedCallableOptions opts_;
@@ -159,11 +241,15 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   std::vector<Slot> slots_;
   std::shared_ptr<GraphPool> pool_;
   c10::Device device_ = c10::Device(c10::kCPU);
+  ops::AutocastState forward_autocast_;   // the capture's, what every call must match
+  ops::AutocastState backward_autocast_;  // Note [Autocast in the backward]
   std::vector<CapturedParameters> params_;    // per callable
   std::vector<CapturedMainGrads> main_grads_;  // per callable
   std::vector<CapturedParameters> buffers_;    // per callable
-  // Note [Contributions are shared across microbatches]: (callable, module) -> parameter -> buffer.
-  std::map<std::pair<size_t, size_t>, std::map<const void*, at::Tensor>> shared_contributions_;
+  std::vector<std::unique_ptr<CallableChecks>> checks_;  // per callable
+  // Note [Contributions are shared across microbatches]: (callable, module, unit of one
+  // backward) -> parameter -> buffer.
+  std::map<std::tuple<size_t, size_t, size_t>, std::map<const void*, at::Tensor>> shared_contributions_;
   mutable std::mutex mu_;  // slot states; never held while calling out
   bool reset_ = false;
 };

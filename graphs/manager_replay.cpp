@@ -4,11 +4,14 @@
 
 #include "common/autograd_node.h"
 #include "common/check.h"
+#include "graphs/state_epoch.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <unordered_set>
@@ -20,6 +23,24 @@ WatchedVersion watch(const at::Tensor& t, size_t index, const char* what = "inpu
   const auto& counter = torch::autograd::impl::version_counter(t);
   return WatchedVersion{counter, counter.current_version(), index, what, hold ? t : at::Tensor()};
 }
+
+// Note [Parameter gradients through one node]: kept by its slot for the slot's life; its
+// edges lead to the parameters, its one input is the token a call's node sends it.
+class ParamGradNode final : public torch::autograd::Node {
+ public:
+  ParamGradNode(std::weak_ptr<GraphManager> m, size_t slot) : manager_(std::move(m)), slot_(slot) {}
+  std::string name() const override { return "dwgraph::GraphedParameterGrads"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    auto m = manager_.lock();
+    if (!m || grads.empty() || !grads[0].defined()) return torch::autograd::variable_list(num_outputs());
+    return m->take_param_grads(slot_);
+  }
+
+ private:
+  std::weak_ptr<GraphManager> manager_;
+  size_t slot_;
+};
 
 class GraphedBackward final : public torch::autograd::Node {
  public:
@@ -57,24 +78,41 @@ class GraphedBackward final : public torch::autograd::Node {
                           " of a graphed call was modified by an inplace operation after the call, but the "
                           "backward needs its value (as eager autograd, which refuses this too)");
     }
-    // Did this backward ask for a deferred parameter's gradient? (torch.autograd.grad with
-    // respect to the inputs only does not; then no backward-dw is pending, as eager
-    // modules queue no unit.)
-    const auto& deferred = manager_->param_edge_deferred(slot_);
-    const size_t first_param = num_outputs() - deferred.size();
-    bool asked = false, all_asked = true;
-    for (size_t k = 0; k < deferred.size(); ++k) {
-      const bool wanted = task_should_compute_output(first_param + k);
-      asked = asked || (deferred[k] && wanted);
-      all_asked = all_asked && wanted;
+    // Note [Autocast in the backward]: the engine runs this in the state backward() was called in.
+    const ops::AutocastState now = ops::AutocastState::current();
+    const ops::AutocastState& captured = manager_->backward_autocast();
+    DWGRAPH_CHECK_STATE(now == captured, manager_->where(slot_), ": a backward with autocast ", now.describe(),
+                        " through a graphed call whose backward graph was captured with autocast ",
+                        captured.describe(), "; the autograd engine runs a backward in the autocast state it is "
+                        "started in, and the graph replays its capture's. ",
+                        captured.cpu || captured.cuda
+                            ? "Call backward() inside the autocast region, as at capture, or capture without "
+                              "backward_under_autocast=True"
+                            : "Call backward() outside the autocast region (as torch recommends), or capture "
+                              "with backward_under_autocast=True");
+    // Note [What a backward asked for]: what the engine's graph task asks of each target.
+    const size_t ni = manager_->num_grad_inputs(slot_);
+    const torch::autograd::Node* params = manager_->param_node(slot_);
+    const size_t np = params != nullptr ? params->num_outputs() : 0;
+    std::vector<uint8_t> asked;
+    const auto* info = torch::autograd::get_current_graph_task_exec_info();
+    if (info != nullptr && !info->empty()) {
+      asked.assign(ni + np, 0);
+      for (size_t k = 0; k < ni; ++k) asked[k] = task_should_compute_output(k) ? 1 : 0;
+      const bool any = params != nullptr && task_should_compute_output(ni);
+      for (size_t j = 0; j < np && any; ++j) {
+        const auto* fn = params->next_edge(j).function.get();
+        auto it = fn != nullptr ? info->find(const_cast<torch::autograd::Node*>(fn)) : info->end();
+        asked[ni + j] = it != info->end() && it->second.should_execute() ? 1 : 0;
+      }
     }
-    auto out = manager_->backward(slot_, generation_, grads, asked, all_asked);
+    BackwardResult result = manager_->backward(slot_, generation_, grads, asked);
     if (!manager_->after_backward(slot_).empty()) {
       // After autograd has accumulated what this node returns: at the end of the backward.
       torch::autograd::Engine::get_default_engine().queue_callback(
-          [m = manager_, s = slot_] { m->after_backward(s).land(); });
+          [m = manager_, s = slot_, live = std::move(result.live)] { m->after_backward(s).land(live); });
     }
-    return out;
+    return std::move(result.grads);
   }
 
  private:
@@ -93,27 +131,66 @@ at::Tensor plain_alias(const at::Tensor& t) {
 
 }  // namespace
 
+void GraphManager::make_param_node(size_t s) {
+  Slot& slot = slots_[s];
+  const auto& c = callables_[slot.info.callable];
+  slot.param_node = dwgraph::detail::NodePtr();
+  if (slot.grad_param_indices.empty()) return;
+  auto node = dwgraph::detail::make_node<ParamGradNode>(weak_from_this(), s);
+  torch::autograd::edge_list edges;
+  for (size_t i : slot.grad_param_indices) edges.push_back(torch::autograd::impl::gradient_edge(c.parameters[i]));
+  node->set_next_edges(std::move(edges));
+  slot.param_token = at::zeros({}, at::TensorOptions().device(device_));
+  node->add_input_metadata(slot.param_token);
+  slot.param_node = node;
+}
+
 void GraphManager::check_live(const char* what) const {
   DWGRAPH_CHECK_STATE(!reset_, "dwgraph: ", what, " after reset(): the graphs, their pool and contributions were "
                                "released; build new graphed callables with make_graphed_callables");
 }
 
-bool GraphManager::replays(size_t s) const {
-  const Slot& slot = slots_.at(s);
-  const auto& c = callables_[slot.info.callable];
-  return !c.training_mode || c.training_mode() == slot.captured_mode;
+bool GraphManager::replays(size_t s) {
+  const size_t ci = slots_.at(s).info.callable;
+  const auto& c = callables_[ci];
+  if (!c.training_mode) return true;
+  auto& checks = *checks_[ci];
+  const uint64_t epoch = state_epoch();  // read first: a change while reading is seen next time
+  const uint64_t cached = checks.mode.load(std::memory_order_acquire);
+  if (c.state_watched && (cached >> 1) == epoch) return (cached & 1) != 0;
+  const bool captured = c.training_mode() == checks.captured_mode;
+  checks.mode.store((epoch << 1) | (captured ? 1 : 0), std::memory_order_release);
+  return captured;
+}
+
+void GraphManager::verify(size_t ci, const std::string& where, bool front_end) {
+  const auto& c = callables_[ci];
+  auto& checks = *checks_[ci];
+  const uint64_t epoch = state_epoch();
+  if (front_end && c.check_state && !(c.state_watched && checks.front_end.load(std::memory_order_acquire) == epoch)) {
+    c.check_state(where);
+    if (c.state_watched) checks.front_end.store(epoch, std::memory_order_release);
+  }
+  if (c.state_watched && checks.tensors.load(std::memory_order_acquire) == epoch) return;
+  params_[ci].check(where);
+  buffers_[ci].check(where);
+  main_grads_[ci].check(where);
+  if (c.state_watched) checks.tensors.store(epoch, std::memory_order_release);
 }
 
 std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tensor>& inputs) {
   check_live("calling a graphed callable");
   Slot& slot = slots_.at(s);
-  const auto& c = callables_[slot.info.callable];
+  const size_t ci = slot.info.callable;
+  const auto& c = callables_[ci];
   if (!replays(s)) return c.forward(inputs);  // a mode the graphs were not captured in: run eagerly
-  const std::string w = where(s);
+  const std::string& w = slot.where;
+  const ops::AutocastState now = ops::AutocastState::current();
+  DWGRAPH_CHECK_ARG(now == forward_autocast_, w, ": called with autocast ", now.describe(), ", captured with ",
+                    forward_autocast_.describe(), "; a graph replays the kernels of its capture. Call it under the "
+                    "autocast state it was captured in (or capture it in this one)");
+  verify(ci, w, /*front_end=*/true);
   slot.buffers->inputs.check(inputs, w);
-  params_[slot.info.callable].check(w);
-  buffers_[slot.info.callable].check(w);
-  main_grads_[slot.info.callable].check(w);
   {
     const std::lock_guard<std::mutex> lock(mu_);
     for (size_t other : slot.buffers->slots) {
@@ -149,13 +226,15 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
     set_state(slot, SlotState::kForward);
     slot.graph_retained = true;
   }
-  // Autograd edges: inputs that require grad, then parameters (as captured).
+  // Autograd edges: inputs that require grad, then the slot's parameter node (Note
+  // [Parameter gradients through one node]).
   auto node = dwgraph::detail::make_node<GraphedBackward>(shared_from_this(), s, generation);
   torch::autograd::edge_list edges;
+  edges.reserve(slot.grad_input_indices.size() + 1);
   for (size_t i : slot.grad_input_indices) {
     edges.push_back(inputs[i].requires_grad() ? torch::autograd::impl::gradient_edge(inputs[i]) : torch::autograd::Edge());
   }
-  for (size_t i : slot.grad_param_indices) edges.push_back(torch::autograd::impl::gradient_edge(c.parameters[i]));
+  if (slot.param_node) edges.emplace_back(slot.param_node, 0);
   node->set_next_edges(std::move(edges));
   dwgraph::detail::NodePtr base = node;
   for (size_t i = 0; i < outs.size(); ++i) {
@@ -170,14 +249,20 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
     if (by_dw || (i < slot.input_read_by_bwd.size() && slot.input_read_by_bwd[i])) node->watch_input(inputs[i], i);
     if (by_dw) slot.dw_inputs.push_back(watch(inputs[i], i));
   }
+  // An output a deferred GEMM reads (the eager module saved it): the caller changing it in
+  // place before backward_dw() is refused, as the eager unit's stale check refuses it.
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (i < slot.output_read_by_dw.size() && slot.output_read_by_dw[i]) slot.dw_inputs.push_back(watch(outs[i], i, "output"));
+  }
   return outs;
 }
 
-std::vector<at::Tensor> GraphManager::backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
-                                               bool deferred_asked, bool all_params_asked) {
+BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
+                                      const std::vector<uint8_t>& asked) {
   check_live("backward through a graphed callable");
   Slot& slot = slots_.at(s);
-  const std::string w = where(s);
+  const size_t ci = slot.info.callable;
+  const std::string& w = slot.where;
   {
     const std::lock_guard<std::mutex> lock(mu_);
     DWGRAPH_CHECK_STATE(generation == slot.generation, w, ": backward of an earlier call, whose saved activations "
@@ -187,15 +272,45 @@ std::vector<at::Tensor> GraphManager::backward(size_t s, uint64_t generation, co
                         "backward_dw() of the first is pending; the graphs hold one unit of weight-gradient work "
                         "per slot: call backward_dw() between the backwards");
   }
-  // The backward graph accumulates the undeferred fused weights into main_grad whatever is
-  // asked; eager skips what a backward does not ask for (torch.autograd.grad of the inputs).
-  DWGRAPH_CHECK_STATE(all_params_asked || slot.after_backward.mark_flags.empty(), w,
-                      ": a backward that asks for only some gradients (torch.autograd.grad with respect to the "
-                      "inputs) while its graph accumulates weight gradients into main_grad "
-                      "(fuse_wgrad_accumulation without delay_wgrad_compute); eager would skip that accumulation. "
-                      "Use backward(), or make that pass outside the graphed callable");
-  params_[slot.info.callable].check(w);
-  main_grads_[slot.info.callable].check(w);
+  const size_t ni = slot.grad_input_indices.size();
+  const size_t np = slot.grad_param_indices.size();
+  // Note [What a backward asked for]: the targets this backward gives a gradient.
+  std::vector<uint8_t> defined;
+  bool all_defined = true;
+  for (size_t i = 0, k = 0; i < slot.static_outputs.size(); ++i) {
+    if (!slot.output_requires_grad[i]) continue;
+    defined.push_back(k < grads.size() && grads[k].defined() ? 1 : 0);
+    all_defined = all_defined && defined.back();
+    ++k;
+  }
+  std::vector<uint8_t> live;  // per target; empty: all
+  if (!all_defined || !asked.empty()) {
+    live.assign(ni + np, 1);
+    std::vector<uint8_t> unasked(ni + np, 0);  // reached by a used output but not asked for
+    bool deferred_live = false;
+    for (size_t j = 0; j < ni + np; ++j) {
+      bool reached = j >= slot.reached.size() || !slot.reached[j];  // unknown reach: never masked
+      for (size_t i = 0; i < defined.size() && !reached; ++i) reached = defined[i] && slot.reaches[i][j];
+      const bool wanted = asked.empty() || asked[j];
+      live[j] = reached && wanted ? 1 : 0;
+      unasked[j] = reached && !wanted ? 1 : 0;
+      deferred_live = deferred_live || (j >= ni && slot.param_deferred[j - ni] && live[j]);
+    }
+    // main_grad is accumulated in a graph whatever is asked (zeros for an unused output):
+    // by the backward graph when undeferred, by the backward-dw graph when deferred (which
+    // replays when any deferred parameter gets a gradient).
+    for (size_t j = ni; j < ni + np; ++j) {
+      const size_t k = j - ni;
+      const bool accumulates = slot.param_fused[k] && (!slot.param_deferred[k] || deferred_live);
+      DWGRAPH_CHECK_STATE(!(accumulates && unasked[j]), w, ": a backward that asks for only some gradients "
+                          "(backward(inputs=...), torch.autograd.grad) and not for parameter '",
+                          callables_[ci].parameter_names[slot.grad_param_indices[k]],
+                          "', whose weight gradient the graphs accumulate into main_grad "
+                          "(fuse_wgrad_accumulation); eager would skip that accumulation. Ask for it too (backward() "
+                          "without inputs=), or make that pass outside the graphed callable");
+    }
+  }
+  verify(ci, w, /*front_end=*/false);
   {
     const at::NoGradGuard no_grad;
     size_t k = 0;
@@ -224,11 +339,48 @@ std::vector<at::Tensor> GraphManager::backward(size_t s, uint64_t generation, co
   }
   slot.bwd->replay();
   // The caller owns what autograd receives: never the buffers the next replay rewrites.
-  std::vector<at::Tensor> out;
-  out.reserve(slot.static_grad_inputs.size());
-  for (const auto& g : slot.static_grad_inputs) out.push_back(g.defined() ? g.clone() : at::Tensor());
+  auto is = [&](size_t j) { return live.empty() || live[j]; };
+  BackwardResult result;
+  result.grads.reserve(ni + 1);
+  for (size_t j = 0; j < ni; ++j) {
+    const at::Tensor& g = slot.static_grad_inputs[j];
+    result.grads.push_back(g.defined() && is(j) ? g.clone() : at::Tensor());
+  }
+  std::vector<at::Tensor> param_grads(np);
+  bool any_param = false;
+  bool dw_pending = false;
+  for (size_t j = 0; j < np; ++j) {
+    const at::Tensor& g = slot.static_grad_inputs[ni + j];
+    if (g.defined() && is(ni + j)) {
+      param_grads[j] = g.clone();
+      any_param = true;
+    }
+    dw_pending = dw_pending || (slot.param_deferred[j] && is(ni + j));
+  }
+  if (slot.param_node) result.grads.push_back(any_param ? slot.param_token : at::Tensor());
+  if (!live.empty()) {
+    result.live.assign(callables_[ci].parameters.size(), 0);
+    for (size_t j = 0; j < np; ++j) result.live[slot.grad_param_indices[j]] = live[ni + j];
+  }
+  if (defers_[ci] && !dw_pending && slot.dw) {
+    // No backward_dw() will follow (a backward that asked for no deferred weight): what
+    // the forward and this backward wrote for the backward-dw graph is not read.
+    slot.fwd->abandon_for(*slot.dw);
+    slot.bwd->abandon_for(*slot.dw);
+  }
   const std::lock_guard<std::mutex> lock(mu_);
-  set_state(slot, defers_[slot.info.callable] && deferred_asked ? SlotState::kDwPending : SlotState::kIdle);
+  slot.param_grads = std::move(param_grads);
+  slot.dw_live = result.live;
+  set_state(slot, defers_[ci] && dw_pending ? SlotState::kDwPending : SlotState::kIdle);
+  return result;
+}
+
+std::vector<at::Tensor> GraphManager::take_param_grads(size_t s) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  Slot& slot = slots_.at(s);
+  std::vector<at::Tensor> out = std::move(slot.param_grads);
+  slot.param_grads.clear();
+  out.resize(slot.grad_param_indices.size());
   return out;
 }
 
@@ -257,11 +409,24 @@ bool GraphManager::busy(const Slot& slot) const {
   return slot.state != SlotState::kIdle || slot.graph_retained;
 }
 
+std::vector<std::shared_ptr<ops::WgradStore>> GraphManager::deferring_stores(size_t ci) const {
+  std::vector<std::shared_ptr<ops::WgradStore>> out;
+  for (const auto& m : callables_[ci].modules) {
+    if (!module_defers(m)) continue;
+    if (m.store) out.push_back(m.store);
+    for (const auto& inner : m.inner) {
+      if (inner.store && inner.defers) out.push_back(inner.store);
+    }
+  }
+  return out;
+}
+
 void GraphManager::backward_dw(size_t s) {
   check_live("backward_dw()");
   Slot& slot = slots_.at(s);
-  const std::string w = where(s);
-  DWGRAPH_CHECK_STATE(defers_[slot.info.callable], w, ".backward_dw(): it has no module with deferred weight gradients");
+  const size_t ci = slot.info.callable;
+  const std::string& w = slot.where;
+  DWGRAPH_CHECK_STATE(defers_[ci], w, ".backward_dw(): it has no module with deferred weight gradients");
   SlotState state;
   uint64_t sequence;
   {
@@ -272,24 +437,27 @@ void GraphManager::backward_dw(size_t s) {
   // FIFO (contract C1): eager units its modules queued before the graphed backward (calls
   // in a mode the graphs were not captured in) land first, as their backward_dw() would.
   bool older_eager = false;
-  for (const auto& m : callables_[slot.info.callable].modules) {
-    if (!module_defers(m) || !m.store) continue;
-    const auto oldest = m.store->oldest_sequence();
-    older_eager = older_eager || (oldest && *oldest < sequence);
+  if (ops::num_queued_units_anywhere() > 0) {
+    for (const auto& store : deferring_stores(ci)) {
+      const auto oldest = store->oldest_sequence();
+      older_eager = older_eager || (oldest && *oldest < sequence);
+    }
   }
   if (state != SlotState::kDwPending || older_eager) {
     run_eager_backward_dw(s);
     return;
   }
-  params_[slot.info.callable].check(w);
-  main_grads_[slot.info.callable].check(w);
-  slot.after_dw.check(w + ".backward_dw()");  // before anything is written
+  verify(ci, w, /*front_end=*/false);
+  const LiveMask live = slot.dw_live;
+  slot.after_dw.check(w + ".backward_dw()", live);  // before anything is written
   std::vector<const WatchedVersion*> watched;
   for (const auto& v : slot.dw_inputs) watched.push_back(&v);
   for (const auto& v : slot.dw_grads) watched.push_back(&v);
   for (const WatchedVersion* p : watched) {
     const WatchedVersion& v = *p;
     if (v.counter.current_version() == v.version) continue;
+    const std::string what = v.what;
+    const size_t index = v.index;
     slot.dw_grads.clear();
     {
       // As an eager dwgraph module drops the unit whose inputs changed: it can never land
@@ -297,8 +465,8 @@ void GraphManager::backward_dw(size_t s) {
       const std::lock_guard<std::mutex> lock(mu_);
       set_state(slot, SlotState::kIdle);
     }
-    DWGRAPH_CHECK_STATE(false, w, ".backward_dw(): ", v.what, " ", v.index, " of its ",
-                        v.what[0] == 'i' ? "call" : "backward",
+    DWGRAPH_CHECK_STATE(false, w, ".backward_dw(): ", what, " ", index, " of its ",
+                        what == "output gradient" ? "backward" : "call",
                         " was modified by an inplace operation since, but its weight gradients need the value "
                         "the graphs saw (as the eager modules, which refuse this too); that backward's weight "
                         "gradients are dropped");
@@ -309,15 +477,17 @@ void GraphManager::backward_dw(size_t s) {
     const std::lock_guard<std::mutex> lock(mu_);
     set_state(slot, SlotState::kIdle);
   }
-  slot.after_dw.land();
+  slot.after_dw.land(live);
 }
 
 void GraphManager::run_eager_backward_dw(size_t s) {
   // Units the modules queued themselves: calls that ran eagerly (a training mode the
-  // graphs were not captured in). Run them as the modules' own backward_dw() would.
+  // graphs were not captured in). Run them as the modules' own backward_dw() would: one
+  // backward's worth (as many units per module as a backward of the callable queues).
   const Slot& slot = slots_.at(s);
-  // A copy: a module's hook may reset() the graphs, which releases the callables.
+  // Copies: a module's hook may reset() the graphs, which releases the callables.
   const std::vector<ModuleSpec> modules = callables_[slot.info.callable].modules;
+  const std::vector<size_t> runs = slot.units_per_backward;
   bool any = false;
   for (const auto& m : modules) any = any || (module_defers(m) && m.store && !m.store->empty());
   SlotState state;
@@ -325,13 +495,15 @@ void GraphManager::run_eager_backward_dw(size_t s) {
     const std::lock_guard<std::mutex> lock(mu_);
     state = slot.state;
   }
-  DWGRAPH_CHECK_STATE(any, where(s), ".backward_dw(): ",
+  DWGRAPH_CHECK_STATE(any, slot.where, ".backward_dw(): ",
                       state == SlotState::kForward ? "its backward has not run yet"
                                                    : "no backward is pending (called before any backward, or twice)");
-  for (const auto& m : modules) {
+  for (size_t k = 0; k < modules.size(); ++k) {
+    const auto& m = modules[k];
     if (!module_defers(m) || !m.store || m.store->empty()) continue;
-    m.backward_dw();
-    if (m.run_hooks) m.run_hooks();
+    const size_t n = k < runs.size() ? std::max<size_t>(runs[k], 1) : 1;
+    for (size_t r = 0; r < n && !m.store->empty(); ++r) m.backward_dw();
+    if (m.run_hooks && m.store->num_hooks() > 0) m.run_hooks();
   }
 }
 
@@ -342,13 +514,10 @@ void GraphManager::abandon_activations(Slot& slot) {
 }
 
 void GraphManager::set_state(Slot& slot, SlotState next) {
-  const bool was = slot.state == SlotState::kDwPending, is = next == SlotState::kDwPending;
+  const bool is = next == SlotState::kDwPending;
   slot.state = next;
   if (is) slot.dw_sequence = ops::next_wgrad_sequence();
-  if (was == is) return;
-  for (const auto& m : callables_[slot.info.callable].modules) {
-    if (module_defers(m) && m.store) m.store->add_graph_pending(is ? 1 : -1);
-  }
+  slot.pending->store(is ? 1 : 0, std::memory_order_release);
 }
 
 void GraphManager::release_pending() {
@@ -358,9 +527,7 @@ void GraphManager::release_pending() {
   for (auto& slot : slots_) {
     if (slot.state != SlotState::kDwPending) continue;
     set_state(slot, SlotState::kIdle);
-    for (const auto& m : callables_[slot.info.callable].modules) {
-      if (module_defers(m) && m.store) m.store->add_graph_lost(1);
-    }
+    for (const auto& store : deferring_stores(slot.info.callable)) store->add_graph_lost(1);
   }
 }
 
@@ -377,6 +544,10 @@ void GraphManager::reset() {
     slot.after_backward = Landing();
     slot.dw_inputs.clear();
     slot.dw_grads.clear();
+    slot.dw_live.clear();
+    slot.param_grads.clear();
+    slot.param_node = dwgraph::detail::NodePtr();
+    slot.param_token = at::Tensor();
     slot.buffers = std::make_shared<StaticBuffers>();
     slot.static_outputs.clear();
     slot.captured_outputs.clear();
@@ -432,8 +603,7 @@ GraphedStats GraphManager::stats() const {
         {Phase::kForward, &slot.fwd}, {Phase::kBackward, &slot.bwd}, {Phase::kBackwardDw, &slot.dw}};
     for (const auto& [phase, g] : kinds) {
       if (!*g) continue;
-      st.graphs.push_back(GraphInfo{where(static_cast<size_t>(&slot - slots_.data())), to_string(phase),
-                                    (*g)->num_kernels()});
+      st.graphs.push_back(GraphInfo{slot.where, to_string(phase), (*g)->num_kernels()});
       st.num_kernels += (*g)->num_kernels();
     }
   }
@@ -444,6 +614,10 @@ GraphedStats GraphManager::stats() const {
 // ---- GraphedCallable ------------------------------------------------------------------
 
 std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor>& inputs) {
+  return manager_->call(index_, inputs);
+}
+std::optional<std::vector<at::Tensor>> GraphedCallable::replay_or_nothing(const std::vector<at::Tensor>& inputs) {
+  if (!manager_->replays(index_)) return std::nullopt;
   return manager_->call(index_, inputs);
 }
 bool GraphedCallable::replays() const { return manager_->replays(index_); }

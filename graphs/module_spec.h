@@ -43,6 +43,16 @@ struct ModuleSpec {
   // dwgraph modules: the wgrad store (queued units are stashed during capture, hooks
   // suppressed, queued units counted for the eager fallback). Null for other modules.
   std::shared_ptr<ops::WgradStore> store;
+  // Another library's module whose backward_dw() runs dwgraph modules inside it (a
+  // TransformerEngine or Megatron layer): those modules' stores (a capture stashes their
+  // units and suppresses their hooks, graphs count their pending work) and hooks (run
+  // after the hand-off, which replaces their own backward_dw() at replay).
+  struct Inner {
+    std::shared_ptr<ops::WgradStore> store;
+    std::function<void()> run_hooks;
+    bool defers = false;  // its hooks follow backward_dw() (else the end of the backward)
+  };
+  std::vector<Inner> inner;
   // Held while graphs built from the spec exist (C++ modules: the module itself).
   std::shared_ptr<void> keep_alive;
 };

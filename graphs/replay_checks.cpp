@@ -2,6 +2,7 @@
 
 #include "common/check.h"
 #include "graphs/graph.h"
+#include "graphs/state_epoch.h"
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/grad_mode.h>
@@ -12,11 +13,54 @@
 
 namespace dwgraph::graphs {
 namespace {
-std::atomic<uint64_t> g_registration_version{1};
+
+// Strides matter only along dimensions of more than one element.
+bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0) return true;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
+// [begin, end) of the bytes `t` can reach in its storage.
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  const auto begin = reinterpret_cast<uintptr_t>(t.storage().data()) +
+                     static_cast<uintptr_t>(t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize()));
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {begin, begin + static_cast<uintptr_t>((last + 1) * static_cast<int64_t>(t.dtype().itemsize()))};
+}
+
 }  // namespace
 
-uint64_t registration_version() { return g_registration_version.load(); }
-void bump_registration_version() { g_registration_version.fetch_add(1); }
+void check_distinct_memory(const std::vector<at::Tensor>& tensors, const std::vector<size_t>& among,
+                           const std::string& where, const char* what) {
+  auto shares = [&](size_t i, size_t j) {
+    const at::Tensor& a = tensors[i];
+    const at::Tensor& b = tensors[j];
+    if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0 || !a.has_storage() || !b.has_storage()) {
+      return false;
+    }
+    if (a.storage().data() != b.storage().data() && !a.storage().is_alias_of(b.storage())) return false;
+    const auto x = byte_span(a), y = byte_span(b);
+    return x.first < y.second && y.first < x.second;
+  };
+  const bool all = among.empty();
+  const size_t n = all ? tensors.size() : among.size();
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = all ? k : among[k];
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      if (j == i || (all && j < i) || !shares(i, j)) continue;
+      DWGRAPH_CHECK_ARG(false, where, ": ", what, "s ", std::min(i, j), " and ", std::max(i, j),
+                        tensors[i].is_same(tensors[j]) ? " are the same tensor" : " share memory",
+                        all ? "" : c10::str(", and the graph writes ", what, " ", i, " in place"),
+                        "; a graph copies each argument into its own static input, so a write through one would "
+                        "not reach the other as it does in eager code. Pass one tensor and take the views inside "
+                        "the callable (or pass copies)");
+    }
+  }
+}
 
 std::string describe(const at::Tensor& t) {
   if (!t.defined()) return "None";
@@ -45,22 +89,14 @@ void check_has_memory(const at::Tensor& t, const char* what) {
 }
 
 CapturedParameters::CapturedParameters(std::vector<std::string> names, std::vector<at::Tensor> params,
-                                       std::function<NamedTensors()> current, std::function<uint64_t()> version,
-                                       std::string kind)
-    : names_(std::move(names)),
-      params_(std::move(params)),
-      current_(std::move(current)),
-      version_(std::move(version)),
-      kind_(std::move(kind)) {
+                                       std::function<NamedTensors()> current, std::string kind)
+    : names_(std::move(names)), params_(std::move(params)), current_(std::move(current)), kind_(std::move(kind)) {
   TORCH_INTERNAL_ASSERT(names_.size() == params_.size());
   for (const auto& p : params_) {
     requires_grad_.push_back(p.requires_grad());
     data_.push_back(p.data_ptr());
   }
-  if (version_) {
-    verified_version_ = version_();
-    verified_ = true;
-  }
+  registrations_seen_ = registration_epoch();
 }
 
 void CapturedParameters::watch_slots(std::function<NamedTensors()> registered) {
@@ -81,12 +117,16 @@ void CapturedParameters::check(const std::string& where) const {
                         "' was reallocated since capture (its data moved); the graphs would use the old memory. "
                         "Update parameters in place, or reset() and capture again");
   }
-  if (current_ && !(version_ && verified_ && version_() == verified_version_)) check_registered(where);
+  // A registration since the last check names a replaced parameter as replaced; a tensor
+  // put into a slot without one (FSDP2) is named as that.
+  const uint64_t registrations = registration_epoch();
+  if (current_ && registrations != registrations_seen_) check_registered(where);
   check_slots(where);
+  if (current_) check_registered(where);
+  registrations_seen_ = registrations;
 }
 
 void CapturedParameters::check_registered(const std::string& where) const {
-  const uint64_t version = version_ ? version_() : 0;
   const NamedTensors now = current_();
   std::unordered_map<std::string, const void*> captured;
   for (size_t i = 0; i < params_.size(); ++i) captured.emplace(names_[i], params_[i].unsafeGetTensorImpl());
@@ -103,8 +143,6 @@ void CapturedParameters::check_registered(const std::string& where) const {
   }
   DWGRAPH_CHECK_STATE(captured.empty(), where, ": ", kind_, " '", captured.empty() ? "" : captured.begin()->first,
                       "' was removed since capture; reset() and capture again after changing the module");
-  verified_version_ = version;
-  verified_ = version_ != nullptr;
 }
 
 void CapturedParameters::check_slots(const std::string& where) const {
@@ -156,10 +194,16 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
                                             x.device() == st.device())),
                       where, ": argument ", i, " must be ", describe(st.defined() ? st.detach() : st),
                       " as at capture, got ", describe(x.defined() ? x.detach() : x));
+    DWGRAPH_CHECK_ARG(!x.defined() || same_layout(x, st), where, ": argument ", i, " has strides ", x.strides(),
+                      " but its sample had ", st.strides(), "; the graphs replay the kernels captured for the "
+                      "sample's layout, where eager code would choose kernels (and output layouts, and rounding) "
+                      "for this one. Pass it in the sample's layout (.contiguous() for a contiguous sample), or "
+                      "capture with a sample of this layout");
     DWGRAPH_CHECK_ARG(!x.defined() || !x.requires_grad() || st.requires_grad(), where, ": argument ", i,
                       " requires grad but its sample did not, so the graphs compute no gradient for it; capture "
                       "with a sample that requires grad (or detach the input)");
   }
+  if (!written_.empty()) check_distinct_memory(inputs, written_, where);
 }
 
 void StaticInputs::copy_in(const std::vector<at::Tensor>& inputs) const {

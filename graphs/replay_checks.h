@@ -18,21 +18,14 @@ namespace dwgraph::graphs {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
-// A process-wide counter the front ends move whenever any module (re)registers a
-// parameter or a submodule (Python: torch's global registration hooks). A
-// CapturedParameters with a version function asks its callable for its current
-// parameters only after the counter moved, so the common replay pays nothing for it.
-uint64_t registration_version();
-void bump_registration_version();
-
+// What a callable's graphs captured of its parameters (or buffers). Its owner decides
+// when to check (Note [Checks paid when state changes] in graphs/state_epoch.h).
 class CapturedParameters {
  public:
   CapturedParameters() = default;
-  // `current` (optional) lists the parameters the callable has now, by name; `version`
-  // (optional) says when that list may have changed (registration_version).
+  // `current` (optional) lists the parameters the callable has now, by name.
   CapturedParameters(std::vector<std::string> names, std::vector<at::Tensor> params,
-                     std::function<NamedTensors()> current = nullptr, std::function<uint64_t()> version = nullptr,
-                     std::string kind = "parameter");
+                     std::function<NamedTensors()> current = nullptr, std::string kind = "parameter");
 
   // Also compares, at every check, what `registered` lists now with what it listed here
   // (GraphableCallable::registered_parameters).
@@ -50,14 +43,12 @@ class CapturedParameters {
   std::vector<bool> requires_grad_;
   std::vector<const void*> data_;
   std::function<NamedTensors()> current_;
-  std::function<uint64_t()> version_;
   void check_registered(const std::string& where) const;  // the scan of current_
   void check_slots(const std::string& where) const;       // registered_ against slots_
   std::function<NamedTensors()> registered_;
   std::vector<std::pair<std::string, const void*>> slots_;  // what `registered_` listed at capture
   std::string kind_ = "parameter";
-  mutable uint64_t verified_version_ = 0;
-  mutable bool verified_ = false;
+  mutable uint64_t registrations_seen_ = 0;  // registration_epoch() when last checked
 };
 
 class CapturedMainGrads {
@@ -80,9 +71,11 @@ class StaticInputs {
   // requires_grad.
   explicit StaticInputs(const std::vector<at::Tensor>& samples);
   const std::vector<at::Tensor>& tensors() const { return tensors_; }
-  // ArgumentError naming the argument for a count, shape, dtype or device that differs
-  // from capture, and for an input that requires grad where the sample did not (the graph
-  // computes no gradient for it).
+  // ArgumentError naming the argument for a count, shape, strides, dtype or device that
+  // differs from capture (eager code would run other kernels, with other rounding and
+  // output layouts, for another layout), for an input that requires grad where the sample
+  // did not (the graph computes no gradient for it), and for an argument the graph writes
+  // in place that shares memory with another argument (eager's write would reach both).
   void check(const std::vector<at::Tensor>& inputs, const std::string& where) const;
   // Copies `inputs` in (skipping those already in place).
   void copy_in(const std::vector<at::Tensor>& inputs) const;
@@ -100,6 +93,13 @@ class StaticInputs {
 
 // "a float tensor of shape [2, 3] on cpu"
 std::string describe(const at::Tensor& t);
+
+// ArgumentError naming both when tensors[i] for some i in `among` (all of them when
+// `among` is empty) shares memory with another of `tensors`: a graph copies each argument
+// into its own static input, so a write through one would not reach the other, where it
+// would in eager code. `what` names one of them in the message ("tensor argument").
+void check_distinct_memory(const std::vector<at::Tensor>& tensors, const std::vector<size_t>& among,
+                           const std::string& where, const char* what = "argument");
 
 // Throws GraphStateError unless `t`'s storage holds every element it views: an owner that
 // frees a tensor's memory between uses (FSDP2's unsharded parameters) would have graphs read

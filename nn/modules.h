@@ -29,7 +29,10 @@ class DeferredWgradModule : public torch::nn::Module {
   bool need_backward_dw() const { return opts_.delay_wgrad_compute; }
   // Runs the oldest queued unit of weight-gradient work, then the hooks.
   void backward_dw();
-  void register_wgrad_hook(Hook fn) { hooks_.push_back(std::move(fn)); }
+  void register_wgrad_hook(Hook fn) {
+    hooks_.push_back(std::move(fn));
+    store_->set_num_hooks(hooks_.size());  // a graph's landing calls the hooks only when there are some
+  }
   // Runs the hooks, unless graph warmup or capture suppresses them.
   void run_wgrad_hooks();
   size_t num_queued_wgrad_units() const { return store_->num_units(); }

@@ -18,6 +18,41 @@ std::optional<at::ScalarType> autocast_gemm_dtype(c10::DeviceType device_type) {
   return at::autocast::get_autocast_dtype(device_type);
 }
 
+AutocastState AutocastState::current() {
+  AutocastState s;
+  s.cpu = at::autocast::is_autocast_enabled(at::kCPU);
+  s.cuda = at::autocast::is_autocast_enabled(at::kCUDA);
+  s.cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+  s.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+  return s;
+}
+
+std::string AutocastState::describe() const {
+  if (!cpu && !cuda) return "off";
+  // Python's names (torch.bfloat16), as the caller spells them.
+  auto name = [](at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); };
+  std::string out = "on (";
+  if (cpu) out += "cpu " + name(cpu_dtype);
+  if (cpu && cuda) out += ", ";
+  if (cuda) out += "cuda " + name(cuda_dtype);
+  return out + ")";
+}
+
+namespace {
+void apply_autocast_state(const AutocastState& s) {
+  at::autocast::set_autocast_enabled(at::kCPU, s.cpu);
+  at::autocast::set_autocast_enabled(at::kCUDA, s.cuda);
+  at::autocast::set_autocast_dtype(at::kCPU, s.cpu_dtype);
+  at::autocast::set_autocast_dtype(at::kCUDA, s.cuda_dtype);
+}
+}  // namespace
+
+AutocastStateGuard::AutocastStateGuard(const AutocastState& state) : saved_(AutocastState::current()) {
+  apply_autocast_state(state);
+}
+
+AutocastStateGuard::~AutocastStateGuard() { apply_autocast_state(saved_); }
+
 at::ScalarType autocast_operand_dtype(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
   const bool eligible = dtype && t.is_floating_point() && t.scalar_type() != at::kDouble;
   return eligible ? *dtype : t.scalar_type();

@@ -13,6 +13,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <optional>
+#include <string>
 
 namespace dwgraph::ops {
 
@@ -26,6 +27,37 @@ at::ScalarType autocast_operand_dtype(const at::Tensor& t, std::optional<at::Sca
 // `t` in `dtype` when one is given and `t` is autocast-eligible (floating, not float64),
 // else `t` itself. An ordinary aten::to: differentiable, as autocast's own casts are.
 at::Tensor autocast_operand(const at::Tensor& t, std::optional<at::ScalarType> dtype);
+
+// The calling thread's autocast state on CPU and CUDA: what a graph captured under it
+// bakes into its kernels. Dtypes count only where autocast is enabled.
+struct AutocastState {
+  bool cpu = false;
+  bool cuda = false;
+  at::ScalarType cpu_dtype = at::kBFloat16;
+  at::ScalarType cuda_dtype = at::kHalf;
+
+  static AutocastState current();
+  static AutocastState off() { return AutocastState(); }
+  bool operator==(const AutocastState& o) const {
+    return cpu == o.cpu && cuda == o.cuda && (!cpu || cpu_dtype == o.cpu_dtype) &&
+           (!cuda || cuda_dtype == o.cuda_dtype);
+  }
+  bool operator!=(const AutocastState& o) const { return !(*this == o); }
+  std::string describe() const;  // "off", "on (cpu BFloat16)"
+};
+
+// Sets the calling thread's autocast state while alive (the autograd engine carries it
+// into the backward it starts), and puts the previous one back.
+class AutocastStateGuard {
+ public:
+  explicit AutocastStateGuard(const AutocastState& state);
+  ~AutocastStateGuard();
+  AutocastStateGuard(const AutocastStateGuard&) = delete;
+  AutocastStateGuard& operator=(const AutocastStateGuard&) = delete;
+
+ private:
+  AutocastState saved_;
+};
 
 // Within its scope the GEMM ops run without their Autocast kernels: the caller has cast
 // already, or (a backward, backward_dw) keeps the forward's precision whatever autocast

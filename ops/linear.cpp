@@ -47,6 +47,28 @@ void check_input(const WgradConfig& cfg, const at::Tensor& x, const at::Tensor& 
                     w.device(), ", got ", x.device());
 }
 
+// A weight gradient that lands later (deferred, or into main_grad) lands on a leaf
+// parameter; a computed weight (torch.nn.utils.parametrize, weight_norm) must get its
+// gradient through autograd, in the main backward. Checked when a backward may follow.
+void check_leaf_parameters(const WgradConfig& cfg, const std::vector<WeightRefPtr>& weights,
+                           const std::vector<WeightRefPtr>& biases) {
+  if (!at::GradMode::is_enabled()) return;
+  auto check = [&](const WeightRef& r, bool is_weight) {
+    const bool later = cfg.delay_wgrad_compute || (is_weight && cfg.fuse_wgrad_accumulation);
+    DWGRAPH_CHECK_ARG(!later || !r.param.requires_grad() || r.param.is_leaf(), cfg.module_name, ": parameter '",
+                      r.name, "' is computed by autograd (a parametrization such as torch.nn.utils.parametrize or "
+                      "weight_norm makes it a non-leaf tensor), so its gradient must flow back through that "
+                      "computation in the main backward, but ",
+                      cfg.delay_wgrad_compute ? "delay_wgrad_compute=True defers it to backward_dw()"
+                                              : "fuse_wgrad_accumulation=True accumulates it into main_grad",
+                      ", which can only land on a leaf parameter. Build this module with delay_wgrad_compute=False "
+                      "and fuse_wgrad_accumulation=False (its gradient then flows through the parametrization), or "
+                      "remove the parametrization");
+  };
+  for (const auto& w : weights) check(*w, true);
+  for (const auto& b : biases) check(*b, false);
+}
+
 void check_fused_weights(const WgradConfig& cfg, const std::vector<WeightRefPtr>& weights) {
   if (!cfg.fuse_wgrad_accumulation) return;
   for (const auto& w : weights) {
@@ -360,6 +382,7 @@ at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightR
   const at::Tensor& wp = weight->param;
   const auto gemm_dtype = autocast_gemm_dtype(x.device().type());
   check_input(cfg, x, wp, wp.size(1), gemm_dtype);
+  check_leaf_parameters(cfg, {weight}, non_null({bias}));
   check_fused_weights(cfg, {weight});
   const at::Tensor xin = autocast_operand(x, gemm_dtype);
   at::Tensor w, x2d, y;
@@ -401,6 +424,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
                     " (", m_splits.size(), " entries summing to ", total, ")");
   DWGRAPH_CHECK_ARG(biases.empty() || biases.size() == weights.size(), cfg.module_name,
                     ": expected one bias per weight (", weights.size(), "), got ", biases.size());
+  check_leaf_parameters(cfg, weights, biases);
   check_fused_weights(cfg, weights);
   const at::Tensor xin = autocast_operand(x, gemm_dtype);
   at::Tensor y, x2d;

@@ -7,10 +7,16 @@
 
 namespace dwgraph::ops {
 
+namespace {
+std::atomic<size_t> g_queued_units{0};
+}  // namespace
+
 uint64_t next_wgrad_sequence() {
   static std::atomic<uint64_t> next{1};
   return next.fetch_add(1, std::memory_order_relaxed);
 }
+
+size_t num_queued_units_anywhere() { return g_queued_units.load(std::memory_order_acquire); }
 
 uint64_t WgradStore::new_unit_id() {
   const std::lock_guard<std::mutex> lock(mu_);
@@ -33,6 +39,7 @@ void WgradStore::push(uint64_t unit_id, const void* source, Work work, Work chec
   if (check) unit.checks.push_back(std::move(check));
   if (stale) unit.stale.push_back(std::move(stale));
   units_.push_back(std::move(unit));
+  count_units(1);
 }
 
 void WgradStore::run_oldest(const std::string& owner) {
@@ -55,7 +62,10 @@ void WgradStore::run_oldest(const std::string& owner) {
     for (auto& c : stale) c();
   } catch (...) {
     const std::lock_guard<std::mutex> lock(mu_);
-    if (!units_.empty()) units_.pop_front();  // it can never give eager's result
+    if (!units_.empty()) {
+      units_.pop_front();  // it can never give eager's result
+      count_units(-1);
+    }
     throw;
   }
   {
@@ -63,6 +73,7 @@ void WgradStore::run_oldest(const std::string& owner) {
     DWGRAPH_CHECK_STATE(!units_.empty(), owner, ".backward_dw(): its queued unit was taken by another thread");
     unit = std::move(units_.front());
     units_.pop_front();
+    count_units(-1);
   }
   // Outside the lock: the work may run user code (hooks of distributed weights).
   for (auto& w : unit.work) w();
@@ -88,13 +99,12 @@ size_t WgradStore::num_units() const {
   return units_.size();
 }
 
-void WgradStore::add_graph_pending(int delta) {
+void WgradStore::add_pending_source(const std::shared_ptr<PendingFlag>& flag) {
   const std::lock_guard<std::mutex> lock(mu_);
-  if (delta < 0 && graph_pending_ < static_cast<size_t>(-delta)) {
-    graph_pending_ = 0;
-  } else {
-    graph_pending_ = static_cast<size_t>(static_cast<int64_t>(graph_pending_) + delta);
-  }
+  pending_sources_.erase(std::remove_if(pending_sources_.begin(), pending_sources_.end(),
+                                        [](const std::weak_ptr<PendingFlag>& w) { return w.expired(); }),
+                         pending_sources_.end());
+  pending_sources_.push_back(flag);
 }
 
 void WgradStore::add_graph_lost(size_t n) {
@@ -109,8 +119,32 @@ size_t WgradStore::num_graph_lost() const {
 
 size_t WgradStore::num_graph_pending() const {
   const std::lock_guard<std::mutex> lock(mu_);
-  return graph_pending_;
+  size_t n = 0;
+  for (const auto& w : pending_sources_) {
+    if (auto flag = w.lock()) n += static_cast<size_t>(std::max(flag->load(std::memory_order_acquire), 0));
+  }
+  return n;
 }
+
+std::optional<uint64_t> WgradStore::oldest_unit_id() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  if (units_.empty()) return std::nullopt;
+  return units_.front().id;
+}
+
+uint64_t WgradStore::peek_next_unit_id() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return next_id_;
+}
+
+void WgradStore::set_num_hooks(size_t n) { num_hooks_.store(n, std::memory_order_release); }
+size_t WgradStore::num_hooks() const { return num_hooks_.load(std::memory_order_acquire); }
+
+void WgradStore::count_units(std::ptrdiff_t delta) {
+  g_queued_units.fetch_add(static_cast<size_t>(delta), std::memory_order_acq_rel);
+}
+
+WgradStore::~WgradStore() { count_units(-static_cast<std::ptrdiff_t>(units_.size())); }
 
 std::optional<uint64_t> WgradStore::oldest_sequence() const {
   const std::lock_guard<std::mutex> lock(mu_);
@@ -122,6 +156,7 @@ std::unique_ptr<WgradStore::Stash> WgradStore::take_queued() {
   auto stash = std::make_unique<Stash>();
   const std::lock_guard<std::mutex> lock(mu_);
   stash->units.swap(units_);
+  count_units(-static_cast<std::ptrdiff_t>(stash->units.size()));
   stash->consumed.swap(consumed_);
   stash->retain_consumed = retain_consumed_;
   return stash;
@@ -133,9 +168,11 @@ void WgradStore::restore_queued(std::unique_ptr<Stash> stash) {
   {
     const std::lock_guard<std::mutex> lock(mu_);
     drop_units.swap(units_);
+    count_units(-static_cast<std::ptrdiff_t>(drop_units.size()));
     drop_consumed.swap(consumed_);
     if (stash) {
       units_.swap(stash->units);
+      count_units(static_cast<std::ptrdiff_t>(units_.size()));
       consumed_.swap(stash->consumed);
       retain_consumed_ = stash->retain_consumed;
     }
@@ -161,6 +198,7 @@ bool WgradStore::hooks_suppressed() const {
 
 void WgradStore::clear() {
   const std::lock_guard<std::mutex> lock(mu_);
+  count_units(-static_cast<std::ptrdiff_t>(units_.size()));
   units_.clear();
   consumed_.clear();
   graph_lost_ = 0;
@@ -174,6 +212,7 @@ WgradUnits WgradStore::take_after(size_t keep) {
     taken.units_.insert(taken.units_.begin(),
                         WgradUnits::Taken{std::move(u.work), std::move(u.checks), std::move(u.stale)});
     units_.pop_back();
+    count_units(-1);
   }
   return taken;
 }

@@ -7,6 +7,8 @@
 // two GEMMs of LayerNormMLP), so each backward_dw() runs exactly one backward's worth, the
 // oldest, as in TransformerEngine.
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -24,9 +26,23 @@ class WgradUnits;
 // order in which backward_dw() calls must land them.
 uint64_t next_wgrad_sequence();
 
+// Units queued in every store of the process (not counting graphs' pending work): when 0,
+// no eager unit can be older than a graphed backward, and the FIFO check costs nothing.
+size_t num_queued_units_anywhere();
+
+// One graphed slot's pending backward-dw (0 or 1), shared by the stores of the modules
+// whose work it holds: the slot flips it in O(1) whatever the number of modules, and each
+// store reads it when asked how much is pending.
+using PendingFlag = std::atomic<int>;
+
 class WgradStore {
  public:
   using Work = std::function<void()>;
+
+  WgradStore() = default;
+  ~WgradStore();
+  WgradStore(const WgradStore&) = delete;
+  WgradStore& operator=(const WgradStore&) = delete;
 
   // A fresh unit id; a module takes one per forward call and tags its work with it.
   uint64_t new_unit_id();
@@ -48,9 +64,11 @@ class WgradStore {
 
   size_t num_units() const;
   // Backwards whose work waits in graphs instead (a graphed callable replayed their
-  // backward, its backward_dw() is pending); the graph manager keeps the count. With
-  // num_units() it is everything that must land before an optimizer step.
-  void add_graph_pending(int delta);
+  // backward, its backward_dw() is pending): the sum of the flags of the graphed slots
+  // that hold this module's work (add_pending_source, once per slot at capture; dead
+  // flags are dropped). With num_units() it is everything that must land before an
+  // optimizer step.
+  void add_pending_source(const std::shared_ptr<PendingFlag>& flag);
   size_t num_graph_pending() const;
   // Graphed backwards whose graphs were released (reset(), the graphed callable dropped)
   // before their backward_dw(): their weight gradients never land. Counted as pending so an
@@ -62,6 +80,11 @@ class WgradStore {
   // process (next_wgrad_sequence()); nullopt when nothing is queued. FIFO across eager
   // units and graphed backwards of one module (contract C1) compares these.
   std::optional<uint64_t> oldest_sequence() const;
+  // The id of the oldest queued unit (nullopt when none), and the id the next forward
+  // will take: units with ids in [a, b) were queued by the backward of forwards made
+  // between two peeks.
+  std::optional<uint64_t> oldest_unit_id() const;
+  uint64_t peek_next_unit_id() const;
   // While on, run_oldest keeps each consumed unit (and the tensors its closures hold)
   // instead of dropping it, until release_consumed(). The graph manager uses it so the
   // memory a captured backward-dw graph reads stays allocated until every backward-dw
@@ -92,6 +115,10 @@ class WgradStore {
   // warmup and capture of graphs are not training steps.
   void suppress_hooks(bool on);
   bool hooks_suppressed() const;
+  // How many wgrad hooks the module has (its front end keeps it current): a landing calls
+  // into the module's hooks only when it has some.
+  void set_num_hooks(size_t n);
+  size_t num_hooks() const;
 
  private:
   struct Unit {
@@ -102,13 +129,17 @@ class WgradStore {
     std::vector<Work> checks;
     std::vector<Work> stale;
   };
+  // Keeps num_queued_units_anywhere() in step with units_ (called with mu_ held).
+  static void count_units(std::ptrdiff_t delta);
+
   mutable std::mutex mu_;
   std::deque<Unit> units_;
   std::vector<Unit> consumed_;
   bool retain_consumed_ = false;
   uint64_t next_id_ = 1;
   int hooks_suppressed_ = 0;
-  size_t graph_pending_ = 0;
+  std::atomic<size_t> num_hooks_{0};
+  mutable std::vector<std::weak_ptr<PendingFlag>> pending_sources_;
   size_t graph_lost_ = 0;
   std::string graph_owner_;
 

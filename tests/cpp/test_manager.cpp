@@ -7,6 +7,7 @@
 #include "common/check.h"
 #include "graphs/manager.h"
 #include "nn/modules.h"
+#include "ops/autocast.h"
 
 
 using dwgraph::nn::DeferredOptions;
@@ -122,5 +123,104 @@ TEST_CASE("make_graphed_callables (C++): a replaced child module is refused, nev
     FAIL("no error");
   } catch (const dwgraph::GraphStateError& e) {
     CHECK_THAT(e.what_without_backtrace(), Catch::Contains("parameter 'lin.weight' was replaced"));
+  }
+}
+
+namespace {
+
+std::vector<std::shared_ptr<dwgraph::GraphedCallable>> graph_one(std::shared_ptr<torch::nn::Module> root,
+                                                                  std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> fwd,
+                                                                  const std::vector<at::Tensor>& samples) {
+  return dwgraph::make_graphed_callables({dwgraph::nn::graphable("root", std::move(root), std::move(fwd))}, {samples});
+}
+
+}  // namespace
+
+TEST_CASE("make_graphed_callables (C++): a module used twice lands both units, as eager", "[manager][cpu]") {
+  // Eager queues one unit per use of the module; the backward-dw graph runs both, each
+  // into its own contribution handed over in turn, so the sums round as eager's.
+  at::manual_seed(33);
+  DeferredOptions o;
+  o.delay_wgrad_compute = true;
+  auto lin = std::make_shared<dwgraph::nn::Linear>(8, 8, o);
+  auto twin = std::make_shared<dwgraph::nn::Linear>(8, 8, o);
+  {
+    const at::NoGradGuard no_grad;
+    twin->weight.copy_(lin->weight);
+    twin->bias.copy_(lin->bias);
+  }
+  auto twice = [](dwgraph::nn::Linear* m) {
+    return [m](const std::vector<at::Tensor>& x) { return std::vector<at::Tensor>{m->forward(at::tanh(m->forward(x[0])))}; };
+  };
+  auto g = graph_one(lin, twice(lin.get()), {at::randn({4, 8})});
+  for (int step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    const auto x = at::randn({4, 8});
+    (*g[0])({x})[0].square().sum().backward();
+    g[0]->backward_dw();
+    twice(twin.get())({x})[0].square().sum().backward();
+    REQUIRE(twin->num_queued_wgrad_units() == 2);
+    twin->backward_dw();
+    twin->backward_dw();
+    CHECK(at::equal(lin->weight.grad(), twin->weight.grad()));
+    CHECK(at::equal(lin->bias.grad(), twin->bias.grad()));
+    CHECK(lin->num_queued_wgrad_units() == 0);
+  }
+}
+
+TEST_CASE("make_graphed_callables (C++): the same checks as Python at the call", "[manager][cpu]") {
+  // The core decides, so the C++ API refuses what Python refuses: arguments in another
+  // layout, arguments sharing memory where the forward writes one in place, another
+  // autocast state than the capture's.
+  auto root = std::make_shared<torch::nn::Module>();
+  auto writes = [](const std::vector<at::Tensor>& x) {
+    x[0].mul_(2);
+    return std::vector<at::Tensor>{x[0] + x[1]};
+  };
+  auto g = graph_one(root, writes, {at::randn({4, 8}), at::randn({4, 8})});
+  const auto a = at::randn({4, 8});
+  try {
+    (void)(*g[0])({a, a});
+    FAIL("no error");
+  } catch (const dwgraph::ArgumentError& e) {
+    CHECK_THAT(e.what_without_backtrace(), Catch::Contains("arguments 0 and 1 are the same tensor, and the graph "
+                                                           "writes argument 0 in place"));
+  }
+  try {
+    (void)(*g[0])({at::randn({8, 4}).t(), at::randn({4, 8})});
+    FAIL("no error");
+  } catch (const dwgraph::ArgumentError& e) {
+    CHECK_THAT(e.what_without_backtrace(), Catch::Contains("argument 0 has strides [1, 4] but its sample had [8, 1]"));
+  }
+  {
+    const dwgraph::ops::AutocastStateGuard autocast([] {
+      auto s = dwgraph::ops::AutocastState::current();
+      s.cpu = true;
+      return s;
+    }());
+    CHECK_THROWS_AS((*g[0])({at::randn({4, 8}), at::randn({4, 8})}), dwgraph::ArgumentError);
+  }
+  const auto b = at::randn({4, 8}), c = at::randn({4, 8});
+  const auto expect = b * 2 + c;
+  CHECK(at::equal((*g[0])({b.clone(), c})[0], expect));
+}
+
+TEST_CASE("make_graphed_callables (C++): outputs the loss does not use give no gradient", "[manager][cpu]") {
+  // Note [What a backward asked for]: a parameter only an unused output reaches keeps
+  // .grad undefined and queues nothing, as eager.
+  DeferredOptions o;
+  o.delay_wgrad_compute = true;
+  auto root = std::make_shared<torch::nn::Module>();
+  auto a = root->register_module("a", std::make_shared<dwgraph::nn::Linear>(8, 8, o));
+  auto b = root->register_module("b", std::make_shared<dwgraph::nn::Linear>(8, 4, o));
+  auto g = graph_one(root, [a, b](const std::vector<at::Tensor>& x) { return std::vector<at::Tensor>{a->forward(x[0]), b->forward(x[0])}; },
+                     {at::randn({4, 8})});
+  for (int step = 0; step < 2; ++step) {
+    const auto outs = (*g[0])({at::randn({4, 8})});
+    outs[0].sum().backward();
+    g[0]->backward_dw();
+    CHECK(a->weight.grad().defined());
+    CHECK_FALSE(b->weight.grad().defined());
+    CHECK_FALSE(b->bias.grad().defined());
   }
 }

@@ -41,10 +41,17 @@ def _reference_module(m: torch.nn.Module) -> Optional[torch.nn.Module]:
 def torch_reference(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of `model` with every dwgraph.nn module replaced by plain torch.nn."""
     holder = torch.nn.ModuleDict({"root": copy.deepcopy(model)})
+    made: Dict[int, torch.nn.Module] = {}  # a module used twice stays one module
 
     def convert(parent: torch.nn.Module) -> None:
-        for name, child in list(parent.named_children()):
-            ref = _reference_module(child)
+        for name, child in list(parent._modules.items()):  # every slot, a shared module in each
+            if child is None:
+                continue
+            ref = made.get(id(child))
+            if ref is None:
+                ref = _reference_module(child)
+                if ref is not None:
+                    made[id(child)] = ref
             if ref is not None:
                 setattr(parent, name, ref)
             else:

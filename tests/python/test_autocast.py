@@ -224,3 +224,108 @@ def test_graphed_step_with_dwgraph_modules_under_autocast_is_exact():
         assert torch.equal(step(x), body(e, oe, x)), f"call {i}: loss"
         for (n, p), q in zip(m.named_parameters(), e.parameters()):
             assert torch.equal(p, q), f"call {i}: {n}"
+
+
+class _Router(torch.nn.Module):
+    """An MoE-style router: a projection under autocast, then an FP32 region
+    (autocast(enabled=False)) whose matmuls eager's backward runs in FP32 when
+    loss.backward() is called outside the autocast region and in BF16 inside it."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.proj = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, device=device)
+        self.gate = torch.nn.Linear(H, 4, device=device)
+
+    def forward(self, x):
+        h = self.proj(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = self.gate(h.float())
+        return h, torch.softmax(logits, -1)
+
+
+def _router_loss(h, r):
+    return h.float().square().sum() + (r * torch.arange(4.0, device=r.device)).sum()
+
+
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward_outside", "backward_inside"])
+def test_backward_graph_runs_in_the_autocast_state_of_the_backward(backward_inside, device):
+    # Note [Autocast in the backward]: captured as the backward will run (outside the
+    # region by default, inside with backward_under_autocast=True), bitwise eager; a
+    # backward started in the other state is refused before anything is written.
+    torch.manual_seed(7)
+    m = _Router(device)
+    eager, ref = copy.deepcopy(m), copy.deepcopy(m)
+    region = dict(device_type=device, dtype=torch.bfloat16, cache_enabled=False)
+    with torch.autocast(**region):
+        g = dwgraph.make_graphed_callables(m, (torch.randn(B, H, device=device, requires_grad=True),),
+                                           backward_under_autocast=backward_inside)
+    for step in range(3):
+        x = torch.randn(B, H, device=device, requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        with torch.autocast(**region):
+            out, oute = g(x), eager(xe)
+            if backward_inside:
+                _router_loss(*out).backward()
+                _router_loss(*oute).backward()
+        if not backward_inside:
+            _router_loss(*out).backward()
+            _router_loss(*oute).backward()
+        g.backward_dw()
+        eager.proj.backward_dw()
+        assert torch.equal(x.grad, xe.grad), f"step {step}: input gradient"
+        assert_same_as_eager(m, eager, f"step {step}")
+    # The FP32 region's gradient really depends on where the backward runs: the other
+    # state gives other bits, which a graph captured for one state would replay for both.
+    inside, outside = copy.deepcopy(ref), copy.deepcopy(ref)
+    x = torch.randn(B, H, device=device)
+    with torch.autocast(**region):
+        _router_loss(*inside(x)).backward()
+        loss = _router_loss(*outside(x))
+    loss.backward()
+    assert not torch.equal(inside.gate.weight.grad, outside.gate.weight.grad)
+    # A backward in the other state is refused, naming the way out.
+    with torch.autocast(**region):
+        out = g(torch.randn(B, H, device=device))
+    before = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    with pytest.raises(dwgraph.GraphStateError, match="backward_under_autocast=True" if not backward_inside
+                       else "outside the autocast region|inside the autocast region"):
+        if backward_inside:
+            _router_loss(*out).backward()
+        else:
+            with torch.autocast(**region):
+                _router_loss(*out).backward()
+    for n, p in m.named_parameters():
+        if n in before:
+            assert torch.equal(p.grad, before[n]), f"{n} written by a refused backward"
+
+
+def test_multihead_attention_graphed_under_autocast_is_exact():
+    # nn.MultiheadAttention (its math path runs FP32 pieces): graphed under autocast with
+    # the backward outside it, as in the natural loop.
+    torch.manual_seed(8)
+
+    class SelfAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(H, 2, batch_first=True)
+            self.out = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+
+        def forward(self, x):
+            return self.out(self.attn(x, x, x, need_weights=False)[0])
+
+    m = SelfAttention()
+    eager = copy.deepcopy(m)
+    region = dict(device_type="cpu", dtype=torch.bfloat16, cache_enabled=False)
+    with torch.autocast(**region):
+        g = dwgraph.make_graphed_callables(m, (torch.randn(2, 5, H, requires_grad=True),))
+    for step in range(3):
+        x = torch.randn(2, 5, H, requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        with torch.autocast(**region):
+            y, ye = g(x), eager(xe)
+        y.float().square().sum().backward()
+        ye.float().square().sum().backward()
+        g.backward_dw()
+        eager.out.backward_dw()
+        assert torch.equal(x.grad, xe.grad), f"step {step}: input gradient"
+        assert_same_as_eager(m, eager, f"step {step}")

@@ -33,6 +33,7 @@ require the burst to reuse freed ``.grad`` memory (a CPU-allocator property).
 
 from __future__ import annotations
 
+import copy
 import gc
 from typing import Callable, List
 
@@ -373,6 +374,81 @@ def test_foreign_deferred_module_is_graphed(device, bias):
         assert_same_grads(gm, em, f"step {step}")
         gm.zero_grad(set_to_none=True)
         em.zero_grad(set_to_none=True)
+
+
+class _Layer(torch.nn.Module):
+    """A TransformerEngine / Megatron-style layer: dwgraph modules inside, and a
+    backward_dw() of its own that runs theirs (as a TransformerLayer does)."""
+
+    def __init__(self, fused: bool, fail_after: int = -1):
+        super().__init__()
+        flags = dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+        self.fc1 = dwgraph.nn.Linear(HIDDEN, 2 * HIDDEN, **flags)
+        self.fc2 = dwgraph.nn.Linear(2 * HIDDEN, HIDDEN, **flags)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.fail_after = fail_after  # raise in the n-th backward_dw() (a broken layer)
+        self.calls = 0
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+    def need_backward_dw(self) -> bool:
+        return True
+
+    def backward_dw(self) -> None:
+        self.calls += 1
+        self.fc2.backward_dw()
+        if self.calls == self.fail_after:
+            raise KeyError("a layer's backward_dw failed")
+        self.fc1.backward_dw()
+
+
+def _layer_grads(m):
+    return [p.main_grad if hasattr(p, "main_grad") else p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("where", ["root", "inside_sequential"])
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+def test_a_layer_with_its_own_backward_dw(where, fused):
+    # Passed as the callable itself (as TE users pass a TransformerLayer) or inside a
+    # container: bitwise eager; a wgrad hook on one of its dwgraph children runs once per
+    # backward_dw() at replay (after the hand-off), never during the capture.
+    torch.manual_seed(SEED)
+    layer = _Layer(fused)
+    model = layer if where == "root" else torch.nn.Sequential(layer, torch.nn.Linear(HIDDEN, HIDDEN))
+    eager = copy.deepcopy(model)
+    elayer = eager if where == "root" else eager[0]
+    seen = {"graphed": [], "eager": []}
+    layer.fc1.register_wgrad_hook(lambda m: seen["graphed"].append(m.weight.grad is not None or fused))
+    elayer.fc1.register_wgrad_hook(lambda m: seen["eager"].append(m.weight.grad is not None or fused))
+    g = dwgraph.make_graphed_callables(model, (torch.randn(ROWS, HIDDEN, requires_grad=True),))
+    assert seen["graphed"] == [] and layer.fc1.num_pending_wgrad_units() == 0
+    for step in range(3):
+        x = torch.randn(ROWS, HIDDEN)
+        g(x).square().sum().backward()
+        g.backward_dw()
+        eager(x).square().sum().backward()
+        elayer.backward_dw()
+        for a, b in zip(_layer_grads(model), _layer_grads(eager)):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"step {step}"
+        assert seen["graphed"] == seen["eager"] == [True] * (step + 1), f"step {step}: hooks"
+        assert layer.fc1.num_pending_wgrad_units() == layer.fc2.num_pending_wgrad_units() == 0
+
+
+def test_a_capture_failing_inside_a_layer_backward_dw_leaves_nothing_queued():
+    # The warmup's backward_dw() of the layer raises after its first child landed: the
+    # original exception surfaces, and no unit stays queued in either child.
+    torch.manual_seed(SEED)
+    layer = _Layer(fused=False, fail_after=2)
+    with pytest.raises(KeyError, match="a layer's backward_dw failed"):
+        dwgraph.make_graphed_callables(layer, (torch.randn(ROWS, HIDDEN),))
+    assert layer.fc1.num_queued_wgrad_units() == layer.fc2.num_queued_wgrad_units() == 0
+    assert all(p.grad is None for p in layer.parameters())
+    layer.fail_after = -1
+    g = dwgraph.make_graphed_callables(layer, (torch.randn(ROWS, HIDDEN),))  # can be retried
+    g(torch.randn(ROWS, HIDDEN)).sum().backward()
+    g.backward_dw()
+    assert layer.fc1.weight.grad is not None
 
 
 # ---------------------------------------------------------------------------- (f) errors

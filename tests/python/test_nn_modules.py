@@ -407,3 +407,43 @@ def test_frozen_parameters_queue_only_the_remaining_work(frozen):
         lin.backward_dw()
         assert torch.allclose(lin.bias.grad, g.sum(0)) and lin.weight.grad is None
     assert torch.equal(x.grad, g @ lin.weight)
+
+
+_H = 8
+
+
+class _Scaled(torch.nn.Module):
+    def forward(self, w):
+        return 2.0 * w
+
+
+@pytest.mark.parametrize("flags", [dict(delay_wgrad_compute=True), dict(fuse_wgrad_accumulation=True)],
+                         ids=["deferred", "fused"])
+def test_a_parametrized_weight_cannot_be_deferred(flags):
+    # torch.nn.utils.parametrize (weight_norm too) makes the weight a non-leaf computed from
+    # `original`: its gradient must flow back through that computation in the main
+    # backward, so a deferred or fused weight gradient (which lands on a leaf) is refused,
+    # in eager code and at capture; without deferral it trains as torch.nn.Linear does.
+    lin = dwgraph.nn.Linear(_H, 4, **flags)
+    torch.nn.utils.parametrize.register_parametrization(lin, "weight", _Scaled())
+    with pytest.raises(dwgraph.ArgumentError, match=r"parameter 'weight' is computed by autograd"):
+        lin(torch.randn(3, _H))
+    with pytest.raises(dwgraph.ArgumentError, match=r"parameter 'weight' is computed by autograd"):
+        dwgraph.make_graphed_callables(lin, (torch.randn(3, _H),))
+    assert lin.parametrizations.weight.original.grad is None
+    if not flags.get("fuse_wgrad_accumulation"):  # (a fused module wants its main_grad even then)
+        with torch.no_grad():
+            assert lin(torch.randn(3, _H)).shape == (3, 4)  # inference needs no gradient
+
+
+def test_a_parametrized_weight_trains_without_deferral():
+    torch.manual_seed(3)
+    lin = dwgraph.nn.Linear(_H, 4)
+    ref = torch.nn.Linear(_H, 4)
+    ref.load_state_dict(lin.state_dict())
+    for m in (lin, ref):
+        torch.nn.utils.parametrize.register_parametrization(m, "weight", _Scaled())
+    x = torch.randn(3, _H)
+    lin(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert torch.equal(lin.parametrizations.weight.original.grad, ref.parametrizations.weight.original.grad)

@@ -126,3 +126,178 @@ def test_tensor_requiring_grad_outside_inputs_and_parameters_is_refused():
     with pytest.raises(dwgraph.ArgumentError, match="neither (one of )?its inputs nor (a|its) parameter"):
         lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
         dwgraph.make_graphed_callables(lambda x: lin(x), (torch.randn(B, H),))  # a plain function's closure
+
+
+def _all_units(model: torch.nn.Module) -> None:
+    """Eager's backward_dw() for every unit queued (a module used twice queues two)."""
+    for m in model.modules():
+        while getattr(m, "delay_wgrad_compute", False) and m.num_queued_wgrad_units() > 0:
+            m.backward_dw()
+
+
+def _zero(model: torch.nn.Module, mode: str) -> None:
+    """zero_grad in either mode; main_grad, the caller's persistent buffer, in place."""
+    if mode == "none":
+        model.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        if mode != "none" and p.grad is not None:
+            p.grad.zero_()
+        if hasattr(p, "main_grad"):
+            p.main_grad.zero_()
+
+
+@pytest.mark.parametrize("kind", ["linear", "layernorm_mlp"])
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("zero", ["none", "zero"])
+def test_a_deferred_module_used_twice_in_one_callable(kind, fused, zero):
+    # Eager queues one unit per use; the backward-dw graph runs both, each into its own
+    # contribution, handed over in turn (eager adds them to .grad one by one).
+    torch.manual_seed(21)
+    flags = dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+    shared = dwgraph.nn.Linear(H, H, **flags) if kind == "linear" else dwgraph.nn.LayerNormMLP(H, 2 * H, **flags)
+    model = torch.nn.Sequential(shared, torch.nn.GELU(), shared, dwgraph.nn.Linear(H, H, **flags))
+    eager, ref = copy.deepcopy(model), torch_reference(model)
+    assert eager[0] is eager[2] and ref[0] is ref[2]
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
+    for step in range(3):
+        for m in (model, eager, ref):
+            _zero(m, zero if step else "none")
+        x = torch.randn(B, H)
+        g(x).square().sum().backward()
+        g.backward_dw()
+        eager(x).square().sum().backward()
+        assert eager[0].num_queued_wgrad_units() == 2
+        _all_units(eager)
+        ref(x).square().sum().backward()
+        assert shared.num_pending_wgrad_units() == 0 and model[3].num_pending_wgrad_units() == 0
+        assert_same_as_eager(model, eager, f"step {step}")
+        assert_close_to_reference(model, ref, f"step {step}")
+
+
+class _TwoHeads(torch.nn.Module):
+    """A trunk and two heads (an auxiliary head, an MoE branch): the loss may use either."""
+
+    def __init__(self, fused: bool, plain_head: bool):
+        super().__init__()
+        flags = dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+        self.trunk = dwgraph.nn.Linear(H, H, **flags)
+        self.main = dwgraph.nn.LayerNormMLP(H, 2 * H, **flags)
+        self.aux = torch.nn.Linear(H, 4) if plain_head else dwgraph.nn.Linear(H, 4, **flags)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.main(h), self.aux(h)
+
+
+@pytest.mark.parametrize("used", ["main", "aux", "both"])
+@pytest.mark.parametrize("plain_head", [False, True], ids=["deferred_head", "plain_head"])
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+def test_outputs_the_loss_does_not_use_give_no_gradient(used, plain_head, fused):
+    # Note [What a backward asked for]: eager leaves the parameters only an unused output
+    # reaches at .grad = None (so the optimizer skips them) and runs no hook for a module
+    # whose backward did not run; so do the graphs.
+    torch.manual_seed(22)
+    model = _TwoHeads(fused, plain_head)
+    eager, ref = copy.deepcopy(model), torch_reference(model)
+    hooks = {"graphed": [], "eager": []}
+    for which, m in (("graphed", model), ("eager", eager)):
+        for name in ("trunk", "main", "aux"):
+            sub = getattr(m, name)
+            if isinstance(sub, dwgraph.nn.Linear) or isinstance(sub, dwgraph.nn.LayerNormMLP):
+                sub.register_wgrad_hook(lambda mod, which=which, name=name: hooks[which].append(name))
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
+    assert not hooks["graphed"]
+
+    def loss(outs):
+        main, aux = outs
+        return {"main": main.square().sum(), "aux": aux.square().sum(),
+                "both": main.square().sum() + aux.square().sum()}[used]
+
+    for step in range(3):
+        x = torch.randn(B, H)
+        loss(g(x)).backward()
+        g.backward_dw()
+        loss(eager(x)).backward()
+        _all_units(eager)
+        loss(ref(x)).backward()
+        assert_same_as_eager(model, eager, f"step {step}")
+        assert_close_to_reference(model, ref, f"step {step}")
+        assert hooks["graphed"] == hooks["eager"], f"step {step}: wgrad hooks"
+        unused = {"main": "aux", "aux": "main"}.get(used)
+        if unused is not None and not fused:
+            assert all(p.grad is None for p in getattr(model, unused).parameters()), f"{unused} got a gradient"
+        if unused is not None:
+            for p in getattr(model, unused).parameters():
+                assert getattr(p, "grad_added_to_main_grad", None) is None
+
+
+def _stack(plain: bool = False, fused: bool = False):
+    torch.manual_seed(23)
+    flags = dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+    last = torch.nn.Linear(H, H) if plain else dwgraph.nn.Linear(H, H, **flags)
+    return torch.nn.Sequential(dwgraph.nn.Linear(H, H, **flags), torch.nn.Tanh(), dwgraph.nn.LayerNormMLP(H, 2 * H, **flags),
+                               last)
+
+
+_ASKED = {
+    "w_last": lambda m, x: [m[3].weight],
+    "w_first": lambda m, x: [m[0].weight],
+    "input_and_mlp": lambda m, x: [x, m[2].fc1_weight, m[2].fc2_bias],
+    "input": lambda m, x: [x],
+}
+
+
+@pytest.mark.parametrize("asked", list(_ASKED))
+@pytest.mark.parametrize("api", ["backward_inputs", "autograd_grad"])
+@pytest.mark.parametrize("plain", [False, True], ids=["deferred_last", "plain_last"])
+def test_partial_backwards_land_only_what_they_ask_for(asked, api, plain):
+    # loss.backward(inputs=...) and torch.autograd.grad(loss, ...): eager gives gradients,
+    # and queues weight work, only for what is asked; so does the graphed backward_dw().
+    model = _stack(plain)
+    eager = copy.deepcopy(model)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
+    for step in range(3):
+        x = torch.randn(B, H, requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        results = []
+        for m, call, inp in ((model, g, x), (eager, eager, xe)):
+            targets = _ASKED[asked](m, inp)
+            loss = call(inp).square().sum()
+            if api == "backward_inputs":
+                loss.backward(inputs=targets)
+                results.append([t.grad for t in targets])
+            else:
+                results.append(list(torch.autograd.grad(loss, targets, allow_unused=True)))
+        g.backward_dw() if model[0].num_pending_wgrad_units() or model[2].num_pending_wgrad_units() \
+            or getattr(model[3], "delay_wgrad_compute", False) and model[3].num_pending_wgrad_units() else None
+        _all_units(eager)
+        for a, b in zip(*results):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"step {step}: returned gradients"
+        assert_same_as_eager(model, eager, f"step {step}")
+        for m in model:
+            assert getattr(m, "num_pending_wgrad_units", lambda: 0)() == 0
+        x.grad = xe.grad = None
+
+
+def test_partial_backward_that_skips_a_fused_parameter_is_refused():
+    # The graphs accumulate main_grad whatever is asked; eager skips what is not asked.
+    model = _stack(fused=True)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
+    before = {n: p.main_grad.clone() for n, p in model.named_parameters() if hasattr(p, "main_grad")}
+    with pytest.raises(dwgraph.GraphStateError, match="main_grad"):
+        g(torch.randn(B, H)).square().sum().backward(inputs=[model[0].weight])
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p.main_grad, before[n]), f"{n}: main_grad written by a refused backward"
+    assert model[0].num_pending_wgrad_units() == 0
+    # Asking for all fused weights is exact again.
+    eager = copy.deepcopy(model)
+    fused = [p for p in model.parameters() if hasattr(p, "main_grad")]
+    x = torch.randn(B, H)
+    g(x).square().sum().backward(inputs=fused + [model[0].bias, model[2].fc1_bias, model[2].fc2_bias, model[3].bias])
+    g.backward_dw()
+    efused = [p for p in eager.parameters() if hasattr(p, "main_grad")]
+    eager(x).square().sum().backward(inputs=efused + [eager[0].bias, eager[2].fc1_bias, eager[2].fc2_bias,
+                                                       eager[3].bias])
+    _all_units(eager)
+    assert_same_as_eager(model, eager, "all fused asked")

@@ -18,28 +18,11 @@ from .step import GraphedStep, graphed_step
 __version__ = _C.version()
 
 
-def _registration_hook(table: str):
-    def hook(module, name, _value):
-        # A parameter, buffer or submodule (re)registered anywhere: graphed callables
-        # re-check, at their next call, that their module still holds what they captured;
-        # graphed steps ask whether a tensor they train was displaced (step._displaced).
-        old = getattr(module, table, {}).get(name)
-        if isinstance(old, torch.nn.Module):
-            for t in list(old.parameters()) + list(old.buffers()):
-                _step_module._note_displaced(t)
-        elif isinstance(old, torch.Tensor):
-            _step_module._note_displaced(old)
-        _C.graphs.bump_registration_version()
-
-    return hook
-
-
+from . import _watch  # noqa: E402
 from . import step as _step_module  # noqa: E402
 
+_watch.install()  # Note [Checks paid when state changes]: the graphs hear of every change they check
 _step_module._install_rng_watch()  # both graph entry points refuse a random draw after a reseed
-torch.nn.modules.module.register_module_parameter_registration_hook(_registration_hook("_parameters"))
-torch.nn.modules.module.register_module_module_registration_hook(_registration_hook("_modules"))
-torch.nn.modules.module.register_module_buffer_registration_hook(_registration_hook("_buffers"))
 
 
 def cuda_built() -> bool:

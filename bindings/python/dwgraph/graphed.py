@@ -16,213 +16,25 @@ turns pytrees into the flat tensor lists it works on.
 from __future__ import annotations
 
 import copy
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C, _guards
-from .errors import ArgumentError, GraphStateError
+from . import _C, _guards, _spec, _watch
+from .errors import ArgumentError
 from .graphs import RefuseHostReads
 
 __all__ = ["make_graphed_callables", "GraphedCallable", "graphed_handle", "summary"]
 
-_UNSET = object()
-_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
 _CAPTURE_TIME_HOOK_NAMES = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
 
-
-# -- describing modules to the core ----------------------------------------------------------
-def _is_dwgraph_module(m) -> bool:
-    from .nn import _DeferredWgradModule
-
-    return isinstance(m, _DeferredWgradModule)
-
-
-def _flag_accessors(param: torch.Tensor):
-    def get():
-        return param.__dict__.get("grad_added_to_main_grad")
-
-    def set_(value):
-        if value is None:
-            param.__dict__.pop("grad_added_to_main_grad", None)
-        else:
-            param.grad_added_to_main_grad = value
-
-    return get, set_
-
-
-def _main_grad_of(param: torch.Tensor, name: str) -> torch.Tensor:
-    mg = getattr(param, "main_grad", None)
-    if mg is None:
-        raise GraphStateError(f"dwgraph: parameter '{name}' has no main_grad any more; the graphs accumulate its "
-                              "weight gradient into the main_grad they captured. Zero it in place instead of "
-                              "deleting it, or reset() and capture again")
-    return mg
-
-
-def _weak(module: torch.nn.Module, freed: Optional[Callable[[], Exception]] = None):
-    """A function returning `module` while it lives, raising `freed()` (default: a
-    GraphStateError naming it) after. Note [Graphs hold their modules weakly]: the core
-    keeps the functions it is given; a strong reference from there to the module would
-    close the cycle module -> its graphed forward -> graphs -> module through C++, where
-    the garbage collector cannot see it, and a dropped graphed model would never be freed.
-    The module owns its graphs, so it outlives every call that asks."""
-    ref = weakref.ref(module)
-    name = type(module).__name__
-    if freed is None:
-        freed = lambda: GraphStateError(  # noqa: E731
-            f"dwgraph: the graphed module ('{name}') was freed while its graphs were in use")
-
-    def get():
-        m = ref()
-        if m is None:
-            raise freed()
-        return m
-
-    return get
-
-
-def _dwgraph_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
-    mod = _weak(module)  # Note [Graphs hold their modules weakly]
-    info = _C.graphs.DwgraphModuleInfo()
-    info.name = name
-    info.display_name = module._display_name()
-    info.store = module._wgrad_store
-    info.delay_wgrad_compute = module.delay_wgrad_compute
-    info.fuse_wgrad_accumulation = module.fuse_wgrad_accumulation
-    named = list(module.named_parameters(recurse=False))
-    info.parameter_names = [n for n, _ in named]
-    info.parameters = [p for _, p in named]
-    info.run_hooks = lambda: mod()._run_wgrad_hooks()
-    info.main_grad = lambda n: _main_grad_of(getattr(mod(), n), n)
-    info.get_flag = lambda n: _flag_accessors(getattr(mod(), n))[0]()
-    info.set_flag = lambda n, v: _flag_accessors(getattr(mod(), n))[1](v)
-    return _C.graphs.dwgraph_module_spec(info)
-
-
-def _foreign_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
-    # Another library's module with backward_dw()/need_backward_dw() (TransformerEngine's):
-    # its backward_dw runs its own hooks; weights with main_grad under
-    # fuse_wgrad_accumulation accumulate there, every other trainable parameter may land in
-    # .grad in backward_dw.
-    spec = _C.graphs.ModuleSpec()
-    spec.name = name or type(module).__name__
-    spec.defers = bool(module.need_backward_dw())
-    mod = _weak(module)  # Note [Graphs hold their modules weakly]
-    spec.backward_dw = lambda: mod().backward_dw()
-    fusing = bool(getattr(module, "fuse_wgrad_accumulation", False))
-    deferred, fused = [], []
-    for n, p in module.named_parameters():
-        qualified = f"{name}.{n}" if name else n
-        if fusing and hasattr(p, "main_grad"):
-            f = _C.graphs.FusedParameter()
-            f.name, f.param = qualified, p
-            f.main_grad = lambda p=p, q=qualified: _main_grad_of(p, q)
-            f.get_flag, f.set_flag = _flag_accessors(p)
-            fused.append(f)
-        else:
-            deferred.append((qualified, p))
-    spec.deferred_names = [n for n, _ in deferred]
-    spec.deferred = [p for _, p in deferred]
-    spec.fused = fused
-    return spec
-
-
-def _module_specs(module: torch.nn.Module) -> list:
-    specs, covered = [], []
-    for name, sub in module.named_modules():
-        if any(name.startswith(c + ".") for c in covered):
-            continue  # inside another library's deferring module: its backward_dw covers it
-        if _is_dwgraph_module(sub):
-            specs.append(_dwgraph_module_spec(name, sub))
-        elif callable(getattr(sub, "backward_dw", None)) and callable(getattr(sub, "need_backward_dw", None)):
-            spec = _foreign_module_spec(name, sub)
-            if spec.defers:
-                specs.append(spec)
-                covered.append(name)
-    return specs
-
-
-def around_calls(fn):
-    """Marks a module hook as one that belongs around every call of the module, replays
-    included (dwgraph's own: FullyShardReducer attaching main_grad); returns ``fn``."""
-    fn._dwgraph_around_calls = True
-    return fn
-
-
-def _runs_around_calls(hook) -> bool:
-    """A hook on the graphed module itself that must run around each replay, not inside
-    the captured region: FSDP2's (it unshards the parameters the graphs read into storage
-    it keeps, and reshards after) and the ones marked with around_calls()."""
-    if getattr(hook, "_dwgraph_around_calls", False):
-        return True
-    owner = getattr(hook, "__self__", None)
-    return type(owner).__name__ == "FSDPState" and type(owner).__module__.startswith("torch.distributed.fsdp")
-
-
-def _first_hook(module: torch.nn.Module, include_self: bool):
-    """(where, what) of the first module or parameter hook inside `module`, or None."""
-    for name, sub in module.named_modules():
-        if not name and not include_self:
-            continue
-        for kind in _HOOK_KINDS:
-            hooks = getattr(sub, kind, None) or {}
-            if any(name or not _runs_around_calls(h) for h in hooks.values()):
-                return ("itself" if not name else repr(name)), kind[1:].replace("_", " ")
-    for name, p in module.named_parameters():
-        if getattr(p, "_backward_hooks", None):
-            return f"parameter {name!r}", "tensor hooks (register_hook)"
-    return None
-
-
-def _user_global_hooks():
-    """(kind, hook) of every global module hook (register_module_*_hook) that is not
-    dwgraph's own (graphed_step's per-call pre-hook, a no-op on other threads)."""
-    return [(kind, h) for kind in _GLOBAL_HOOKS for h in (getattr(torch.nn.modules.module, kind, None) or {}).values()
-            if not getattr(h, "_dwgraph_internal", False)]
-
-
-def _user_global_hook_kind():
-    """The first kind of user global module hook, or None."""
-    hooks = _user_global_hooks()
-    return hooks[0][0] if hooks else None
-
-
-def _refuse_hooks(index: int, module: torch.nn.Module) -> None:
-    """Hooks present at capture would run inside the captured region and never at replay."""
-    hook = _first_hook(module, include_self=True)
-    if hook is not None:
-        raise ArgumentError(
-            f"dwgraph.make_graphed_callables: module {index} ('{type(module).__name__}') has {hook[1]} registered "
-            f"on {hook[0]}; they would run during capture and never at replay. Register module hooks after "
-            "make_graphed_callables on the module itself (they then run around each replay), or pass capture-time "
-            "hooks with capture_time_hooks=")
-    kind = _user_global_hook_kind()
-    if kind is not None:
-        raise ArgumentError(
-            f"dwgraph.make_graphed_callables: global module {kind[8:].replace('_', ' ')} are registered "
-            "(torch.nn.modules.module.register_module_*_hook); they would run during capture and never at "
-            "replay. Remove them while capturing")
-    for name, buf in module.named_buffers():
-        if buf.requires_grad:
-            raise ArgumentError(
-                f"dwgraph.make_graphed_callables: buffer '{name}' of module {index} requires grad; only parameters "
-                "may be trainable (a buffer's gradient would not be handed to anyone)")
-
-
-def _refuse_autocast_cache(api: str, what: str, fix: str) -> None:
-    """The autocast weight cache keeps cast weights across calls; a graph would read them
-    after autocast frees them. Shared by make_graphed_callables and graphed_step."""
-    for device_type in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
-            raise ArgumentError(
-                f"{api}: {what} under torch.autocast('{device_type}') with the autocast weight cache enabled; the "
-                f"cache keeps cast weights from outside the graph, which the graph would read after autocast frees "
-                f"them. {fix}")
+# Kept for code that imported them from here (graphed_step); _spec is their home.
+_HOOK_KINDS = _spec.HOOK_KINDS
+_user_global_hooks = _spec.user_global_hooks
+_refuse_autocast_cache = _spec.refuse_autocast_cache
+_dwgraph_module_spec = _spec.dwgraph_module_spec
+around_calls = _spec.around_calls
 
 
 # -- pytrees --------------------------------------------------------------------------------
@@ -240,6 +52,7 @@ class _Signature:
                                    isinstance(tree[1], dict) and not tree[1] and
                                    all(isinstance(a, torch.Tensor) for a in tree[0]))
         self.single_tensor = isinstance(tree, torch.Tensor)
+        self.num_leaves = len(leaves)
 
     @staticmethod
     def tensors_of(tree) -> List[torch.Tensor]:
@@ -271,62 +84,41 @@ class GraphedCallable:
     over. In the sequential schedule each graphed module carries one as
     ``module.dwgraph_graphed`` (see :func:`graphed_handle`)."""
 
-    def __init__(self, native, target, forward: Callable, in_sig: "_Signature", out_sig: Dict[str, Any],
-                 autocast):
+    def __init__(self, native, target, forward: Callable, in_sig: "_Signature", out_sig: Dict[str, Any]):
         self._native = native
         self.module = target
         self._forward = forward
         self._in_sig = in_sig
         self._out = out_sig
-        self._autocast = autocast
         is_module = isinstance(target, torch.nn.Module)
-        self._dw_modules = [m for m in target.modules() if _is_dwgraph_module(m)] if is_module else []
-        self._tree = [id(m) for m in target.modules()] if is_module else []
-        self._tree_version = _C.graphs.registration_version()
-
-    def _check_call(self) -> None:
-        """What a replay would silently ignore: refused, naming it."""
-        now = _autocast_state()
-        if now != self._autocast:
-            raise ArgumentError(
-                f"graphed {self._native.name}: called with autocast {_describe_autocast(now)}, captured with "
-                f"{_describe_autocast(self._autocast)}; a graph replays the kernels of its capture. Call it under the "
-                "autocast state it was captured in (or capture it in this one)")
-        if not isinstance(self.module, torch.nn.Module):
-            return
-        hook = _first_hook(self.module, include_self=False)
-        if hook is None and _user_global_hook_kind() is not None:
-            hook = ("every submodule (global)", _user_global_hook_kind()[8:].replace("_", " "))
-        if hook is not None:
-            raise ArgumentError(
-                f"graphed {self._native.name}: {hook[1]} registered on {hook[0]} after capture would not run: the "
-                "graphs replay the forward and backward as captured. Register hooks on the graphed module itself, or "
-                "remove them (or capture again)")
-        version = _C.graphs.registration_version()
-        if version != self._tree_version:
-            if [id(m) for m in self.module.modules()] != self._tree:
-                raise _submodules_changed(self._native.name)
-            self._tree_version = version
+        self._dw_modules = [m for m in target.modules() if _spec.is_dwgraph_module(m)] if is_module else []
 
     def __call__(self, *args, **kwargs):
+        # Contract C10: O(1) host work here; the core decides replay or eager and runs its
+        # checks only when something they watch changed (Note [Checks paid when state
+        # changes]).
         _guards.check_data_parallel(self._dw_modules)  # a replay runs no module forward
-        if not self._native.replays():
-            return self._forward(*args, **kwargs)  # a mode the graphs were not captured in
-        self._check_call()
-        out_sig = self._out["sig"]
-        if (self._in_sig.positional_tensors and not kwargs and len(args) == len(self._in_sig.is_tensor) and
+        in_sig = self._in_sig
+        if (in_sig.positional_tensors and not kwargs and len(args) == in_sig.num_leaves and
                 all(isinstance(a, torch.Tensor) for a in args)):
             outs = self._native(list(args))
+            if outs is None:
+                return self._forward(*args, **kwargs)  # a mode the graphs were not captured in
+            out_sig = self._out["sig"]
             return outs[0] if out_sig.single_tensor else out_sig.rebuild(outs)
         sig = _Signature((args, kwargs))
-        if not sig.matches(self._in_sig):
+        if not sig.matches(in_sig):
+            if not self._native.replays():
+                return self._forward(*args, **kwargs)
             raise ArgumentError(
                 f"graphed {self._native.name}: the arguments must have the structure and non-tensor values of the "
                 f"sample arguments (the graphs bake them in); got {sig.spec} with constants "
-                f"{[c for c, t in zip(sig.constants, sig.is_tensor) if not t]}, captured {self._in_sig.spec} with "
-                f"{[c for c, t in zip(self._in_sig.constants, self._in_sig.is_tensor) if not t]}")
+                f"{[c for c, t in zip(sig.constants, sig.is_tensor) if not t]}, captured {in_sig.spec} with "
+                f"{[c for c, t in zip(in_sig.constants, in_sig.is_tensor) if not t]}")
         outs = self._native(_Signature.tensors_of((args, kwargs)))
-        return out_sig.rebuild(outs)
+        if outs is None:
+            return self._forward(*args, **kwargs)
+        return self._out["sig"].rebuild(outs)
 
     def backward_dw(self) -> None:
         self._native.backward_dw()
@@ -354,15 +146,6 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return f"GraphedCallable(slot {self._native.index}: {self._native.name})"
-
-
-def _autocast_state():
-    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-
-
-def _describe_autocast(state) -> str:
-    on = [f"{d} {dtype}" for d, (enabled, dtype) in zip(("cpu", "cuda"), state) if enabled]
-    return "on (" + ", ".join(on) + ")" if on else "off"
 
 
 def graphed_handle(obj) -> GraphedCallable:
@@ -452,6 +235,7 @@ def make_graphed_callables(
     capture_time_hooks: Optional[Sequence[Optional[Dict[str, Dict]]]] = None,
     reuse_static_buffers: bool = False,
     clone_outputs: bool = True,
+    backward_under_autocast: bool = False,
     _order: Optional[Sequence[float]] = None,
     _num_layers_per_chunk: Optional[Sequence[int]] = None,
     _reuse_graph_input_output_buffers: Optional[bool] = None,
@@ -484,6 +268,10 @@ def make_graphed_callables(
     ``clone_outputs`` (default): outputs are fresh tensors the caller owns; ``False`` returns
     the graphs' static outputs, overwritten by the slot's next call (torch's and
     TransformerEngine's behaviour, one copy per output per call cheaper).
+    ``backward_under_autocast``: the backward graphs are captured with autocast off, as
+    the natural loop (forward under ``torch.autocast``, ``loss.backward()`` outside it) runs
+    them; ``True`` captures them in the forward's autocast state, for a loop that calls the
+    backward inside the region. A backward in the other state is refused.
 
     ``_unsafe_capture_with_caller_grad`` is for tests only: it captures backward-dw with
     the caller's ``.grad`` in place and skips the hand-off (the unfixed hazard).
@@ -550,17 +338,17 @@ def make_graphed_callables(
             modules, schedule, in_sigs, flat_args, hooks, num_warmup_iters=num_warmup_iters,
             allow_unused_input=allow_unused_input, pool=pool, retain_graph_in_backward=retain_graph_in_backward,
             reuse_static_buffers=reuse_static_buffers, clone_outputs=clone_outputs,
+            backward_under_autocast=bool(backward_under_autocast),
             unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
     except BaseException:
         for m, saved in zip(modules, previous):
             if saved:
                 m.__dict__.update(saved)
         raise
-    autocast = _autocast_state()
     handles = []
     for native in natives:
         c = native.callable_index
-        handles.append(GraphedCallable(native, modules[c], forwards[c], in_sigs[c], out_sigs[c], autocast))
+        handles.append(GraphedCallable(native, modules[c], forwards[c], in_sigs[c], out_sigs[c]))
     if order is not None:
         return tuple(handles)
     out = []
@@ -573,46 +361,27 @@ def make_graphed_callables(
     return out[0] if single else tuple(out)
 
 
-def _submodules_changed(name: str) -> GraphStateError:
-    return GraphStateError(f"graphed {name}: a submodule was added, removed or replaced since capture; the graphs "
-                           "would keep running the captured one. Capture again")
+def _state_checker(module: torch.nn.Module, name: str):
+    """What the core asks when the state epoch moved (Note [Checks paid when state
+    changes]): hooks registered after capture inside the module or globally would not run
+    at replay, and a changed module tree would keep running the captured one."""
+    mod = _spec.weak(module)
+    tree = [id(m) for m in module.modules()]
 
+    def check(where: str) -> None:
+        m = mod()
+        hook = _spec.first_hook(m, include_self=False)
+        if hook is None and _spec.user_global_hook_kind() is not None:
+            hook = ("every submodule (global)", _spec.user_global_hook_kind()[8:].replace("_", " "))
+        if hook is not None:
+            raise ArgumentError(
+                f"{where}: {hook[1]} registered on {hook[0]} after capture would not run: the graphs replay the "
+                "forward and backward as captured. Register hooks on the graphed module itself, or remove them "
+                "(or capture again)")
+        if [id(sub) for sub in m.modules()] != tree:
+            raise _spec.submodules_changed(name)
 
-def _call_mode_reader(module: torch.nn.Module):
-    """What a call's kernels depend on besides its tensors, as a string the core compares
-    with the capture's (a call in another mode runs eagerly): every module's training flag,
-    and the grad_dtype of dwgraph modules' parameters, which their forward reads to choose
-    the weight-gradient GEMM's output dtype (FSDP2 under a mixed-precision policy switches it
-    between microbatches). The tree is read once here (a changed tree is refused at the call
-    by _check_call); modules are held weakly (Note [Graphs hold their modules weakly])."""
-    name = type(module).__name__
-    modules = [_weak(m, lambda: _submodules_changed(name)) for m in module.modules()]
-    dw = [(get, n) for get, m in zip(modules, module.modules()) if _is_dwgraph_module(m)
-          for n, _ in m.named_parameters(recurse=False)]
-
-    def read() -> str:
-        flags = "".join("1" if get().training else "0" for get in modules)
-        dtypes = []
-        for get, n in dw:
-            p = getattr(get(), n)
-            g = getattr(p, "grad_dtype", None)
-            dtypes.append("." if g is None or g == p.dtype else str(g))
-        return flags + "|" + ",".join(dtypes)
-
-    return read
-
-
-def _slot_reader(module: torch.nn.Module):
-    """What every parameter slot of `module`'s tree holds, read at each call without a
-    traversal (FSDP2 swaps parameters straight into module._parameters)."""
-    slots = [(f"{name}.{n}" if name else n, sub._parameters, n)
-             for name, sub in module.named_modules(remove_duplicate=False)
-             for n, p in sub._parameters.items() if p is not None]
-
-    def read():
-        return [(q, d[n]) for q, d, n in slots if d.get(n) is not None]
-
-    return read
+    return check
 
 
 def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
@@ -620,12 +389,12 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
     for i, module in enumerate(modules):
         is_module = isinstance(module, torch.nn.Module)
         if is_module:
-            _refuse_hooks(i, module)
+            _spec.refuse_hooks(i, module)
         # The module's own forward; hooks of the module itself run around the replays, as
         # around eager calls.
         forward = module.forward if is_module else module
         out_sig: Dict[str, Any] = {}
-        mod = _weak(module) if is_module else None  # Note [Graphs hold their modules weakly]
+        mod = _spec.weak(module) if is_module else None  # Note [Graphs hold their modules weakly]
         if mod is not None and getattr(forward, "__self__", None) is module and hasattr(forward, "__func__"):
             call = (lambda f, mod: lambda *a, **k: f(mod(), *a, **k))(forward.__func__, mod)
         else:
@@ -652,14 +421,16 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
             spec.parameters = [p for _, p in named]
             spec.parameter_names = [n for n, _ in named]
             spec.current_parameters = lambda mod=mod: list(mod().named_parameters())
-            spec.parameters_version = _C.graphs.registration_version
-            spec.registered_parameters = _slot_reader(module)
-            spec.modules = _module_specs(module)
+            spec.modules = _spec.module_specs(module)
             named_buffers = list(module.named_buffers())
             spec.buffers = [b for _, b in named_buffers]
             spec.buffer_names = [n for n, _ in named_buffers]
             spec.current_buffers = lambda mod=mod: list(mod().named_buffers())
-            spec.training_mode = _call_mode_reader(module)
+            spec.training_mode = _spec.call_mode_reader(module)
+            spec.check_state = _state_checker(module, spec.name)
+            # Note [Checks paid when state changes]: watched trees are checked when they change.
+            spec.state_watched = _watch.watch_module_tree(module)
+            spec.registered_parameters = _spec.slot_reader(module)
         h = hooks[i]
         if any(h.values()):
             def capture_time_hook(phase: str, after: bool, h=h, target=mod or (lambda module=module: module)):

@@ -76,6 +76,42 @@ class _StepContext(threading.local):
 _step_context = _StepContext()
 
 
+class _WgradHooks(collections.OrderedDict):
+    """A module's wgrad hooks (register_wgrad_hook, removed through their handles). Its
+    store knows how many there are: a graph's hand-off calls into a module's hooks only
+    when it has some."""
+
+    def __init__(self, store=None):
+        super().__init__()
+        self.store = store
+
+    def _count(self) -> None:
+        if self.store is not None:
+            self.store.set_num_hooks(len(self))
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._count()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._count()
+
+    def pop(self, *args):
+        out = super().pop(*args)
+        self._count()
+        return out
+
+    def popitem(self, *args):
+        out = super().popitem(*args)
+        self._count()
+        return out
+
+    def clear(self):
+        super().clear()
+        self._count()
+
+
 class _DeferredWgradModule(torch.nn.Module):
     """What the three modules share: the wgrad store, backward_dw, hooks, main_grad."""
 
@@ -85,7 +121,7 @@ class _DeferredWgradModule(torch.nn.Module):
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self._wgrad_store = _C.nn.WgradStore()
         # OrderedDict: RemovableHandle keeps a weak reference to it (a dict cannot have one).
-        self._wgrad_hooks: Dict[int, Callable] = collections.OrderedDict()
+        self._wgrad_hooks: Dict[int, Callable] = _WgradHooks(self._wgrad_store)
         # The parameter objects the last forward used: backward_dw() lands on those.
         self._forward_params: Dict[str, torch.Tensor] = {}
         _guards.track_module(self)
@@ -257,7 +293,17 @@ class _DeferredWgradModule(torch.nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self._link_hooks()
         _guards.track_module(self)  # a copy (pickle, torch.load) is guarded like the original
+
+    def _link_hooks(self) -> None:
+        hooks = self.__dict__.get("_wgrad_hooks")
+        if not isinstance(hooks, _WgradHooks):
+            hooks = _WgradHooks(self._wgrad_store)
+            hooks.update(self.__dict__.get("_wgrad_hooks") or {})
+            self.__dict__["_wgrad_hooks"] = hooks
+        hooks.store = self._wgrad_store
+        hooks._count()
 
     def __deepcopy__(self, memo):
         new = self.__class__.__new__(self.__class__)
@@ -268,6 +314,7 @@ class _DeferredWgradModule(torch.nn.Module):
         for name, p in self.named_parameters(recurse=False):
             if getattr(p, "main_grad", None) is not None:
                 getattr(new, name).main_grad = copy.deepcopy(p.main_grad, memo)
+        new._link_hooks()
         _guards.track_module(new)
         return new
 

@@ -1,0 +1,238 @@
+"""Process-wide instrumentation of torch that dwgraph's graphs rely on.
+
+Note [Checks paid when state changes] (graphs/state_epoch.h, contract C10): a graphed
+call refuses a parameter replaced, reallocated, frozen or unfrozen since capture, a hook or
+submodule added, a module switched to eval, a swapped main_grad (C7, C8). Instead of
+looking at the module tree at every call, the core keeps one state epoch and runs a
+callable's full checks only after the epoch moved. This module moves it on every change
+those checks can see:
+
+* torch's global registration hooks: a parameter, buffer or submodule registered anywhere;
+* ``torch.nn.Module.__setattr__``: a module's ``training`` flag changing (``train()``,
+  ``eval()``, a direct assignment) and dwgraph's module flags;
+* ``Module._apply`` (``.to()``, ``.half()``, ...), ``torch.utils.swap_tensors``, and
+  ``Parameter.requires_grad_`` / ``set_``;
+* torch's global module hook dicts, replaced by watching dicts;
+* per graphed module tree (:func:`watch_module_tree`): every submodule's parameter,
+  buffer, child and hook dicts become watching dicts (a direct ``_parameters[name] = t``,
+  as FSDP2 and ``torch.func.functional_call`` do, is seen too), and the parameters' types
+  get the setter watch of ``dwgraph._C`` (``.data``, ``.requires_grad``, ``.grad_dtype``,
+  ``.main_grad`` assignments).
+
+A tree that cannot be watched (a parameter type with its own ``__setattr__``) is checked
+at every call instead. What is not seen: writes into a module's ``__dict__`` by hand and
+changes made from C++; docs/memory-contract.md lists them.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+import weakref
+
+import torch
+
+from . import _C
+
+__all__ = ["install", "watch_module_tree", "changed", "was_displaced"]
+
+changed = _C.graphs.bump_state_epoch  # the one way anything here says "state moved"
+
+# Tensors a module stopped holding (replaced by a registration), held weakly: a graphed
+# step that trains one must capture again.
+_displaced: "dict[int, weakref.ref]" = {}
+
+
+def _note_displaced(t: torch.Tensor) -> None:
+    key = id(t)
+    _displaced[key] = weakref.ref(t, lambda _r, key=key: _displaced.pop(key, None))
+
+
+def was_displaced(t: torch.Tensor) -> bool:
+    """True when a registration replaced `t` in some module since it was made."""
+    r = _displaced.get(id(t))
+    return r is not None and r() is t
+
+
+def _watching(base):
+    """A subclass of dict type `base` whose mutations move the state epoch. Pickles and
+    copies as a plain `base` (a copy is not graphed)."""
+
+    class Watched(base):
+        __slots__ = ()
+
+        def __setitem__(self, key, value):
+            changed()
+            base.__setitem__(self, key, value)
+
+        def __delitem__(self, key):
+            changed()
+            base.__delitem__(self, key)
+
+        def pop(self, *args):
+            changed()
+            return base.pop(self, *args)
+
+        def popitem(self, *args):
+            changed()
+            return base.popitem(self, *args)
+
+        def clear(self):
+            changed()
+            base.clear(self)
+
+        def update(self, *args, **kwargs):
+            changed()
+            base.update(self, *args, **kwargs)
+
+        def setdefault(self, key, default=None):
+            if key not in self:
+                changed()
+            return base.setdefault(self, key, default)
+
+        def __ior__(self, other):
+            changed()
+            return base.__ior__(self, other)
+
+        def __reduce_ex__(self, protocol):
+            return base, (list(self.items()),)
+
+    Watched.__name__ = Watched.__qualname__ = f"Watched{base.__name__}"
+    return Watched
+
+
+WatchedDict = _watching(dict)
+WatchedOrderedDict = _watching(collections.OrderedDict)
+if not hasattr(WatchedDict, "__weakref__"):  # RemovableHandle keeps a weak reference to hook dicts
+    WatchedDict = type("WatchedDict", (WatchedDict,), {"__slots__": ("__weakref__",)})
+
+# The per-module dicts a graph's checks depend on: what the module holds and which hooks run.
+_STATE_DICTS = ("_parameters", "_buffers", "_modules")
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_hooks_with_kwargs",
+                      "_global_forward_hooks_always_called", "_global_forward_pre_hooks",
+                      "_global_backward_hooks", "_global_backward_pre_hooks")
+# Module attributes whose change changes what a graph would have captured.
+_MODE_ATTRIBUTES = frozenset(("training", "delay_wgrad_compute", "fuse_wgrad_accumulation"))
+
+_lock = threading.Lock()
+_installed = False
+_global_hooks_watched = False
+
+
+def _watched_copy(d):
+    cls = WatchedOrderedDict if isinstance(d, collections.OrderedDict) else WatchedDict
+    return d if isinstance(d, (WatchedDict, WatchedOrderedDict)) else cls(d)
+
+
+def _replace_if_safe(owner_dict: dict, name: str) -> bool:
+    """Puts a watching copy of owner_dict[name] in its place. Only an empty dict is
+    replaced: a RemovableHandle made earlier keeps a reference to the dict it registered
+    into, and removing its hook must still reach the dict that is used."""
+    d = owner_dict.get(name)
+    if d is None:
+        return True
+    if isinstance(d, (WatchedDict, WatchedOrderedDict)):
+        return True
+    if name in _STATE_DICTS or not d:
+        owner_dict[name] = _watched_copy(d)
+        return True
+    return False
+
+
+def global_hooks_watched() -> bool:
+    """True when torch's global module hook dicts are watching dicts (they were empty when
+    dwgraph was imported); otherwise graphed calls look at them at every call."""
+    return _global_hooks_watched
+
+
+def _after(fn, what=None):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            changed()
+
+    wrapper._dwgraph_watch = True
+    return wrapper
+
+
+def _on_parameters(fn):
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if isinstance(self, torch.nn.Parameter):
+            changed()
+        return fn(self, *args, **kwargs)
+
+    wrapper._dwgraph_watch = True
+    return wrapper
+
+
+def install() -> None:
+    """Once per process (import dwgraph)."""
+    global _installed, _global_hooks_watched
+    with _lock:
+        if _installed:
+            return
+        module_mod = torch.nn.modules.module
+        Module = torch.nn.Module
+
+        def registration_hook(table):
+            def hook(module, name, _value):
+                old = getattr(module, table, {}).get(name)
+                if isinstance(old, torch.nn.Module):
+                    for t in list(old.parameters()) + list(old.buffers()):
+                        _note_displaced(t)
+                elif isinstance(old, torch.Tensor):
+                    _note_displaced(old)
+                _C.graphs.bump_registration_epoch()
+
+            return hook
+
+        module_mod.register_module_parameter_registration_hook(registration_hook("_parameters"))
+        module_mod.register_module_module_registration_hook(registration_hook("_modules"))
+        module_mod.register_module_buffer_registration_hook(registration_hook("_buffers"))
+
+        setattr_ = Module.__setattr__
+
+        def __setattr__(self, name, value):
+            if name in _MODE_ATTRIBUTES and self.__dict__.get(name, value) is not value:
+                changed()
+            setattr_(self, name, value)
+
+        __setattr__._dwgraph_watch = True
+        functools.update_wrapper(__setattr__, setattr_)
+        Module.__setattr__ = __setattr__
+        Module._apply = _after(Module._apply)
+        torch.utils.swap_tensors = _after(torch.utils.swap_tensors)
+        for name in ("requires_grad_", "set_"):
+            setattr(torch.nn.Parameter, name, _after(getattr(torch.Tensor, name)))
+        # A tensor hook on a parameter (its AccumulateGrad runs it): graphed callables
+        # whose graphs hold the parameter look at their hooks again.
+        for name in ("register_hook", "register_post_accumulate_grad_hook"):
+            fn = getattr(torch.Tensor, name, None)
+            if fn is not None:
+                setattr(torch.Tensor, name, _on_parameters(fn))
+        _global_hooks_watched = all(_replace_if_safe(vars(module_mod), n) for n in _GLOBAL_HOOK_DICTS
+                                    if n in vars(module_mod))
+        _installed = True
+
+
+def watch_module_tree(module: torch.nn.Module) -> bool:
+    """Makes every change of `module`'s tree that a graph's checks read move the state
+    epoch. False when some of it cannot be watched (its graphed calls then check at every
+    call)."""
+    ok = _global_hooks_watched
+    for sub in module.modules():
+        d = sub.__dict__
+        for name in _STATE_DICTS:
+            ok = _replace_if_safe(d, name) and ok
+        if sub is not module:  # the graphed module's own hooks run around its replays
+            for name in _HOOK_DICTS:
+                ok = _replace_if_safe(d, name) and ok
+    for p in module.parameters():
+        ok = bool(_C.graphs.watch_parameter_setters(type(p))) and ok
+    return ok
