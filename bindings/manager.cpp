@@ -9,6 +9,7 @@
 #include "graphs/graphed_step.h"
 #include "graphs/manager.h"
 #include "graphs/recorder.h"
+#include "graphs/phase_timing.h"
 #include "graphs/state_epoch.h"
 
 #include <pybind11/functional.h>
@@ -83,6 +84,22 @@ void init_manager(py::module_& parent) {
   // True while the calling thread (or, on CUDA, its current stream) is inside a capture.
   m.def("capturing", [] { return graphs::detail::this_thread_records(); });
   m.def("note_reseed", &graphs::detail::note_reseed);
+  // The overhead benchmark's clock (graphs/phase_timing.h).
+  m.def("set_phase_timing", &set_phase_timing, py::arg("on"));
+  m.def("phase_totals", [] {
+    py::dict d;
+    const std::pair<const char*, TimedPhase> phases[] = {
+        {"call", TimedPhase::kCall}, {"backward", TimedPhase::kBackward}, {"backward_dw", TimedPhase::kBackwardDw}};
+    for (const auto& [name, phase] : phases) {
+      const PhaseTotals t = phase_totals(phase);
+      py::dict e;
+      e["count"] = t.count;
+      e["replay_s"] = static_cast<double>(t.replay_ns) * 1e-9;
+      e["copy_s"] = static_cast<double>(t.copy_ns) * 1e-9;
+      d[name] = e;
+    }
+    return d;
+  });
   m.def(
       "check_distinct_memory",
       [](const std::vector<at::Tensor>& tensors, const std::string& where, const std::string& what) {

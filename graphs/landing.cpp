@@ -1,6 +1,7 @@
 #include "graphs/landing.h"
 
 #include "common/check.h"
+#include "graphs/phase_timing.h"
 
 #include <ATen/core/grad_mode.h>
 
@@ -19,8 +20,10 @@ void Landing::check(const std::string& where, const LiveMask& live) const {
   }
 }
 
-void Landing::land(const LiveMask& live) const {
+void Landing::land(const LiveMask& live, bool timed) const {
+  uint64_t copy_ns = 0;
   {
+    const ScopedNs t(timed ? &copy_ns : nullptr);
     const at::NoGradGuard no_grad;
     for (const auto& c : contributions) {
       if (!is_live(live, c.param_index)) continue;
@@ -34,6 +37,7 @@ void Landing::land(const LiveMask& live) const {
       }
     }
   }
+  if (timed) add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
   for (const auto& f : flags) {
     if (is_live(live, f.param_index)) f.set();
   }

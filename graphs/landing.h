@@ -63,8 +63,9 @@ struct Landing {
   // ArgumentError, before anything is written, when an existing .grad has another dtype,
   // shape or device than its contribution (never a silent cast). `where` prefixes messages.
   void check(const std::string& where, const LiveMask& live = {}) const;
-  // Hand-off, flags, hooks, for the live parameters.
-  void land(const LiveMask& live = {}) const;
+  // Hand-off, flags, hooks, for the live parameters. `timed`: the hand-off's copies count
+  // as backward_dw()'s copies in graphs/phase_timing.h.
+  void land(const LiveMask& live = {}, bool timed = false) const;
   bool empty() const { return contributions.empty() && flags.empty() && hooks.empty(); }
 };
 

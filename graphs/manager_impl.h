@@ -75,6 +75,7 @@
 #include "graphs/caller_state.h"
 #include "graphs/landing.h"
 #include "graphs/manager.h"
+#include "graphs/phase_timing.h"
 #include "ops/autocast.h"
 
 #include <atomic>
@@ -132,10 +133,15 @@ struct Slot {
   std::vector<uint8_t> reached;
   std::vector<at::Tensor> static_grad_inputs;
   std::unique_ptr<Graph> fwd, bwd, dw;
-  // Note [Parameter gradients through one node]: built once at capture.
+  // Note [Parameter gradients through one node]: built once at capture, with an edge per
+  // parameter the backward graph gives a gradient (param_node_edges, indices into
+  // grad_param_indices); a deferred-only parameter gets none (its gradient lands in
+  // backward_dw()), so a backward's graph traversal does not grow with them.
   dwgraph::detail::NodePtr param_node;
+  std::vector<size_t> param_node_edges;
+  std::vector<dwgraph::detail::NodePtr> accumulators;  // per grad_param_indices: its AccumulateGrad
   at::Tensor param_token;  // what the call's node sends param_node
-  std::vector<at::Tensor> param_grads;  // stashed by the backward for param_node
+  std::vector<at::Tensor> param_grads;  // stashed by the backward for param_node (per edge)
   Landing after_backward;  // flags and hooks of modules without deferral
   Landing after_dw;        // hand-off, flags and hooks of deferring modules
   LiveMask dw_live;        // of the backward whose backward-dw is pending (empty: all)
@@ -200,6 +206,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   const Landing& after_backward(size_t s) const { return slots_.at(s).after_backward; }
   const ops::AutocastState& backward_autocast() const { return backward_autocast_; }
   const torch::autograd::Node* param_node(size_t s) const { return slots_.at(s).param_node.get(); }
+  const std::vector<dwgraph::detail::NodePtr>& accumulators(size_t s) const { return slots_.at(s).accumulators; }
   size_t num_grad_inputs(size_t s) const { return slots_.at(s).grad_input_indices.size(); }
 
  private:

@@ -92,17 +92,16 @@ class GraphedBackward final : public torch::autograd::Node {
                               "with backward_under_autocast=True");
     // Note [What a backward asked for]: what the engine's graph task asks of each target.
     const size_t ni = manager_->num_grad_inputs(slot_);
-    const torch::autograd::Node* params = manager_->param_node(slot_);
-    const size_t np = params != nullptr ? params->num_outputs() : 0;
+    const auto& accumulators = manager_->accumulators(slot_);
     std::vector<uint8_t> asked;
     const auto* info = torch::autograd::get_current_graph_task_exec_info();
     if (info != nullptr && !info->empty()) {
-      asked.assign(ni + np, 0);
+      // A parameter is asked for when its AccumulateGrad is (an output of the graph task,
+      // or on the way to one), whether or not an edge of ours leads there.
+      asked.assign(ni + accumulators.size(), 0);
       for (size_t k = 0; k < ni; ++k) asked[k] = task_should_compute_output(k) ? 1 : 0;
-      const bool any = params != nullptr && task_should_compute_output(ni);
-      for (size_t j = 0; j < np && any; ++j) {
-        const auto* fn = params->next_edge(j).function.get();
-        auto it = fn != nullptr ? info->find(const_cast<torch::autograd::Node*>(fn)) : info->end();
+      for (size_t j = 0; j < accumulators.size(); ++j) {
+        auto it = accumulators[j] ? info->find(accumulators[j].get()) : info->end();
         asked[ni + j] = it != info->end() && it->second.should_execute() ? 1 : 0;
       }
     }
@@ -134,11 +133,22 @@ at::Tensor plain_alias(const at::Tensor& t) {
 void GraphManager::make_param_node(size_t s) {
   Slot& slot = slots_[s];
   const auto& c = callables_[slot.info.callable];
+  const size_t ni = slot.grad_input_indices.size();
   slot.param_node = dwgraph::detail::NodePtr();
-  if (slot.grad_param_indices.empty()) return;
-  auto node = dwgraph::detail::make_node<ParamGradNode>(weak_from_this(), s);
+  slot.param_node_edges.clear();
+  slot.accumulators.clear();
   torch::autograd::edge_list edges;
-  for (size_t i : slot.grad_param_indices) edges.push_back(torch::autograd::impl::gradient_edge(c.parameters[i]));
+  for (size_t j = 0; j < slot.grad_param_indices.size(); ++j) {
+    auto edge = torch::autograd::impl::gradient_edge(c.parameters[slot.grad_param_indices[j]]);
+    slot.accumulators.push_back(edge.function);
+    const bool computed = ni + j < slot.static_grad_inputs.size() && slot.static_grad_inputs[ni + j].defined();
+    if (!slot.param_deferred[j] || computed) {
+      slot.param_node_edges.push_back(j);
+      edges.push_back(std::move(edge));
+    }
+  }
+  if (edges.empty()) return;
+  auto node = dwgraph::detail::make_node<ParamGradNode>(weak_from_this(), s);
   node->set_next_edges(std::move(edges));
   slot.param_token = at::zeros({}, at::TensorOptions().device(device_));
   node->add_input_metadata(slot.param_token);
@@ -207,12 +217,23 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
                         "slot. Run that backward first (or drop its outputs), or give each microbatch its own "
                         "slot with a pipeline 'order'");
   }
-  slot.buffers->inputs.copy_in(inputs);
-  slot.fwd->replay();
-  slot.buffers->inputs.copy_back(inputs);
+  uint64_t replay_ns = 0, copy_ns = 0;
+  {
+    const ScopedNs t(&copy_ns);
+    slot.buffers->inputs.copy_in(inputs);
+  }
+  {
+    const ScopedNs t(&replay_ns);
+    slot.fwd->replay();
+  }
   std::vector<at::Tensor> outs;
-  outs.reserve(slot.static_outputs.size());
-  for (const auto& o : slot.static_outputs) outs.push_back(opts_.clone_outputs ? o.clone() : plain_alias(o));
+  {
+    const ScopedNs t(&copy_ns);
+    slot.buffers->inputs.copy_back(inputs);
+    outs.reserve(slot.static_outputs.size());
+    for (const auto& o : slot.static_outputs) outs.push_back(opts_.clone_outputs ? o.clone() : plain_alias(o));
+  }
+  add_phase_time(TimedPhase::kCall, replay_ns, copy_ns, true);
   bool needs_node = false;
   for (bool r : slot.output_requires_grad) needs_node = needs_node || r;
   if (!(needs_node && at::GradMode::is_enabled() && slot.bwd)) {
@@ -311,7 +332,9 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
     }
   }
   verify(ci, w, /*front_end=*/false);
+  uint64_t replay_ns = 0, copy_ns = 0;
   {
+    const ScopedNs t(&copy_ns);
     const at::NoGradGuard no_grad;
     size_t k = 0;
     for (size_t i = 0; i < slot.static_outputs.size(); ++i) {
@@ -337,26 +360,34 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
     // A non-contiguous one the eager GEMM would have copied (dy.contiguous()): not saved.
     if (read && g.defined() && g.is_contiguous()) slot.dw_grads.push_back(watch(g, i, "output gradient", /*hold=*/true));
   }
-  slot.bwd->replay();
+  {
+    const ScopedNs t(&replay_ns);
+    slot.bwd->replay();
+  }
   // The caller owns what autograd receives: never the buffers the next replay rewrites.
   auto is = [&](size_t j) { return live.empty() || live[j]; };
   BackwardResult result;
-  result.grads.reserve(ni + 1);
-  for (size_t j = 0; j < ni; ++j) {
-    const at::Tensor& g = slot.static_grad_inputs[j];
-    result.grads.push_back(g.defined() && is(j) ? g.clone() : at::Tensor());
-  }
-  std::vector<at::Tensor> param_grads(np);
+  std::vector<at::Tensor> param_grads(slot.param_node_edges.size());
   bool any_param = false;
   bool dw_pending = false;
-  for (size_t j = 0; j < np; ++j) {
-    const at::Tensor& g = slot.static_grad_inputs[ni + j];
-    if (g.defined() && is(ni + j)) {
-      param_grads[j] = g.clone();
-      any_param = true;
+  {
+    const ScopedNs t(&copy_ns);
+    result.grads.reserve(ni + 1);
+    for (size_t j = 0; j < ni; ++j) {
+      const at::Tensor& g = slot.static_grad_inputs[j];
+      result.grads.push_back(g.defined() && is(j) ? g.clone() : at::Tensor());
     }
-    dw_pending = dw_pending || (slot.param_deferred[j] && is(ni + j));
+    for (size_t e = 0; e < slot.param_node_edges.size(); ++e) {
+      const size_t j = slot.param_node_edges[e];
+      const at::Tensor& g = slot.static_grad_inputs[ni + j];
+      if (g.defined() && is(ni + j)) {
+        param_grads[e] = g.clone();
+        any_param = true;
+      }
+    }
   }
+  for (size_t j = 0; j < np; ++j) dw_pending = dw_pending || (slot.param_deferred[j] && is(ni + j));
+  add_phase_time(TimedPhase::kBackward, replay_ns, copy_ns, true);
   if (slot.param_node) result.grads.push_back(any_param ? slot.param_token : at::Tensor());
   if (!live.empty()) {
     result.live.assign(callables_[ci].parameters.size(), 0);
@@ -380,7 +411,7 @@ std::vector<at::Tensor> GraphManager::take_param_grads(size_t s) {
   Slot& slot = slots_.at(s);
   std::vector<at::Tensor> out = std::move(slot.param_grads);
   slot.param_grads.clear();
-  out.resize(slot.grad_param_indices.size());
+  out.resize(slot.param_node_edges.size());
   return out;
 }
 
@@ -471,13 +502,18 @@ void GraphManager::backward_dw(size_t s) {
                         "the graphs saw (as the eager modules, which refuse this too); that backward's weight "
                         "gradients are dropped");
   }
-  slot.dw->replay();
+  uint64_t replay_ns = 0, copy_ns = 0;
+  {
+    const ScopedNs t(&replay_ns);
+    slot.dw->replay();
+  }
   slot.dw_grads.clear();
   {
     const std::lock_guard<std::mutex> lock(mu_);
     set_state(slot, SlotState::kIdle);
   }
-  slot.after_dw.land(live);
+  add_phase_time(TimedPhase::kBackwardDw, replay_ns, 0, true);
+  slot.after_dw.land(live, /*timed=*/true);
 }
 
 void GraphManager::run_eager_backward_dw(size_t s) {

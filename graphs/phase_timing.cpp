@@ -1,0 +1,38 @@
+#include "graphs/phase_timing.h"
+
+namespace dwgraph::graphs {
+namespace {
+
+std::atomic<bool> g_on{false};
+struct Totals {
+  std::atomic<uint64_t> count{0}, replay_ns{0}, copy_ns{0};
+};
+std::array<Totals, 3> g_totals;
+
+}  // namespace
+
+void set_phase_timing(bool on) {
+  for (auto& t : g_totals) {
+    t.count = 0;
+    t.replay_ns = 0;
+    t.copy_ns = 0;
+  }
+  g_on.store(on, std::memory_order_release);
+}
+
+bool phase_timing_on() { return g_on.load(std::memory_order_relaxed); }
+
+PhaseTotals phase_totals(TimedPhase phase) {
+  const auto& t = g_totals[static_cast<size_t>(phase)];
+  return PhaseTotals{t.count.load(), t.replay_ns.load(), t.copy_ns.load()};
+}
+
+void add_phase_time(TimedPhase phase, uint64_t replay_ns, uint64_t copy_ns, bool count) {
+  if (!phase_timing_on()) return;
+  auto& t = g_totals[static_cast<size_t>(phase)];
+  if (count) t.count.fetch_add(1, std::memory_order_relaxed);
+  t.replay_ns.fetch_add(replay_ns, std::memory_order_relaxed);
+  t.copy_ns.fetch_add(copy_ns, std::memory_order_relaxed);
+}
+
+}  // namespace dwgraph::graphs

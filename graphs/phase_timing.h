@@ -1,0 +1,50 @@
+#pragma once
+// Host time of the graphed entry points, for the overhead benchmark (namespace
+// dwgraph::graphs; bench/bench_overhead.py, contract C10): while switched on, each call,
+// backward and backward_dw() of a graphed callable adds the time spent in its graph's
+// replay and in its copies (static inputs in and out, outputs cloned, gradients copied and
+// handed over) to process-wide totals, so the benchmark can subtract them from the wall
+// time of the same calls and what is left is the manager's own host work. Off (the
+// default) it costs one relaxed load per phase.
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+namespace dwgraph::graphs {
+
+enum class TimedPhase { kCall = 0, kBackward = 1, kBackwardDw = 2 };
+
+struct PhaseTotals {
+  uint64_t count = 0;
+  uint64_t replay_ns = 0;
+  uint64_t copy_ns = 0;
+};
+
+void set_phase_timing(bool on);  // on: also resets the totals
+bool phase_timing_on();
+PhaseTotals phase_totals(TimedPhase phase);
+void add_phase_time(TimedPhase phase, uint64_t replay_ns, uint64_t copy_ns, bool count);
+
+// Adds the time of its scope to `*into` while timing is on.
+class ScopedNs {
+ public:
+  explicit ScopedNs(uint64_t* into) : into_(phase_timing_on() ? into : nullptr) {
+    if (into_ != nullptr) start_ = std::chrono::steady_clock::now();
+  }
+  ~ScopedNs() {
+    if (into_ != nullptr) {
+      *into_ += static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count());
+    }
+  }
+  ScopedNs(const ScopedNs&) = delete;
+  ScopedNs& operator=(const ScopedNs&) = delete;
+
+ private:
+  uint64_t* into_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace dwgraph::graphs
