@@ -19,10 +19,10 @@ __version__ = _C.version()
 
 
 from . import _watch  # noqa: E402
-from . import step as _step_module  # noqa: E402
 
-_watch.install()  # Note [Checks paid when state changes]: the graphs hear of every change they check
-_step_module._install_rng_watch()  # both graph entry points refuse a random draw after a reseed
+# Note [Checks paid when state changes]: the graphs hear of every change they check; the
+# RNG watch makes both graph entry points refuse a random draw after a reseed.
+_watch.install()
 
 
 def cuda_built() -> bool:

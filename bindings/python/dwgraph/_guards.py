@@ -17,6 +17,7 @@ from typing import Iterable, List, Tuple
 import torch
 import torch.optim.optimizer as _optimizer
 
+from ._weights import DistributedWeight
 from .errors import GraphStateError
 
 __all__ = ["check_data_parallel", "track_module", "track_reducer"]
@@ -34,8 +35,6 @@ def owned_parameters(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """(name, parameter) of a dwgraph module's parameters that torch's DDP must not reduce:
     deferred ones (they land in backward_dw), fused ones (they land in main_grad) and
     distributed weights (their finalize_wgrad reduces them; their values differ by rank)."""
-    from .nn import DistributedWeight
-
     distributed = [(n, p) for n, p in module.named_parameters(recurse=False) if isinstance(p, DistributedWeight)]
     seen, out = set(), []
     for name, p in list(module._deferred_parameters()) + list(module._fused_parameters()) + distributed:

@@ -13,6 +13,8 @@ those checks can see:
 * ``Module._apply`` (``.to()``, ``.half()``, ...), ``torch.utils.swap_tensors``, and
   ``Parameter.requires_grad_`` / ``set_``;
 * torch's global module hook dicts, replaced by watching dicts;
+* torch's reseeding functions (manual_seed, set_rng_state, ...): on a capturing thread
+  they tell the core, which refuses a random draw after them (the RNG watch);
 * per graphed module tree (:func:`watch_module_tree`): every submodule's parameter,
   buffer, child and hook dicts become watching dicts (a direct ``_parameters[name] = t``,
   as FSDP2 and ``torch.func.functional_call`` do, is seen too), and the parameters' types
@@ -32,6 +34,7 @@ import threading
 import weakref
 
 import torch
+import torch.random
 
 from . import _C
 
@@ -171,6 +174,30 @@ def _on_parameters(fn):
     return wrapper
 
 
+def _install_rng_watch() -> None:
+    """torch's reseeding functions tell the core when they run on a capturing thread
+    (graphs/recorder.h, note_reseed), which then refuses a random draw after them; inert
+    everywhere else. Both graph entry points rely on it."""
+
+    def watched(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if _C.graphs.capturing():
+                _C.graphs.note_reseed()
+            return fn(*args, **kwargs)
+
+        wrapper._dwgraph_rng_watch = True
+        return wrapper
+
+    for owner, names in ((torch, ("manual_seed", "set_rng_state", "seed")),
+                         (torch.random, ("manual_seed", "set_rng_state", "seed")),
+                         (torch.cuda, ("manual_seed", "manual_seed_all", "set_rng_state", "set_rng_state_all"))):
+        for name in names:
+            fn = getattr(owner, name, None)
+            if fn is not None and not getattr(fn, "_dwgraph_rng_watch", False):
+                setattr(owner, name, watched(fn))
+
+
 def install() -> None:
     """Once per process (import dwgraph)."""
     global _installed, _global_hooks_watched
@@ -218,6 +245,7 @@ def install() -> None:
                 setattr(torch.Tensor, name, _on_parameters(fn))
         _global_hooks_watched = all(_replace_if_safe(vars(module_mod), n) for n in _GLOBAL_HOOK_DICTS
                                     if n in vars(module_mod))
+        _install_rng_watch()
         _installed = True
 
 

@@ -28,4 +28,14 @@ class DanglingCaptureError(DwgraphError):
     """A graph replay would touch a storage that its owner has released."""
 
 
+class _FoundMore(GraphStateError):
+    """graphed_step (internal): a capture met a tensor the step trains, or a dwgraph module
+    it runs, that its warmup calls did not; the capture is abandoned and retried."""
+
+
+class _CreatesState(GraphStateError):
+    """graphed_step (internal): the optimizer would create state inside the capture; the
+    call runs eagerly instead (with warmup_iters >= 1)."""
+
+
 __all__ = ["DwgraphError", "ArgumentError", "GraphStateError", "DanglingCaptureError"]

@@ -23,32 +23,10 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import _C, _guards, _traced
-from .errors import GraphStateError
+from ._weights import DistributedWeight
+from .errors import GraphStateError, _FoundMore
 
 __all__ = ["DistributedWeight", "Linear", "GroupedLinear", "LayerNormMLP"]
-
-
-class DistributedWeight(torch.nn.Parameter):
-    """A weight that is materialised on use and receives its gradient in a finalize step.
-
-    Subclasses override :meth:`materialize_forward` / :meth:`materialize_backward` (for
-    example an all-gather of a sharded weight; they may differ) and :meth:`finalize_wgrad`
-    (for example a reduce-scatter into the shard's gradient). dwgraph's autograd functions
-    keep the object itself as a plain reference, never as a saved tensor, so installed
-    ``torch.autograd.graph.saved_tensors_hooks`` cannot strip its type (contract C5, docs/contract.md).
-    """
-
-    def materialize_forward(self) -> torch.Tensor:
-        return self.detach()
-
-    def materialize_backward(self) -> torch.Tensor:
-        return self.materialize_forward()
-
-    def finalize_wgrad(self, wgrad: torch.Tensor) -> None:
-        if self.grad is None:
-            self.grad = wgrad
-        else:
-            self.grad.add_(wgrad)
 
 
 def _set_added_to_main_grad(param: torch.Tensor) -> None:
@@ -66,8 +44,6 @@ class _StepContext(threading.local):
         if self.modules is not None:
             self.modules.setdefault(id(module), module)
             if self.capture_known is not None and id(module) not in self.capture_known:
-                from .step import _FoundMore
-
                 raise _FoundMore(
                     f"dwgraph.graphed_step: at capture the step ran {module._display_name()}, which its earlier "
                     "calls did not; the capture was abandoned before it ran and is retried with it")

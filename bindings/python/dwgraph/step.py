@@ -40,9 +40,11 @@ import torch.optim.optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from . import _C
-from .errors import ArgumentError, GraphStateError
+from . import _C, _spec
+from ._watch import was_displaced
+from .errors import ArgumentError, GraphStateError, _CreatesState, _FoundMore
 from .graphs import refuse_host_read
+from .nn import _step_context
 
 __all__ = ["graphed_step", "GraphedStep"]
 
@@ -230,39 +232,6 @@ def _install_optimizer_hooks() -> None:
     _hooks_installed = True
 
 
-_rng_watch_installed = False
-
-
-def _install_rng_watch() -> None:
-    """Once per process: torch's reseeding functions tell the core when they run on a
-    capturing thread (graphs/recorder.h, note_reseed), which then refuses a random draw
-    after them; inert everywhere else. Used by graphed_step and make_graphed_callables."""
-    global _rng_watch_installed
-    if _rng_watch_installed:
-        return
-
-    def watched(fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if _C.graphs.capturing():
-                _C.graphs.note_reseed()
-            return fn(*args, **kwargs)
-
-        wrapper._dwgraph_rng_watch = True
-        return wrapper
-
-    import torch.random
-
-    for owner, names in ((torch, ("manual_seed", "set_rng_state", "seed")),
-                         (torch.random, ("manual_seed", "set_rng_state", "seed")),
-                         (torch.cuda, ("manual_seed", "manual_seed_all", "set_rng_state", "set_rng_state_all"))):
-        for name in names:
-            fn = getattr(owner, name, None)
-            if fn is not None and not getattr(fn, "_dwgraph_rng_watch", False):
-                setattr(owner, name, watched(fn))
-    _rng_watch_installed = True
-
-
 def _leaves_of(roots) -> List[torch.Tensor]:
     """The leaves a backward from `roots` accumulates into."""
     out, seen, stack = [], set(), [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -415,22 +384,6 @@ def _hyperparameters(optimizers) -> str:
     return ";".join(parts)
 
 
-_displaced_tensors: Dict[int, "weakref.ref"] = {}
-
-
-def _note_displaced(t: torch.Tensor) -> None:
-    """A tensor a module stopped holding (replaced by registration): steps that train it
-    must capture again."""
-    key = id(t)
-    _displaced_tensors[key] = weakref.ref(t, lambda _r, key=key: _displaced_tensors.pop(key, None))
-
-
-def _was_displaced(t: torch.Tensor) -> bool:
-    from . import _watch  # the registration watch records displaced tensors
-
-    return _watch.was_displaced(t)
-
-
 def _schedulers_of(optimizers) -> list:
     """The LR schedulers of these optimizers (found once per capture)."""
     import gc
@@ -571,9 +524,7 @@ class GraphedStep:
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        from .graphed import _refuse_autocast_cache
-
-        _refuse_autocast_cache("dwgraph.graphed_step", "called",
+        _spec.refuse_autocast_cache("dwgraph.graphed_step", "called",
                                "Enter autocast inside the step, or pass cache_enabled=False")
         version = _C.graphs.registration_version()
         if version != self._version:
@@ -583,7 +534,7 @@ class GraphedStep:
             # module built inside the step, another model) change nothing here.
             tree = self._module_tree()
             trained = list(self._touched.values()) + ([p for _, p in self._given] if self._given else [])
-            if tree != self._tree or any(_was_displaced(t) for t in trained):
+            if tree != self._tree or any(was_displaced(t) for t in trained):
                 self._native.reset()
                 self._touched.clear()
                 self._all_modules.clear()
@@ -656,10 +607,8 @@ class GraphedStep:
     def _hooks(self) -> str:
         # Module hooks are Python the captured kernels may depend on (a hook that changes
         # an output): hooks added or removed select another graph, captured with them.
-        from .graphed import _HOOK_KINDS, _user_global_hooks
-
-        ids = [id(h) for m in self._all_modules.values() for kind in _HOOK_KINDS for h in getattr(m, kind).values()]
-        ids += [id(h) for _, h in _user_global_hooks()]
+        ids = [id(h) for m in self._all_modules.values() for kind in _spec.HOOK_KINDS for h in getattr(m, kind).values()]
+        ids += [id(h) for _, h in _spec.user_global_hooks()]
         return ",".join(map(str, ids))
 
     def _variant_state(self) -> str:
@@ -728,7 +677,6 @@ class GraphedStep:
                          [{k: v for k, v in g.items() if k != "params"} for g in s.optimizer.param_groups])
                         for s in schedulers]
         saved = (_watch.step, _watch.optimizer)
-        from .nn import _step_context
         saved_modules = _step_context.modules
         _watch.step, _watch.optimizer = self, None
         _step_context.modules = self._modules
@@ -830,10 +778,8 @@ class GraphedStep:
         return [b for m in self._all_modules.values() for b in m.buffers(recurse=False)]
 
     def _module_specs(self):
-        from .graphed import _dwgraph_module_spec
-
         self._handed_modules = set(self._modules)
-        return [_dwgraph_module_spec(type(m).__name__, m) for m in self._modules.values()]
+        return [_spec.dwgraph_module_spec(type(m).__name__, m) for m in self._modules.values()]
 
     # -- reporting ---------------------------------------------------------------------------
     @property
@@ -847,16 +793,6 @@ class GraphedStep:
     def reset(self) -> None:
         self._native.reset()
         self._out_specs.clear()
-
-
-class _FoundMore(GraphStateError):
-    """A capture met a tensor the step trains, or a dwgraph module it runs, that its warmup
-    calls did not: retried once."""
-
-
-class _CreatesState(GraphStateError):
-    """The optimizer would create state inside the capture: the call runs eagerly instead
-    (with warmup_iters >= 1)."""
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -21,6 +21,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from .. import _C, _guards, graphed
+from . import _stages
 from ..errors import ArgumentError, GraphStateError
 from ..nn import DistributedWeight, _DeferredWgradModule
 
@@ -58,9 +59,8 @@ class FullyShardReducer:
         if not hasattr(root, "finalize_backward") or not hasattr(root, "set_manual_backward_finalization"):
             raise ArgumentError("dwgraph.distributed.FullyShardReducer: this torch's FSDP2 has no manual backward "
                                 "finalization (FSDPModule.finalize_backward); it needs torch 2.15 or newer")
-        from .pipelining import _refuse_stage_overlap
 
-        _refuse_stage_overlap(root)
+        _stages.refuse_stage_overlap(root)
         self.root = root
         managers = {n: m for n, m in root.named_modules() if isinstance(m, fsdp_cls)}
         self._modules: List[Tuple[str, _DeferredWgradModule]] = []

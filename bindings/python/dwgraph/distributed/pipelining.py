@@ -34,6 +34,8 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 from .. import _guards
 from ..errors import ArgumentError, GraphStateError
+from . import _stages
+from .fsdp import FullyShardReducer
 from ..graphed import make_graphed_callables
 from ..nn import _DeferredWgradModule
 
@@ -131,37 +133,17 @@ def _join_step(stage: "PipelineStage") -> None:
     stage._step = step
 
 
-# Live stages: FullyShardReducer refuses their modules (torch's stage drives FSDP2).
-_stages: "weakref.WeakSet[PipelineStage]" = weakref.WeakSet()
-
-
-def _overlaps(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return any(a is m for m in b.modules()) or any(b is m for m in a.modules())
-
-
 def _refuse_reducer_overlap(module: torch.nn.Module, api: str) -> None:
     """torch's PipelineStage drives an FSDP2 stage module itself (no gradient sync and no
     reshard until its last weight step, then finalize_backward): a FullyShardReducer over
     the same modules would fight it."""
-    from .fsdp import FullyShardReducer
-
     for r in list(_guards._reducers):
-        if isinstance(r, FullyShardReducer) and r._handles and _overlaps(r.root, module):
+        if isinstance(r, FullyShardReducer) and r._handles and _stages.overlaps(r.root, module):
             raise ArgumentError(
                 f"{api}: the module is driven by a dwgraph.distributed.FullyShardReducer, and torch's PipelineStage "
                 "drives FSDP2 itself (gradient sync and the reduce-scatter after the stage's last weight step). With "
                 "pipelining, fully_shard the stage modules without a FullyShardReducer (reducer.remove() detaches "
                 "one); fused main_grad is not supported there")
-
-
-def _refuse_stage_overlap(root: torch.nn.Module) -> None:
-    for stage in list(_stages):
-        if _overlaps(stage.submod, root):
-            raise ArgumentError(
-                "dwgraph.distributed.FullyShardReducer: argument 'root' is (part of) the module of a pipeline "
-                "stage; torch's PipelineStage drives FSDP2 itself (gradient sync and the reduce-scatter after the "
-                "stage's last weight step). With pipelining, fully_shard the stage modules without a "
-                "FullyShardReducer")
 
 
 class PipelineStage(_TorchPipelineStage):
@@ -183,7 +165,7 @@ class PipelineStage(_TorchPipelineStage):
         self._plan: Optional[_ReplayPlan] = None
         self._step: Optional[_Step] = None
         super().__init__(submodule, stage_index, num_stages, device, *args, **kwargs)
-        _stages.add(self)
+        _stages.register(self)
 
     # -- forward: the graphed slot of this microbatch -----------------------------------------
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
