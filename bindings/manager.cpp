@@ -172,6 +172,15 @@ void init_manager(py::module_& parent) {
             return Schedule::pipeline(order_values(order), num_layers_per_chunk, num_callables);
           },
           py::arg("order"), py::arg("num_layers_per_chunk"), py::arg("num_callables"))
+      .def_static(
+          "from_arguments",
+          [](const std::optional<py::sequence>& order, std::optional<std::vector<int64_t>> num_layers_per_chunk,
+             size_t num_callables) {
+            return Schedule::from_arguments(order ? std::optional<std::vector<double>>(order_values(*order)) : std::nullopt,
+                                            num_layers_per_chunk, num_callables);
+          },
+          py::arg("order"), py::arg("num_layers_per_chunk"), py::arg("num_callables"))
+      .def("check_per_slot", &Schedule::check_per_slot, py::arg("n"), py::arg("what"))
       .def_property_readonly("pipelined", &Schedule::pipelined)
       .def_property_readonly("num_slots", &Schedule::num_slots)
       .def_property_readonly("num_callables", &Schedule::num_callables)

@@ -3,6 +3,7 @@
 #include "bindings/bindings.h"
 
 #include "common/check.h"
+#include "ops/grad_accumulation.h"
 #include "ops/linear.h"
 #include "ops/param_roles.h"
 #include "ops/wgrad_store.h"
@@ -43,6 +44,14 @@ WgradConfig make_config(bool delay, bool fuse, std::shared_ptr<WgradStore> store
 
 void init_nn(py::module_& parent) {
   auto m = parent.def_submodule("nn", "Deferred-wgrad autograd functions");
+
+  // The one rule (ops/grad_accumulation.h): .grad = g when None, else .grad += g.
+  m.def(
+      "accumulate_grad",
+      [](const at::Tensor& param, const at::Tensor& g, const std::string& what) {
+        ops::accumulate_grad(param, g, ops::Take::kSteal, what);
+      },
+      py::arg("param"), py::arg("grad"), py::arg("what"));
 
   py::class_<WgradStore, std::shared_ptr<WgradStore>>(m, "WgradStore")
       .def(py::init<>())

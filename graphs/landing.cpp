@@ -2,6 +2,7 @@
 
 #include "common/check.h"
 #include "graphs/phase_timing.h"
+#include "ops/grad_accumulation.h"
 
 #include <ATen/core/grad_mode.h>
 
@@ -9,14 +10,7 @@ namespace dwgraph::graphs {
 
 void Landing::check(const std::string& where, const LiveMask& live) const {
   for (const auto& c : contributions) {
-    if (!is_live(live, c.param_index)) continue;
-    const at::Tensor& grad = c.param.grad();
-    if (!grad.defined()) continue;
-    DWGRAPH_CHECK_ARG(grad.scalar_type() == c.buffer.scalar_type() && grad.sizes() == c.buffer.sizes() &&
-                          grad.device() == c.buffer.device(),
-                      where, ": .grad of parameter '", c.name, "' is a ", grad.scalar_type(), " tensor of shape ",
-                      grad.sizes(), " on ", grad.device(), " but its gradient is a ", c.buffer.scalar_type(),
-                      " tensor of shape ", c.buffer.sizes(), " on ", c.buffer.device(), " (no silent cast)");
+    if (is_live(live, c.param_index)) ops::check_accumulable(c.param, c.buffer, where + ": parameter '" + c.name + "'");
   }
 }
 
@@ -28,10 +22,8 @@ void Landing::land(const LiveMask& live, bool timed) const {
     for (const auto& c : contributions) {
       if (!is_live(live, c.param_index)) continue;
       at::Tensor& grad = c.param.mutable_grad();
-      if (!grad.defined()) {
-        grad = c.buffer.clone();
-      } else if (c.mode == Contribution::Mode::kAccumulate) {
-        grad.add_(c.buffer);
+      if (c.mode == Contribution::Mode::kAccumulate || !grad.defined()) {
+        ops::accumulate_grad(c.param, c.buffer, ops::Take::kClone, c.name);  // checked already: no throw
       } else if (grad.data_ptr() != c.buffer.data_ptr()) {
         grad.copy_(c.buffer);
       }

@@ -479,12 +479,8 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     schedule_ = *opts_.schedule;
     DWGRAPH_CHECK_ARG(schedule_.num_callables() == n, kApi, ": the schedule is for ", schedule_.num_callables(),
                       " callables, got ", n);
-  } else if (opts_.order.has_value()) {
-    schedule_ = Schedule::pipeline(*opts_.order, opts_.num_layers_per_chunk, n);
   } else {
-    DWGRAPH_CHECK_ARG(!opts_.num_layers_per_chunk.has_value(), kApi,
-                      ": argument 'num_layers_per_chunk' needs 'order' (the pipeline schedule)");
-    schedule_ = Schedule::sequential(n);
+    schedule_ = Schedule::from_arguments(opts_.order, opts_.num_layers_per_chunk, n);
   }
   for (const auto& c : callables_) {
     DWGRAPH_CHECK_ARG(c.forward != nullptr, kApi, ": callable '", c.name, "' has no forward function");
@@ -499,9 +495,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     defers_.push_back(defers);
   }
   schedule_.check_deferred(defers_);
-  DWGRAPH_CHECK_ARG(sample_args.size() == schedule_.num_slots(), kApi, ": argument 'sample_args' must hold one entry per ",
-                    schedule_.pipelined() ? "(callable, microbatch) slot (" : "callable (", schedule_.num_slots(),
-                    "), got ", sample_args.size());
+  schedule_.check_per_slot(sample_args.size(), "sample_args");
   bool device_set = false;
   for (size_t s = 0; s < schedule_.num_slots(); ++s) {
     Slot slot;

@@ -32,6 +32,19 @@ Schedule Schedule::sequential(size_t num_callables) {
   return s;
 }
 
+Schedule Schedule::from_arguments(const std::optional<std::vector<double>>& order,
+                                  const std::optional<std::vector<int64_t>>& layers_per_chunk, size_t num_callables) {
+  if (order.has_value()) return pipeline(*order, layers_per_chunk, num_callables);
+  DWGRAPH_CHECK_ARG(!layers_per_chunk.has_value(), kApi,
+                    ": argument 'num_layers_per_chunk' needs 'order' (the pipeline schedule)");
+  return sequential(num_callables);
+}
+
+void Schedule::check_per_slot(size_t n, const char* what) const {
+  DWGRAPH_CHECK_ARG(n == num_slots(), kApi, ": argument '", what, "' must hold one entry per ",
+                    pipelined_ ? "(callable, microbatch) slot (" : "callable (", num_slots(), "), got ", n);
+}
+
 Schedule Schedule::pipeline(const std::vector<double>& order, const std::optional<std::vector<int64_t>>& layers,
                             size_t num_callables) {
   DWGRAPH_CHECK_ARG(num_callables > 0, kApi, ": argument 'modules' must hold at least one callable, got none");

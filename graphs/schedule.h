@@ -43,6 +43,14 @@ class Schedule {
   static Schedule pipeline(const std::vector<double>& order,
                            const std::optional<std::vector<int64_t>>& layers_per_chunk, size_t num_callables);
 
+  // The schedule make_graphed_callables' arguments ask for: pipeline with `order`,
+  // sequential without (where num_layers_per_chunk, which needs an order, is refused).
+  static Schedule from_arguments(const std::optional<std::vector<double>>& order,
+                                 const std::optional<std::vector<int64_t>>& layers_per_chunk, size_t num_callables);
+  // ArgumentError unless `n` entries of argument `what` (sample_args, sample_kwargs) give
+  // one per slot (per callable in the sequential schedule).
+  void check_per_slot(size_t n, const char* what) const;
+
   // Checks the backward-dw entries against which callables defer their weight gradients:
   // one per backward for chunks that have a deferred callable, none for the others.
   void check_deferred(const std::vector<bool>& callable_defers) const;

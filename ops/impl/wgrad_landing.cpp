@@ -1,24 +1,14 @@
 #include "ops/impl/wgrad_landing.h"
 
 #include "common/check.h"
+#include "ops/grad_accumulation.h"
 
 #include <ATen/ops/empty.h>
 
 namespace dwgraph::ops::detail {
 
 void land_grad(const at::Tensor& param, const at::Tensor& g, const std::string& what) {
-  at::Tensor& grad = param.mutable_grad();
-  if (!grad.defined()) {
-    // `g` is a fresh buffer nobody else holds: it becomes .grad without a copy.
-    grad = g;
-    return;
-  }
-  DWGRAPH_CHECK_ARG(grad.scalar_type() == g.scalar_type(), what,
-                    ": the existing .grad has dtype ", grad.scalar_type(),
-                    ", expected the gradient's dtype ", g.scalar_type(), " (no silent cast)");
-  DWGRAPH_CHECK_ARG(grad.sizes() == g.sizes(), what, ": the existing .grad has shape ",
-                    grad.sizes(), ", expected ", g.sizes());
-  grad.add_(g);
+  accumulate_grad(param, g, Take::kSteal, what);  // `g` is a fresh buffer nobody else holds
 }
 
 void check_main_grad(const WeightRef& w, const std::string& module) {

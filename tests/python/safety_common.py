@@ -3,7 +3,10 @@ independent reference), a twin for the eager run, and the comparisons.
 
 Every safety case is checked two ways: graphed against the same dwgraph modules run
 eagerly (bitwise, ``torch.equal``) and against plain torch.nn autograd on the same weights
-(a float tolerance: the summation order of a deferred GEMM may differ)."""
+(a float tolerance: the summation order of a deferred GEMM may differ).
+
+The small models at the end (``SMALL_H`` features, ``SMALL_B`` rows) are those of the
+regression cases found by the hostile reviews, which several feature files share."""
 
 from __future__ import annotations
 
@@ -118,3 +121,31 @@ def assert_unchanged(model: torch.nn.Module, before: Dict[str, Optional[torch.Te
         g = gradient(p)
         assert (g is None) == (before[n] is None) and (g is None or torch.equal(g, before[n])), \
             f"{what}: the gradient of {n} changed although the call was refused"
+
+
+# ---- the small models of the review rounds' regression cases ------------------------------------
+SMALL_H = 8
+SMALL_B = 4
+
+
+def two_deferred(device: str = "cpu") -> torch.nn.Module:
+    """Linear(8, 8) -> GELU -> Linear(8, 4), both dwgraph.nn with delay_wgrad_compute, seeded."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(dwgraph.nn.Linear(SMALL_H, SMALL_H, delay_wgrad_compute=True), torch.nn.GELU(),
+                               dwgraph.nn.Linear(SMALL_H, 4, delay_wgrad_compute=True)).to(device)
+
+
+def deferred_bn_linear() -> torch.nn.Module:
+    """A deferred dwgraph Linear -> BatchNorm1d -> torch.nn.Linear, seeded."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(dwgraph.nn.Linear(SMALL_H, SMALL_H, delay_wgrad_compute=True),
+                               torch.nn.BatchNorm1d(SMALL_H), torch.nn.Linear(SMALL_H, SMALL_H))
+
+
+def assert_same_grads_and_params(a: torch.nn.Module, b: torch.nn.Module, what: str) -> None:
+    """Every .grad (presence and value) and every parameter of `a` equals `b`'s, bitwise."""
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{what}: {n}.grad presence differs"
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), f"{what}: {n}.grad differs"
+        assert torch.equal(p, q), f"{what}: parameter {n} differs"

@@ -2,10 +2,12 @@
 
 As torch.nn.Linear: inside an autocast region the GEMMs run in the region's dtype (the
 output has it), inputs of the autocast dtype are accepted with FP32 weights, and the input
-gradient comes back in the input's dtype. Weight gradients of FP32 parameters are written
-in FP32 from the lower-precision operands (TransformerEngine's behaviour; torch rounds them
-to the autocast dtype first), so they are checked against a float64 product of those
-operands. Eager, torch.compile and graph replays of the same module agree bitwise.
+gradient comes back in the input's dtype; parameters of another low-precision dtype than
+the region's (FP16 in a BF16 region, BF16 in an FP16 one) get their gradients in their own
+dtype. Weight gradients of FP32 parameters are written in FP32 from the lower-precision
+operands (TransformerEngine's behaviour; torch rounds them to the autocast dtype first), so
+they are checked against a float64 product of those operands. Eager, torch.compile and
+graph replays of the same module agree bitwise.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 import dwgraph
-from safety_common import assert_same_as_eager, eager_backward_dw
+from safety_common import SMALL_B, SMALL_H, assert_same_as_eager, eager_backward_dw
 
 H = 16
 B = 6
@@ -64,6 +66,29 @@ def test_linear_under_autocast_is_torch_linear(dtype, cfg, input_dtype):
     dw = _wgrad_of(lin, "weight")
     assert dw.dtype == torch.float32 and _rel(dw, w_ref) < 2e-6
     assert lin.bias.grad.dtype == torch.float32 and _rel(lin.bias.grad, dy_low.sum(0)) < 2e-6
+
+
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("params, region", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)],
+                         ids=["fp16_in_bf16", "bf16_in_fp16"])
+def test_parameters_of_another_low_precision_dtype_than_the_autocast_region(delay, params, region):
+    # As torch.nn.Linear: the GEMMs run in the region's dtype, the gradients come back in the
+    # parameters' dtype (through an FP32 buffer, since wgrad_gemm writes FP32 or its
+    # operands' dtype).
+    torch.manual_seed(0)
+    lin = dwgraph.nn.Linear(SMALL_H, 4, delay_wgrad_compute=delay, dtype=params)
+    x = torch.randn(SMALL_B, SMALL_H, requires_grad=True)
+    with torch.autocast("cpu", dtype=region, cache_enabled=False):
+        y = lin(x)
+    assert y.dtype == region
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    if delay:
+        lin.backward_dw()
+    assert lin.weight.grad.dtype == params and lin.bias.grad.dtype == params
+    ref = dy.double().t() @ x.detach().to(region).double()
+    err = ((lin.weight.grad.double() - ref).norm() / ref.norm()).item()
+    assert err < (8e-3 if params == torch.bfloat16 else 2e-3)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)

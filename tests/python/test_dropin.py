@@ -2,7 +2,8 @@
 
   * modules come back as the same objects with their forward replaced: they stay in
     Sequential/ModuleList, keep parameters(), train()/eval() (eval runs eagerly) and
-    state_dict(); plain callables come back as callables;
+    state_dict(); plain callables come back as callables; a forward set on the instance is
+    the one graphed (and the one the eager fallback runs);
   * arbitrary pytrees of inputs and outputs (nested tuples/lists/dicts, None leaves,
     non-tensor leaves fixed at capture, keyword arguments);
   * TransformerEngine's argument spellings and pools: ``_order``, ``_num_layers_per_chunk``,
@@ -58,6 +59,22 @@ def test_modules_come_back_with_forward_replaced():
     assert isinstance(fn, dwgraph.GraphedCallable)
     x = torch.randn(B, H)
     assert torch.equal(fn(x), x * 2 + 1)
+
+
+def test_a_forward_set_on_the_instance_is_what_gets_graphed():
+    # make_graphed_callables stripped any instance 'forward' (meant for its own, from an
+    # earlier graphing), so the graphs ran the class forward instead of the caller's.
+    torch.manual_seed(0)
+    m = torch.nn.Linear(H, H)
+    e = copy.deepcopy(m)
+    for mm in (m, e):
+        mm.forward = (lambda mm: lambda x: torch.nn.functional.linear(x, mm.weight, mm.bias) * 3.0)(mm)
+    dwgraph.make_graphed_callables(m, (torch.randn(B, H, requires_grad=True),), num_warmup_iters=1)
+    x = torch.randn(B, H)
+    assert torch.equal(m(x), e(x))
+    m.eval()
+    e.eval()
+    assert torch.equal(m(x), e(x))  # the eager fallback runs it too
 
 
 class _DictModule(torch.nn.Module):

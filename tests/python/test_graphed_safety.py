@@ -19,7 +19,10 @@ the captured storages. These tests show the hazard dwgraph exists for, and its c
       is graphed correctly;
   (f) replay-time errors: input shape/dtype, backward_dw() order, reset(), reallocated
       parameter / main_grad, and the eager fallback in a mode not captured;
-  (g) contribution bytes reported by ``stats()`` / ``contribution_bytes()``.
+  (g) contribution bytes reported by ``stats()`` / ``contribution_bytes()``;
+  (h) outputs the caller keeps across calls keep their values (a replay never rewrites them);
+  (i) a graphed model the caller drops, or resets, is freed (Note [Graphs hold their
+      modules weakly]), pipeline slots and the eager fallback included.
 
 Graphed and eager copies are built from the same seed; "equal" is torch.equal.
 
@@ -41,6 +44,7 @@ import pytest
 import torch
 
 import dwgraph
+from safety_common import SMALL_B, SMALL_H, deferred_bn_linear
 
 HIDDEN = 64
 FFN = 96
@@ -562,3 +566,69 @@ def test_contribution_bytes_match_deferred_parameters(kind, fused):
     # (each backward_dw() hands off right after its replay): the set holds one per module.
     assert stats["contribution_bytes"] == sum(per_module) > 0
     assert stats["pool_allocated_bytes"] >= stats["contribution_bytes"]
+
+
+# ---------------------------------------------------------- (h) outputs kept across calls
+def test_outputs_kept_across_calls_keep_their_values():
+    m = deferred_bn_linear()
+    g = dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H),))
+    kept = []
+    for _ in range(3):
+        y = g(torch.randn(SMALL_B, SMALL_H))
+        kept.append((y, y.detach().clone()))
+        y.sum().backward()
+        g.backward_dw()
+    assert all(torch.equal(a, b) for a, b in kept)
+
+
+# ------------------------------------------- (i) a dropped or reset graphed model is freed
+@pytest.mark.parametrize("order", [None, "pipeline"])
+def test_a_dropped_graphed_model_is_freed(order):
+    # Note [Graphs hold their modules weakly]: without reset(), a graphed model (and its
+    # graphs, pool and static buffers) dropped by the caller stayed alive for the life of
+    # the process. Pipeline slots are returned to the caller and hold their module.
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(dwgraph.nn.Linear(SMALL_H, SMALL_H, delay_wgrad_compute=True), torch.nn.GELU(),
+                                dwgraph.nn.LayerNormMLP(SMALL_H, 2 * SMALL_H, fuse_wgrad_accumulation=True))
+    model[2]._allocate_main_grads()
+    if order is None:
+        dwgraph.make_graphed_callables(model, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),), num_warmup_iters=1,
+                                       capture_time_hooks=[{"forward_hooks": {0: lambda m: None}}])
+        run, land = model, model.backward_dw
+    else:
+        slots = dwgraph.make_graphed_callables((model,), tuple((torch.randn(SMALL_B, SMALL_H, requires_grad=True),)
+                                                            for _ in range(2)), order=[1, 1, -1, -1.5, -1, -1.5])
+        run, land = slots[0], slots[0].backward_dw
+    model.eval()
+    run(torch.randn(SMALL_B, SMALL_H))  # a mode not captured: eager, through the graphs' functions
+    model.train()
+    run(torch.randn(SMALL_B, SMALL_H)).sum().backward()
+    land()
+    alive = weakref.ref(model)
+    del model, run, land
+    if order is not None:
+        del slots
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_reset_graphed_module_can_be_freed():
+    # The graphs' functions referenced the module from C++, where the garbage collector
+    # cannot see the cycle (module -> its graphed forward -> graphs -> module): a reset
+    # graphed model stayed alive for the life of the process.
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(dwgraph.nn.Linear(SMALL_H, SMALL_H, delay_wgrad_compute=True), torch.nn.GELU())
+    dwgraph.make_graphed_callables(model, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),), num_warmup_iters=1)
+    model(torch.randn(SMALL_B, SMALL_H)).sum().backward()
+    model.backward_dw()
+    dwgraph.graphed_handle(model).reset()
+    with pytest.raises(dwgraph.GraphStateError, match="after reset"):
+        model(torch.randn(SMALL_B, SMALL_H))
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

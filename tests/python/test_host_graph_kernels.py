@@ -20,7 +20,8 @@ captured regions of the kernel cases: see ``test_python_scalar_operand_replays_i
 The remaining tests cover the graph's semantics: Python side effects are not replayed,
 capture changes nothing the caller sees, shared pools and the out-of-order hazard, pool
 accounting after ``reset()``, a capture that raises, host syncs refused during capture,
-and ``DanglingCaptureError``.
+``DanglingCaptureError``, and a generator changed outside the kernels (checkpoint's
+recomputed dropout in make_graphed_callables) refused at capture.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 import dwgraph
 from dwgraph.graphs import Graph, graph_pool_handle
+from safety_common import SMALL_B, SMALL_H
 
 ROUNDS = 3
 
@@ -880,6 +882,27 @@ def test_reset_graph_refuses_replay():
     g.reset()
     with pytest.raises(dwgraph.GraphStateError, match="reset"):
         g.replay()
+
+
+# --------------------------------------------------------------------------------------
+# The generator across a capture (make_graphed_callables)
+# --------------------------------------------------------------------------------------
+
+
+def test_graphed_callable_with_checkpointed_dropout_is_refused_at_capture():
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Sequential(torch.nn.Linear(SMALL_H, SMALL_H), torch.nn.Dropout(0.5),
+                                             torch.nn.Linear(SMALL_H, 4))
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    with pytest.raises(dwgraph.GraphStateError, match="random number generator changed"):
+        dwgraph.make_graphed_callables(Checkpointed(), (torch.randn(SMALL_B, SMALL_H, requires_grad=True),))
 
 
 # --------------------------------------------------------------------------------------

@@ -1,5 +1,14 @@
-"""dwgraph.nn modules: fused main_grad and grad_dtype accumulation (SPEC C2), weights across
-saved-tensor hooks (C5), hooks, errors, and torch.nn.Module behaviour.
+"""dwgraph.nn modules:
+
+  * fused main_grad and grad_dtype accumulation (SPEC C2); grad_dtype contributions
+    accumulate across backwards bitwise as the graphs add them;
+  * weights across saved-tensor hooks (C5);
+  * hooks; errors (a packed grouped weight cannot be distributed, among others);
+  * torch.nn.Module behaviour;
+  * deferred work whose input, output gradient or main_grad changed between the backward
+    and backward_dw() is refused before anything lands (a main_grad renewed over the same
+    memory is accepted); a saved input changed in place is refused at the backward, as
+    torch.nn's.
 
 References are computed independently in float64 (or with plain torch.nn autograd) from
 the same input values."""
@@ -10,6 +19,7 @@ import pytest
 import torch
 
 import dwgraph
+from safety_common import SMALL_B, SMALL_H
 
 
 def _wgrad_ref(dys, xs):
@@ -138,6 +148,34 @@ def test_grad_dtype_never_adds_the_buffer_to_itself(delay):
         # The second contribution was folded into the same buffer by the GEMM (beta = 1).
         # (Without deferral the buffer is returned to AccumulateGrad, which may copy it.)
         assert lin.weight.grad.data_ptr() == first.data_ptr()
+
+
+@pytest.mark.parametrize("module", ["linear", "grouped", "mlp"])
+@pytest.mark.parametrize("delay", [False, True])
+def test_grad_dtype_accumulation_across_backwards_is_bitwise(module, delay):
+    # Large enough that the CPU GEMM rounds a beta = 1 accumulation differently from a
+    # fresh product added afterwards (what a graph does): eager now does the latter too.
+    def mk():
+        torch.manual_seed(0)
+        m = {"linear": lambda: dwgraph.nn.Linear(64, 64, delay_wgrad_compute=delay),
+             "grouped": lambda: dwgraph.nn.GroupedLinear(2, 64, 64, delay_wgrad_compute=delay),
+             "mlp": lambda: dwgraph.nn.LayerNormMLP(64, 96, delay_wgrad_compute=delay)}[module]().bfloat16()
+        for q in m.parameters():
+            q.grad_dtype = torch.float32
+        return m
+
+    args = (lambda x: (x, [256, 256])) if module == "grouped" else (lambda x: (x,))
+    e, g = mk(), mk()
+    dwgraph.make_graphed_callables(g, args(torch.randn(512, 64, dtype=torch.bfloat16, requires_grad=True)),
+                                   num_warmup_iters=1)
+    for _ in range(3):  # no zero_grad: the gradients accumulate
+        x = torch.randn(512, 64, dtype=torch.bfloat16, requires_grad=True)
+        for m in (e, g):
+            m(*args(x)).float().square().mean().backward()
+            if delay:
+                m.backward_dw()
+        for (n, pe), pg in zip(e.named_parameters(), g.parameters()):
+            assert torch.equal(pe.grad, pg.grad), n
 
 
 # ---- weights across saved-tensor hooks (C5) --------------------------------------------------
@@ -286,6 +324,15 @@ def test_input_of_the_wrong_width():
     lin = dwgraph.nn.Linear(8, 4)
     with pytest.raises(dwgraph.ArgumentError, match=r"in_features = 8.*got shape \[3, 7\]"):
         lin(torch.randn(3, 7))
+
+
+def test_a_packed_grouped_weight_cannot_be_distributed():
+    # Its group count is its first dimension, which a shard does not hold whole (a sharded
+    # packed weight failed with "m_splits must have num_gemms = 1 entries" on 2 groups).
+    m = dwgraph.nn.GroupedLinear(2, 4, 6, packed_weights=True)
+    m.weight = dwgraph.nn.DistributedWeight(m.weight.detach().clone())
+    with pytest.raises(dwgraph.ArgumentError, match="packed weights cannot be distributed"):
+        m(torch.randn(6, 4), [3, 3])
 
 
 # ---- torch.nn.Module behaviour ------------------------------------------------------------
@@ -447,3 +494,63 @@ def test_a_parametrized_weight_trains_without_deferral():
     lin(x).square().sum().backward()
     ref(x).square().sum().backward()
     assert torch.equal(lin.parametrizations.weight.original.grad, ref.parametrizations.weight.original.grad)
+
+
+# ---- deferred work: what changed between the backward and backward_dw() ----------------------
+
+@pytest.mark.parametrize("what", ["x", "dy", "main_grad"])
+def test_backward_dw_refuses_inputs_changed_since_the_backward_and_loses_nothing(what):
+    # Eager autograd computes the weight gradient in the backward; deferred work that would
+    # read changed values (the next microbatch copied into the input buffer, a reused
+    # gradient buffer, a replaced main_grad) is refused before anything lands.
+    torch.manual_seed(0)
+    lin = dwgraph.nn.Linear(SMALL_H, 4, delay_wgrad_compute=True, fuse_wgrad_accumulation=what == "main_grad")
+    ref = torch.nn.Linear(SMALL_H, 4)
+    ref.load_state_dict(lin.state_dict())
+    x, dy = torch.randn(SMALL_B, SMALL_H), torch.randn(SMALL_B, 4)
+    ref(x.clone()).backward(dy.clone())
+    lin(x).backward(dy)
+    old_main_grad = getattr(lin.weight, "main_grad", None)
+    if what == "x":
+        x.add_(100.0)
+    elif what == "dy":
+        dy.mul_(0.0)
+    else:
+        lin.weight.main_grad = torch.zeros(4, SMALL_H)
+    with pytest.raises(dwgraph.GraphStateError, match="modified in place|was replaced after the forward"):
+        lin.backward_dw()
+    assert lin.weight.grad is None and lin.bias.grad is None, "a refused unit wrote a gradient"
+    if what != "main_grad":
+        # The values the unit needs are gone: it is dropped, and the module goes on.
+        assert lin.num_queued_wgrad_units() == 0
+        lin(x).backward(dy)
+        lin.backward_dw()
+        assert lin.weight.grad is not None
+        return
+    # A replaced main_grad can be put back: the unit stayed queued and lands eager's result.
+    assert lin.num_queued_wgrad_units() == 1
+    lin.weight.main_grad = old_main_grad
+    lin.backward_dw()
+    assert torch.allclose(lin.weight.main_grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(lin.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_eager_dwgraph_linear_checks_its_saved_input():
+    lin = dwgraph.nn.Linear(SMALL_H, SMALL_H, delay_wgrad_compute=True)
+    x = torch.randn(SMALL_B, SMALL_H)
+    y = lin(x.requires_grad_() * 1)  # a non-leaf input, changed in place after the forward
+    xx = torch.randn(SMALL_B, SMALL_H)
+    y = lin(xx)
+    xx.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_eager_backward_dw_accepts_main_grad_reviewed_over_the_same_memory():
+    lin = dwgraph.nn.Linear(SMALL_H, SMALL_H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    buf = torch.zeros(SMALL_H * SMALL_H)
+    lin.weight.main_grad = buf.view(SMALL_H, SMALL_H)
+    lin(torch.randn(SMALL_B, SMALL_H)).sum().backward()
+    lin.weight.main_grad = buf.view(SMALL_H, SMALL_H)  # the same buffer, another tensor object
+    lin.backward_dw()
+    assert buf.abs().sum() > 0

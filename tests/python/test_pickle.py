@@ -1,6 +1,8 @@
 """torch.save / pickle of dwgraph.nn modules: a module with nothing queued round-trips
 (parameters, main_grad, configuration) and trains like the original; one with queued
-weight-gradient work is refused with GraphStateError before anything is written."""
+weight-gradient work is refused with GraphStateError before anything is written. Copies
+(deepcopy, pickle, torch.load) are guarded by the optimizer like the original, and a module
+graphed (reset, then graphed again) saves without its graphs."""
 
 import copy
 import io
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 import dwgraph
+from safety_common import SMALL_B, SMALL_H, assert_same_as_eager, deferred_bn_linear, eager_backward_dw
 
 MODULES = {
     "Linear": lambda **kw: dwgraph.nn.Linear(12, 8, **kw),
@@ -102,3 +105,43 @@ def test_model_with_dwgraph_modules_saves_and_loads():
     x = torch.randn(3, 8)
     assert torch.equal(model(x), loaded(x))
     assert loaded.state_dict().keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.load"])
+def test_copies_of_dwgraph_modules_are_guarded_like_the_original(how):
+    import pickle
+
+    orig = torch.nn.Sequential(dwgraph.nn.Linear(SMALL_H, SMALL_H, delay_wgrad_compute=True))
+    if how == "deepcopy":
+        mod = copy.deepcopy(orig)
+    elif how == "pickle":
+        mod = pickle.loads(pickle.dumps(orig))
+    else:
+        buf = io.BytesIO()
+        torch.save(orig, buf)
+        buf.seek(0)
+        mod = torch.load(buf, weights_only=False)
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    mod(torch.randn(SMALL_B, SMALL_H)).sum().backward()  # backward_dw() forgotten
+    before = [p.detach().clone() for p in mod.parameters()]
+    with pytest.raises(dwgraph.GraphStateError, match="never landed"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, mod.parameters()))
+
+
+def test_regraph_after_reset_and_pickle_of_a_graphed_module():
+    m = deferred_bn_linear()
+    e = copy.deepcopy(m)
+    g = dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H),))
+    dwgraph.graphed_handle(g).reset()
+    g = dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H),))
+    x = torch.randn(SMALL_B, SMALL_H)
+    g(x).sum().backward(), g.backward_dw()
+    e(x).sum().backward(), eager_backward_dw(e)
+    assert_same_as_eager(m, e, "after regraphing")
+    m.zero_grad(set_to_none=True)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert "dwgraph_graphed" not in loaded.__dict__ and "forward" not in loaded.__dict__

@@ -6,7 +6,9 @@ failed capture) and the capture can be retried.
 
 Failure points: an exception in a forward, in a backward (Python code inside the captured
 backward), in a deferred weight's finalize (inside the backward-dw capture), and an op the
-capture refuses (``.item()``), each at warmup and at capture time.
+capture refuses (``.item()``), each at warmup and at capture time. A Python error raised in
+a captured backward leaves no pending Python error indicator when the rollback calls back
+into Python (a stale one made CPython drop a class's ``__getattr__`` for the process).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 import dwgraph
-from safety_common import assert_same_as_eager, eager_backward_dw
+from safety_common import SMALL_B, SMALL_H, assert_same_as_eager, eager_backward_dw
 
 H = 16
 B = 8
@@ -168,3 +170,61 @@ def test_failure_inside_the_backward_dw_capture():
     assert lin.weight.grad is None and other.weight.grad is None
     # other's forward still works eagerly (its forward was not replaced by a failed capture)
     assert other.forward.__func__ is dwgraph.nn.Linear.forward
+
+
+# a Python error in a captured backward leaves no pending Python error behind ---------------------
+class _PythonBackwardRaises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise KeyError("planned failure in a Python backward")
+
+
+def test_a_python_error_in_a_captured_backward_leaves_no_pending_python_error(monkeypatch):
+    # torch's Python engine leaves the Python error indicator set when it throws; the
+    # rollback then calls Python (a fused weight's main_grad and flag accessors). A stale
+    # indicator there made CPython drop dwgraph.nn.Linear's __getattr__ hook for the
+    # whole process (every later `linear.weight` raised AttributeError).
+    import ctypes
+
+    pending = []
+    occurred = ctypes.pythonapi.PyErr_Occurred
+    occurred.restype = ctypes.c_void_p
+
+    def checked(fn):
+        def call(*args):
+            try:
+                occurred()  # ctypes raises the pending error, if there is one
+            except BaseException as e:  # noqa: BLE001 - recording whatever was pending
+                pending.append(repr(e))
+            return fn(*args)
+
+        return call
+
+    make_spec = dwgraph._C.graphs.dwgraph_module_spec
+
+    def spec_with_checked_callbacks(info):
+        for name in ("main_grad", "get_flag", "set_flag", "run_hooks"):
+            setattr(info, name, checked(getattr(info, name)))
+        return make_spec(info)
+
+    monkeypatch.setattr(dwgraph._C.graphs, "dwgraph_module_spec", spec_with_checked_callbacks)
+    lin = dwgraph.nn.Linear(SMALL_H, SMALL_H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    lin.weight.grad_added_to_main_grad = False  # restored by the rollback, through Python
+
+    class Failing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return _PythonBackwardRaises.apply(self.lin(x))
+
+    with pytest.raises(KeyError, match="planned failure"):
+        dwgraph.make_graphed_callables(Failing(), (torch.randn(SMALL_B, SMALL_H, requires_grad=True),),
+                                       num_warmup_iters=1)
+    assert pending == [], f"Python callbacks ran with a pending Python error: {pending}"
+    assert lin.weight is lin._parameters["weight"]

@@ -4,7 +4,12 @@
     replay: refused (on the module and on every submodule, and torch's global module
     hooks), unless given as capture-time hooks (TransformerEngine's ``capture_time_hooks``,
     run around warmup and capture, outside the graphs, never replayed);
-  * hooks registered after make_graphed_callables run around every replay, as eager;
+  * parameter tensor hooks (``register_hook``) present at capture are refused too;
+  * hooks registered after make_graphed_callables run around every replay, as eager; those
+    registered on a submodule, or global ones, are refused at the call (fine again once
+    removed);
+  * a wgrad hook that ``reset()``s the graphs while gradients land: every module's hook
+    runs, the gradients land, later calls are refused;
   * buffers that require grad are refused;
   * errors keep their type through ``loss.backward()`` and from inside a capture (the
     remaining cases are in test_core_contracts.py).
@@ -18,7 +23,7 @@ import pytest
 import torch
 
 import dwgraph
-from safety_common import assert_same_as_eager, eager_backward_dw
+from safety_common import SMALL_B, SMALL_H, assert_same_as_eager, deferred_bn_linear, eager_backward_dw, two_deferred
 
 H = 16
 B = 8
@@ -117,3 +122,48 @@ def test_errors_from_replays_keep_their_type():
     model[0].weight.requires_grad_(False)
     with pytest.raises(dwgraph.GraphStateError, match="no longer requires grad"):
         y.sum().backward()  # raised inside the graphed backward node, through autograd
+
+
+# tensor hooks at capture, submodule and global hooks after it, reset() inside a wgrad hook -------
+def test_parameter_tensor_hooks_at_capture_and_submodule_hooks_after_are_refused():
+    m = deferred_bn_linear()
+    m[2].weight.register_hook(lambda gr: gr * 2)
+    with pytest.raises(dwgraph.ArgumentError, match="tensor hooks"):
+        dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H),))
+    m = deferred_bn_linear()
+    g = dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H),))
+    handle = g[1].register_forward_hook(lambda mod, i, o: o * 2)
+    with pytest.raises(dwgraph.ArgumentError, match="registered on '1' after capture would not run"):
+        g(torch.randn(SMALL_B, SMALL_H))
+    handle.remove()
+    g(torch.randn(SMALL_B, SMALL_H)).sum().backward()  # fine again
+    g.backward_dw()
+
+
+def test_global_module_hooks_registered_after_capture_are_refused_at_the_call():
+    m = dwgraph.make_graphed_callables(two_deferred(), (torch.randn(SMALL_B, SMALL_H, requires_grad=True),))
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, i, o: None)
+    try:
+        with pytest.raises(dwgraph.ArgumentError, match="global"):
+            m(torch.randn(SMALL_B, SMALL_H))
+    finally:
+        handle.remove()
+    m(torch.randn(SMALL_B, SMALL_H)).sum().backward()
+    m.backward_dw()
+
+
+def test_reset_inside_a_wgrad_hook_while_gradients_land():
+    # A hook that reset() the graphs destroyed the landing (and the callables) it was
+    # being run from: a segfault with two hooked modules. The landing runs from a copy.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(dwgraph.nn.Linear(SMALL_H, SMALL_H, delay_wgrad_compute=True),
+                                dwgraph.nn.Linear(SMALL_H, SMALL_H, delay_wgrad_compute=True))
+    ran = []
+    dwgraph.make_graphed_callables(model, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),), num_warmup_iters=1)
+    model[0].register_wgrad_hook(lambda m: (ran.append(0), dwgraph.graphed_handle(model).reset()))
+    model[1].register_wgrad_hook(lambda m: ran.append(1))
+    model(torch.randn(SMALL_B, SMALL_H)).sum().backward()
+    model.backward_dw()
+    assert sorted(ran) == [0, 1] and model[0].weight.grad is not None and model[1].weight.grad is not None
+    with pytest.raises(dwgraph.GraphStateError, match="after reset"):
+        model(torch.randn(SMALL_B, SMALL_H))

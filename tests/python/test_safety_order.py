@@ -7,10 +7,15 @@ anything is written.
     checks off (the negative control) a refused order really corrupts the gradients;
   * one slot called twice before its backward (``g(g(x))``, a second microbatch's forward
     on the same slot): refused while the first call's backward is pending, allowed once
-    its outputs are gone, and never needed with one slot per microbatch;
+    its outputs are gone, and never needed with one slot per microbatch; a microbatch whose
+    forward never gets a backward (``no_grad``, outputs dropped) does not block the others;
   * ``retain_graph=True`` and a second backward: refused while the first backward's
     backward-dw is pending, two exact landings with ``backward_dw()`` in between; a second
-    backward without ``retain_graph`` is refused as eager autograd refuses it.
+    backward without ``retain_graph`` is refused as eager autograd refuses it; a double
+    backward (``create_graph=True``) through a graphed call is refused;
+  * a graphed backward whose ``backward_dw()`` is pending is seen by the optimizer guard and
+    by pickle (refused before anything is written); graphs released with it pending
+    (``reset()``) leave it counted as lost until ``discard_wgrad_units()``.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import pytest
 import torch
 
 import dwgraph
-from safety_common import (assert_close_to_reference, assert_same_as_eager, assert_unchanged, eager_backward_dw,
-                           snapshot_grads, torch_reference)
+from safety_common import (SMALL_B, SMALL_H, assert_close_to_reference, assert_same_as_eager,
+                           assert_same_grads_and_params, assert_unchanged, eager_backward_dw, snapshot_grads,
+                           torch_reference, two_deferred)
 
 H = 16
 B = 8
@@ -202,3 +208,74 @@ def test_retain_graph_second_backward():
     g.backward_dw()
     with pytest.raises(dwgraph.GraphStateError, match="second time"):
         y.sum().backward()
+
+
+# a pipeline microbatch that never gets its backward; a double backward ---------------------------
+@pytest.mark.parametrize("how", ["no_grad", "dropped"])
+def test_pipeline_microbatch_without_backward_does_not_block_the_others(how):
+    # A forward that will never get a backward (no_grad, or its outputs dropped) no longer
+    # holds its activations against the other slots' replays (graphs/pool_order.h).
+    def mk():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(dwgraph.nn.Linear(SMALL_H, 16, delay_wgrad_compute=True), torch.nn.GELU(),
+                                   dwgraph.nn.Linear(16, 4, delay_wgrad_compute=True))
+
+    m, e = mk(), mk()
+    slots = dwgraph.make_graphed_callables((m,), tuple((torch.randn(SMALL_B, SMALL_H, requires_grad=True),)
+                                                       for _ in range(2)),
+                                           order=[1, 1, -1, -1, -1.5, -1.5])
+    x0, x1 = torch.randn(SMALL_B, SMALL_H), torch.randn(SMALL_B, SMALL_H, requires_grad=True)
+    if how == "no_grad":
+        with torch.no_grad():
+            slots[0](x0)
+    else:
+        slots[0](x0.requires_grad_())  # outputs dropped at once: no backward can run
+    y1 = slots[1](x1)
+    y1.square().sum().backward()
+    slots[1].backward_dw()
+    e(x1.detach()).square().sum().backward()
+    e[0].backward_dw()
+    e[2].backward_dw()
+    assert_same_grads_and_params(m, e, "microbatch 1")
+
+
+def test_double_backward_through_a_graphed_call_is_refused():
+    m = torch.nn.Sequential(torch.nn.Linear(SMALL_H, SMALL_H), torch.nn.Tanh(), torch.nn.Linear(SMALL_H, 1))
+    g = dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),),
+                                       retain_graph_in_backward=True)
+    x = torch.randn(SMALL_B, SMALL_H, requires_grad=True)
+    with pytest.raises(dwgraph.GraphStateError, match="create_graph=True"):
+        torch.autograd.grad(g(x).sum(), x, create_graph=True)
+
+
+# a pending (or lost) graphed backward_dw(): seen by the optimizer guard and by pickle ------------
+def test_graphed_pending_backward_dw_is_seen_by_the_optimizer_guard_and_pickle(device):
+    import pickle
+
+    m = dwgraph.make_graphed_callables(two_deferred(device),
+                                       (torch.randn(SMALL_B, SMALL_H, requires_grad=True, device=device),))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(SMALL_B, SMALL_H, device=device)).sum().backward()
+    assert m[0].num_queued_wgrad_units() == 0 and m[0].num_pending_wgrad_units() == 1
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(dwgraph.GraphStateError, match="in the graphs of a graphed callable"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    with pytest.raises(dwgraph.GraphStateError, match="cannot pickle"):
+        pickle.dumps(m[0])
+    m.backward_dw()
+    assert m[0].num_pending_wgrad_units() == 0
+    opt.step()
+
+
+def test_dropped_graphed_callable_with_pending_backward_dw_is_seen_by_the_optimizer_guard():
+    inner = two_deferred()
+    g = dwgraph.make_graphed_callables(inner, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),))
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    g(torch.randn(SMALL_B, SMALL_H)).sum().backward()
+    g.reset()  # the graphs, and the pending backward_dw() with them, are released
+    with pytest.raises(dwgraph.GraphStateError, match="lost"):
+        opt.step()
+    inner[0].discard_wgrad_units()
+    inner[2].discard_wgrad_units()
+    opt.step()

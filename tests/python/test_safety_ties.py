@@ -4,10 +4,14 @@
     ``dwgraph.nn.Linear`` inside one callable gets both shares: the embedding's from the
     backward graph (through autograd, as eager), the Linear's from ``backward_dw()``;
   * ties across callables, and two deferred modules sharing a weight inside one callable;
+  * a BF16 weight tied inside one callable, with FP32 ``grad_dtype``, accumulating across
+    backwards: bitwise eager;
   * ``Sequential(dwgraph Linear(delay), nn.Linear)`` fed an input that does not require
     grad: the deferred module's backward still runs (its weights are backward targets);
   * a forward that uses a tensor requiring grad which is neither an input nor a parameter
-    is refused: the graphs would drop its gradient.
+    is refused: the graphs would drop its gradient;
+  * partial backwards (``backward(inputs=...)``, ``torch.autograd.grad``) land only what they
+    ask for; one for the inputs only queues no weight work.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import pytest
 import torch
 
 import dwgraph
-from safety_common import assert_close_to_reference, assert_same_as_eager, eager_backward_dw, torch_reference
+from safety_common import (SMALL_B, SMALL_H, assert_close_to_reference, assert_same_as_eager, eager_backward_dw,
+                           torch_reference, two_deferred)
 
 H = 16
 B = 8
@@ -301,3 +306,40 @@ def test_partial_backward_that_skips_a_fused_parameter_is_refused():
                                                        eager[3].bias])
     _all_units(eager)
     assert_same_as_eager(model, eager, "all fused asked")
+
+
+# a tied BF16 weight with FP32 grad_dtype; a backward for the inputs only -------------------------
+def test_tied_bf16_weight_with_fp32_grad_dtype_accumulating_is_bitwise():
+    # Was a documented limit: eager folded each tied contribution into the existing FP32
+    # .grad inside its GEMM (beta = 1), the graph added their sum. Every grad_dtype
+    # contribution is now a fresh buffer added as any gradient (Note [grad_dtype]).
+    def mk():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(dwgraph.nn.Linear(16, 16, dtype=torch.bfloat16),
+                                dwgraph.nn.Linear(16, 16, dtype=torch.bfloat16))
+        m[1].weight = m[0].weight
+        for q in m.parameters():
+            q.grad_dtype = torch.float32
+        return m
+
+    m, e = mk(), mk()
+    g = dwgraph.make_graphed_callables(m, (torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True),))
+    for _ in range(3):
+        x = torch.randn(8, 16, dtype=torch.bfloat16)
+        g(x).float().square().sum().backward()
+        e(x).float().square().sum().backward()
+        a, b = m[0].weight.grad, e[0].weight.grad
+        assert a.dtype == b.dtype == torch.float32
+        assert torch.equal(a, b)
+
+
+def test_inputs_only_backward_through_a_graphed_callable_queues_no_weight_work():
+    m = dwgraph.make_graphed_callables(two_deferred(), (torch.randn(SMALL_B, SMALL_H, requires_grad=True),))
+    e = two_deferred()
+    x = torch.randn(SMALL_B, SMALL_H, requires_grad=True)
+    (gm,) = torch.autograd.grad(m(x).square().sum(), x)
+    (ge,) = torch.autograd.grad(e(x).square().sum(), x)
+    assert torch.equal(gm, ge)
+    assert m[0].num_pending_wgrad_units() == e[0].num_pending_wgrad_units() == 0
+    m(x).square().sum().backward()  # the next call is not refused
+    m.backward_dw()

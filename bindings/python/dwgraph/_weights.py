@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from . import _C
+
 __all__ = ["DistributedWeight"]
 
 
@@ -27,7 +29,6 @@ class DistributedWeight(torch.nn.Parameter):
         return self.materialize_forward()
 
     def finalize_wgrad(self, wgrad: torch.Tensor) -> None:
-        if self.grad is None:
-            self.grad = wgrad
-        else:
-            self.grad.add_(wgrad)
+        # The one rule of the core (ops/grad_accumulation.h): .grad = wgrad when None, else
+        # .grad += wgrad, a mismatch an error.
+        _C.nn.accumulate_grad(self, wgrad, "DistributedWeight.finalize_wgrad")

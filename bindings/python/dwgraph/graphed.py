@@ -295,24 +295,18 @@ def make_graphed_callables(
         if not callable(m):
             raise ArgumentError(f"dwgraph.make_graphed_callables: modules[{i}] must be a torch.nn.Module or a "
                                 f"callable, got {type(m).__name__}")
-    if order is None:
-        schedule = _C.graphs.Schedule.sequential(len(modules))
-        if len({id(m) for m in modules}) != len(modules):
-            raise ArgumentError("dwgraph.make_graphed_callables: the same module appears twice; each callable of the "
-                                "sequential schedule gets one slot (use 'order' for one slot per microbatch)")
-    else:
-        schedule = _C.graphs.Schedule.pipeline(order, None if num_layers_per_chunk is None else
-                                               [int(n) for n in num_layers_per_chunk], len(modules))
+    # The core decides every schedule and slot question (graphs/schedule.h).
+    schedule = _C.graphs.Schedule.from_arguments(
+        order, None if num_layers_per_chunk is None else [int(n) for n in num_layers_per_chunk], len(modules))
+    if order is None and len({id(m) for m in modules}) != len(modules):
+        raise ArgumentError("dwgraph.make_graphed_callables: the same module appears twice; each callable of the "
+                            "sequential schedule gets one slot (use 'order' for one slot per microbatch)")
     num_slots = schedule.num_slots
     sample_args = tuple(tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in sample_args)
-    if len(sample_args) != num_slots:
-        raise ArgumentError(f"dwgraph.make_graphed_callables: argument 'sample_args' must hold one entry per "
-                            f"{'slot' if order is not None else 'callable'} ({num_slots}), got {len(sample_args)}")
+    schedule.check_per_slot(len(sample_args), "sample_args")
     if sample_kwargs is None:
         sample_kwargs = tuple({} for _ in range(num_slots))
-    if len(sample_kwargs) != num_slots:
-        raise ArgumentError(f"dwgraph.make_graphed_callables: argument 'sample_kwargs' must hold one dict per "
-                            f"{'slot' if order is not None else 'callable'} ({num_slots}), got {len(sample_kwargs)}")
+    schedule.check_per_slot(len(sample_kwargs), "sample_kwargs")
     hooks = _canonical_capture_time_hooks(capture_time_hooks, len(modules))
     _refuse_autocast_cache("dwgraph.make_graphed_callables", "capture",
                            "Use torch.autocast(..., cache_enabled=False) around the capture")
