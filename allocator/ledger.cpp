@@ -31,6 +31,7 @@ size_t Ledger::record(const c10::Storage& storage, bool owned, bool fresh_output
     }
     return it->second;
   }
+  if (!owned && owned_.count(data) != 0) owned = true;
   LedgerEntry e;
   e.data = data;
   e.nbytes = storage.nbytes();
@@ -63,6 +64,8 @@ void Ledger::set_role(const c10::Storage& storage, std::string role, bool persis
   roles_[data] = {std::move(role), persistent};
 }
 
+void Ledger::mark_owned(const c10::Storage& storage) { owned_[storage.data()] = true; }
+
 std::optional<c10::Storage> Ledger::lock(size_t i) const {
   const LedgerEntry& e = entries_.at(i);
   auto strong = e.weak.lock();
@@ -88,6 +91,7 @@ void Ledger::clear() {
   entries_.clear();
   by_data_.clear();
   roles_.clear();
+  owned_.clear();
 }
 
 }  // namespace dwgraph::allocator

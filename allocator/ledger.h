@@ -43,6 +43,9 @@ class Ledger {
   // Names a storage the caller knows (a static input, a parameter); `persistent` marks
   // buffers that must outlive the graph (parameters, main_grad).
   void set_role(const c10::Storage& storage, std::string role, bool persistent);
+  // Before first sight: the storage is a block of the graph's pool (ownership kGraph),
+  // whatever the recorder's test says.
+  void mark_owned(const c10::Storage& storage);
 
   // The live storage of non-owned entry `i`, or nullopt when its owner released it (or
   // it no longer holds the memory the graph captured).
@@ -57,6 +60,7 @@ class Ledger {
   std::vector<LedgerEntry> entries_;
   std::unordered_map<const void*, size_t> by_data_;
   std::unordered_map<const void*, std::pair<std::string, bool>> roles_;  // before first sight
+  std::unordered_map<const void*, bool> owned_;                          // mark_owned, before first sight
 };
 
 }  // namespace dwgraph::allocator

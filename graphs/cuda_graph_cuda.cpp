@@ -38,6 +38,23 @@ class CudaGraphPool final : public GraphPool {
   }
   c10::Device device() const override { return device_; }
   const c10::MempoolId_t& id() const { return id_; }
+
+  // Allocations of the calling thread's current stream on this device go to the private
+  // pool while the scope lives (the caching allocator's own routing, as a capture uses it).
+  std::unique_ptr<AllocationScope> allocation_scope() override {
+    struct Scope final : AllocationScope {
+      Scope(c10::Device d, c10::MempoolId_t pool) : device(d), id(pool) {
+        const cudaStream_t mine = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+        c10::cuda::CUDACachingAllocator::beginAllocateToPool(device.index(), id,
+                                                             [mine](cudaStream_t s) { return s == mine; });
+      }
+      ~Scope() override { c10::cuda::CUDACachingAllocator::endAllocateToPool(device.index(), id); }
+      c10::Device device;
+      c10::MempoolId_t id;
+    };
+    return std::make_unique<Scope>(device_, id_);
+  }
+
   c10::cuda::CUDAStream capture_stream() const { return stream_; }
   // From the caching allocator's snapshot: the segments this private pool owns.
   allocator::PoolStats stats() const override {

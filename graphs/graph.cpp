@@ -133,6 +133,8 @@ std::vector<StorageInfo> Graph::storages() const {
   return out;
 }
 
+void Graph::mark_pool_block(const c10::Storage& storage) { ledger_.mark_owned(storage); }
+
 void Graph::set_role(const c10::Storage& storage, const std::string& role, bool persistent) {
   ledger_.set_role(storage, role, persistent);
 }

@@ -46,6 +46,13 @@ class GraphPool {
   virtual ~GraphPool() = default;
   virtual c10::Device device() const = 0;
   virtual allocator::PoolStats stats() const = 0;
+  // While the returned scope lives, the calling thread's allocations on the pool's device
+  // come from this pool (outside any capture): buffers that graphs on the pool share by
+  // liveness, as the captures' own allocations do (Note [Slots share the pool by liveness]).
+  struct AllocationScope {
+    virtual ~AllocationScope() = default;
+  };
+  virtual std::unique_ptr<AllocationScope> allocation_scope() = 0;
   PoolOrder& order() { return order_; }
   // Note [Host work around a replay]: the buffers its graphs refill before their replays,
   // by (owner, tag).
@@ -96,6 +103,12 @@ class Graph {
   void reset() noexcept;
 
   bool is_captured() const { return captured_; }
+  // Where this graph stands in its pool's replay order (graphs/pool_order.h), once captured.
+  std::optional<PoolOrder::GraphId> order_id() const { return order_id_; }
+  // Before capture_begin(): `storage` is a block of the pool the capture will use (a
+  // buffer allocated in its allocation_scope()), the graph's like the capture's own
+  // allocations, with no owner to outlive (the CUDA recorder cannot tell otherwise).
+  void mark_pool_block(const c10::Storage& storage);
   bool is_capturing() const { return recorder_ != nullptr; }
   std::shared_ptr<GraphPool> pool() const { return pool_; }
   // Number of captured kernels (dispatcher calls replay re-runs).

@@ -75,6 +75,14 @@ std::optional<c10::OperatorHandle> out_overload(const c10::OperatorHandle& op) {
 
 }  // namespace
 
+std::unique_ptr<GraphPool::AllocationScope> HostGraphPool::allocation_scope() {
+  struct Scope final : AllocationScope {
+    explicit Scope(std::shared_ptr<allocator::HostPool> p) : guard(std::move(p)) {}
+    allocator::CaptureAllocationGuard guard;
+  };
+  return std::make_unique<Scope>(pool_);
+}
+
 HostGraph::~HostGraph() {
   if (is_capturing()) capture_abort();
   reset();

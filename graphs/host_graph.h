@@ -29,6 +29,7 @@ class HostGraphPool final : public GraphPool {
   HostGraphPool() : pool_(allocator::HostPool::create()) {}
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   allocator::PoolStats stats() const override { return pool_->stats(); }
+  std::unique_ptr<AllocationScope> allocation_scope() override;
   const std::shared_ptr<allocator::HostPool>& host_pool() const { return pool_; }
 
  private:

@@ -156,6 +156,15 @@ void GraphManager::name_storages(Graph& g, size_t s) const {
     const auto& t = slot.static_grad_outputs[i];
     if (t.defined()) g.set_role(t.storage(), c10::str("static grad output ", i, " of ", where(s)), true);
   }
+  if (pooled_buffers_) {
+    // Note [Slots share the pool by liveness]: blocks of the pool, like the captures' own.
+    for (const auto& t : slot.buffers->inputs.tensors()) {
+      if (t.defined() && t.numel() > 0) g.mark_pool_block(t.storage());
+    }
+    for (const auto& t : slot.static_grad_outputs) {
+      if (t.defined() && t.numel() > 0) g.mark_pool_block(t.storage());
+    }
+  }
 }
 
 template <class Body>
@@ -269,6 +278,13 @@ void GraphManager::capture_fwd(size_t s) {
     checks.captured_mode = c.training_mode();
     checks.mode.store((state_epoch() << 1) | 1);
   }
+  if (pooled_buffers_) {
+    // Note [Slots share the pool by liveness]: the static inputs become pool blocks, and
+    // the call's copy into them takes its place in the pool's replay order, before this
+    // forward.
+    slot.buffers->inputs.move_into(*pool_);
+    slot.input_write.add(pool_, c10::str("the copy into the static inputs of ", where(s)), slot.buffers->inputs.tensors());
+  }
   std::vector<at::Tensor> outputs;
   capture(slot.fwd, Phase::kForward, s, [&] { outputs = c.forward(slot.buffers->inputs.tensors()); });
   slot.buffers->inputs.note_writes(*slot.fwd);
@@ -283,7 +299,9 @@ void GraphManager::capture_fwd(size_t s) {
   for (size_t i = 0; i < outputs.size(); ++i) {
     const auto& o = outputs[i];
     DWGRAPH_CHECK_ARG(o.defined(), kApi, ": output ", i, " of ", where(s), " is undefined; expected a tensor");
-    slot.static_outputs.push_back(o.detach());
+    // Pooled: a view; the captured outputs (and the autograd graph) own it until the
+    // backward's capture, as eager code holds a layer's output until its backward.
+    slot.static_outputs.push_back(pooled_buffers_ ? unowned_view(o) : o.detach());
     slot.output_requires_grad.push_back(o.requires_grad());
   }
 }
@@ -307,20 +325,27 @@ void GraphManager::capture_bwd(size_t s) {
     }
     if (fits) earlier = &g;
   }
-  for (size_t i = 0; i < slot.captured_outputs.size(); ++i) {
-    const auto& o = slot.captured_outputs[i];
-    if (slot.output_requires_grad[i]) {
-      outs.push_back(o);
-      slot.static_grad_outputs.push_back(earlier != nullptr ? (*earlier)[i] : at::empty_like(o).detach());
-      grad_outs.push_back(slot.static_grad_outputs.back());
-    } else {
-      slot.static_grad_outputs.emplace_back();
+  {
+    const auto scope = pooled_buffers_ ? pool_->allocation_scope() : nullptr;
+    for (size_t i = 0; i < slot.captured_outputs.size(); ++i) {
+      const auto& o = slot.captured_outputs[i];
+      if (slot.output_requires_grad[i]) {
+        outs.push_back(o);
+        slot.static_grad_outputs.push_back(earlier != nullptr ? (*earlier)[i] : at::empty_like(o).detach());
+        grad_outs.push_back(slot.static_grad_outputs.back());
+      } else {
+        slot.static_grad_outputs.emplace_back();
+      }
     }
   }
   const auto targets = backward_targets(s, /*for_capture=*/true);
   if (outs.empty()) {
     slot.captured_outputs.clear();
+    if (pooled_buffers_) slot.buffers->inputs.release();
     return;  // nothing to differentiate: no backward graph
+  }
+  if (pooled_buffers_) {
+    slot.grad_write.add(pool_, c10::str("the copy into the static grad outputs of ", where(s)), slot.static_grad_outputs);
   }
   DWGRAPH_CHECK_ARG(!targets.empty(), kApi, ": the outputs of ", where(s),
                     " require grad through tensors that are neither its inputs nor its parameters; make them "
@@ -359,6 +384,13 @@ void GraphManager::capture_bwd(size_t s) {
   for (const auto& o : slot.static_outputs) slot.output_read_by_bwd.push_back(slot.bwd->touches(o.storage()));
   for (const auto& t : slot.buffers->inputs.tensors()) {
     slot.input_read_by_bwd.push_back(t.defined() && slot.bwd->touches(t.storage()));
+  }
+  if (pooled_buffers_) {
+    // Note [Slots share the pool by liveness]: from here on the slot keeps views; what a
+    // later graph of the slot reads is held by the autograd graph or the queued units.
+    slot.buffers->inputs.release();
+    for (auto& t : slot.static_grad_outputs) t = unowned_view(t);
+    for (auto& t : slot.static_grad_inputs) t = unowned_view(t);
   }
   // Modules without deferral: their main_grad was accumulated and their hooks run at the
   // end of each backward.
@@ -468,6 +500,12 @@ void GraphManager::capture_dw(size_t s) {
   for (const auto& g : slot.static_grad_outputs) {
     slot.grad_output_read_by_dw.push_back(g.defined() && slot.dw->touches(g.storage()));
   }
+  if (schedule_.pipelined() && pooled_buffers_) {
+    // The pipeline order is explicit: what this backward-dw graph read may go to later
+    // captures now (the sequential schedule keeps it: Note [Backward-dw graphs are
+    // captured last]).
+    for (const auto& store : deferring_stores(slot.info.callable)) store->release_consumed();
+  }
 }
 
 void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args) {
@@ -536,6 +574,11 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
   forward_autocast_ = ops::AutocastState::current();
   backward_autocast_ = backward_state(forward_autocast_, opts_.backward_under_autocast);
   if (opts_.reuse_static_buffers) share_static_buffers();
+  // Note [Slots share the pool by liveness]: the pipeline schedule's slots follow an
+  // explicit order on a pool of their own. (Graph sets sharing a caller's pool, and the
+  // sequential schedule, whose callables may be called again whenever they are idle, keep
+  // their buffers to themselves.)
+  pooled_buffers_ = schedule_.pipelined() && !opts_.reuse_static_buffers && !opts_.pool;
   pool_ = opts_.pool ? opts_.pool : make_pool(device_);
   DWGRAPH_CHECK_ARG(pool_->device().type() == device_.type(), kApi, ": argument 'pool' is a pool of ",
                     pool_->device(), " but the sample arguments are on ", device_);

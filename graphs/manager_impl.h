@@ -71,6 +71,24 @@
 // autocast off, as the natural loop runs it, or in the forward's state with
 // backward_under_autocast; a backward started in the other state is refused.
 
+// Note [Slots share the pool by liveness]: a capture keeps nothing alive that eager code
+// would have freed. The static inputs and grad outputs are blocks of the graphs' pool;
+// during the captures, a slot's buffers, outputs, saved activations and (pipeline schedule)
+// queued weight-gradient inputs live exactly as long as the schedule's eager run keeps
+// them (the autograd graph and the units hold what later captures read), and then return
+// to the pool, where later captures reuse them. The slot keeps only views that do not
+// own that memory. At replay the pool's replay order (graphs/pool_order.h) already keeps
+// graphs that share bytes apart; the host's own writes into the shared buffers (a call's
+// copy into its static inputs, a backward's into its grad outputs) take their place in
+// that order too (PooledWrite), so a replay order that would let one slot's copy clobber
+// what another slot's graph still has to read is refused like any other. So a schedule's
+// pool holds about what its eager run holds at its peak, whatever the microbatch count.
+// This is the pipeline schedule's, on a pool of its own: its slots follow an explicit
+// order. The sequential schedule's callables may be called again whenever they are idle
+// (a second forward without grad), and graph sets on a caller's shared pool replay in
+// orders no capture saw, so they keep their buffers to themselves, as does
+// reuse_static_buffers (TransformerEngine's explicit sharing).
+
 #include "common/autograd_node.h"
 #include "graphs/caller_state.h"
 #include "graphs/landing.h"
@@ -105,10 +123,23 @@ struct WatchedVersion {
   at::Tensor held;             // kept alive as the eager node would keep it (output gradients)
 };
 
+// Host code writing pool memory that graphs share (Note [Slots share the pool by
+// liveness]): a place in the pool's replay order, as a graph with one write per buffer.
+struct PooledWrite {
+  std::shared_ptr<GraphPool> pool;
+  std::optional<PoolOrder::GraphId> id;
+  void add(const std::shared_ptr<GraphPool>& p, std::string name, const std::vector<at::Tensor>& buffers);
+  void check() const;      // GraphStateError when the write would destroy what a graph still needs
+  void done();             // the write happened
+  void abandon_for(const Graph& reader);
+  void remove() noexcept;
+};
+
 struct Slot {
   SlotInfo info;
   std::string where;  // "graphed callable 0 ('Linear')", for messages
   std::shared_ptr<StaticBuffers> buffers;
+  PooledWrite input_write, grad_write;  // when the buffers are pool blocks
   std::vector<at::Tensor> captured_outputs;  // with the capture's autograd graph, until bwd capture
   std::vector<at::Tensor> static_outputs;
   std::vector<bool> output_requires_grad;
@@ -134,9 +165,7 @@ struct Slot {
   std::vector<at::Tensor> static_grad_inputs;
   std::unique_ptr<Graph> fwd, bwd, dw;
   // Note [Parameter gradients through one node]: built once at capture, with an edge per
-  // parameter the backward graph gives a gradient (param_node_edges, indices into
-  // grad_param_indices); a deferred-only parameter gets none (its gradient lands in
-  // backward_dw()), so a backward's graph traversal does not grow with them.
+  // parameter that requires grad (param_node_edges, indices into grad_param_indices).
   dwgraph::detail::NodePtr param_node;
   std::vector<size_t> param_node_edges;
   std::vector<dwgraph::detail::NodePtr> accumulators;  // per grad_param_indices: its AccumulateGrad
@@ -254,6 +283,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   std::vector<CapturedMainGrads> main_grads_;  // per callable
   std::vector<CapturedParameters> buffers_;    // per callable
   std::vector<std::unique_ptr<CallableChecks>> checks_;  // per callable
+  bool pooled_buffers_ = false;  // Note [Slots share the pool by liveness]
   // Note [Contributions are shared across microbatches]: (callable, module, unit of one
   // backward) -> parameter -> buffer.
   std::map<std::tuple<size_t, size_t, size_t>, std::map<const void*, at::Tensor>> shared_contributions_;

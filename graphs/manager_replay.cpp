@@ -130,22 +130,52 @@ at::Tensor plain_alias(const at::Tensor& t) {
 
 }  // namespace
 
+void PooledWrite::add(const std::shared_ptr<GraphPool>& p, std::string name, const std::vector<at::Tensor>& buffers) {
+  std::vector<MemoryAccess> writes;
+  for (const auto& t : buffers) {
+    if (!t.defined() || t.numel() == 0) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    writes.push_back(MemoryAccess{begin, begin + t.nbytes(), MemoryAccess::Kind::kWrite});
+  }
+  remove();
+  if (writes.empty()) return;
+  pool = p;
+  id = pool->order().add_graph(std::move(name), writes);
+}
+
+void PooledWrite::check() const {
+  if (id) pool->order().check_replay(*id);
+}
+
+void PooledWrite::done() {
+  if (id) pool->order().replayed(*id);
+}
+
+void PooledWrite::abandon_for(const Graph& reader) {
+  if (id && reader.order_id()) pool->order().abandon(*id, *reader.order_id());
+}
+
+void PooledWrite::remove() noexcept {
+  if (id && pool) pool->order().remove_graph(*id);
+  id.reset();
+  pool.reset();
+}
+
 void GraphManager::make_param_node(size_t s) {
   Slot& slot = slots_[s];
   const auto& c = callables_[slot.info.callable];
-  const size_t ni = slot.grad_input_indices.size();
   slot.param_node = dwgraph::detail::NodePtr();
   slot.param_node_edges.clear();
   slot.accumulators.clear();
   torch::autograd::edge_list edges;
+  // Every parameter that requires grad, deferred-only ones too: a partial backward that
+  // asks for a deferred weight alone (backward(inputs=[w])) must reach this slot's node,
+  // as it reaches an eager deferred module's, whose unit it then queues.
   for (size_t j = 0; j < slot.grad_param_indices.size(); ++j) {
     auto edge = torch::autograd::impl::gradient_edge(c.parameters[slot.grad_param_indices[j]]);
     slot.accumulators.push_back(edge.function);
-    const bool computed = ni + j < slot.static_grad_inputs.size() && slot.static_grad_inputs[ni + j].defined();
-    if (!slot.param_deferred[j] || computed) {
-      slot.param_node_edges.push_back(j);
-      edges.push_back(std::move(edge));
-    }
+    slot.param_node_edges.push_back(j);
+    edges.push_back(std::move(edge));
   }
   if (edges.empty()) return;
   auto node = dwgraph::detail::make_node<ParamGradNode>(weak_from_this(), s);
@@ -218,10 +248,12 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
                         "slot with a pipeline 'order'");
   }
   uint64_t replay_ns = 0, copy_ns = 0;
+  slot.input_write.check();  // Note [Slots share the pool by liveness]
   {
     const ScopedNs t(&copy_ns);
     slot.buffers->inputs.copy_in(inputs);
   }
+  slot.input_write.done();
   {
     const ScopedNs t(&replay_ns);
     slot.fwd->replay();
@@ -332,6 +364,7 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
     }
   }
   verify(ci, w, /*front_end=*/false);
+  slot.grad_write.check();  // Note [Slots share the pool by liveness]
   uint64_t replay_ns = 0, copy_ns = 0;
   {
     const ScopedNs t(&copy_ns);
@@ -349,6 +382,7 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
       }
     }
   }
+  slot.grad_write.done();
   // An output gradient the backward-dw graph reads (the eager modules save dy for it): held
   // as they hold it (so autograd cannot accumulate into it in place) and checked then.
   slot.dw_grads.clear();
@@ -398,6 +432,8 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
     // the forward and this backward wrote for the backward-dw graph is not read.
     slot.fwd->abandon_for(*slot.dw);
     slot.bwd->abandon_for(*slot.dw);
+    slot.input_write.abandon_for(*slot.dw);
+    slot.grad_write.abandon_for(*slot.dw);
   }
   const std::lock_guard<std::mutex> lock(mu_);
   slot.param_grads = std::move(param_grads);
@@ -545,8 +581,11 @@ void GraphManager::run_eager_backward_dw(size_t s) {
 
 void GraphManager::abandon_activations(Slot& slot) {
   if (!slot.fwd) return;
-  if (slot.bwd) slot.fwd->abandon_for(*slot.bwd);
-  if (slot.dw) slot.fwd->abandon_for(*slot.dw);
+  for (const auto* reader : {slot.bwd.get(), slot.dw.get()}) {
+    if (reader == nullptr) continue;
+    slot.fwd->abandon_for(*reader);
+    slot.input_write.abandon_for(*reader);
+  }
 }
 
 void GraphManager::set_state(Slot& slot, SlotState next) {
@@ -576,6 +615,8 @@ void GraphManager::reset() {
       if (*g) (*g)->reset();
       g->reset();
     }
+    slot.input_write.remove();
+    slot.grad_write.remove();
     slot.after_dw = Landing();
     slot.after_backward = Landing();
     slot.dw_inputs.clear();

@@ -5,6 +5,7 @@
 #include "graphs/state_epoch.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
@@ -180,7 +181,29 @@ void CapturedMainGrads::check(const std::string& where) const {
 StaticInputs::StaticInputs(const std::vector<at::Tensor>& samples) {
   for (const auto& t : samples) {
     tensors_.push_back(t.defined() ? t.detach().clone().requires_grad_(t.requires_grad()) : at::Tensor());
+    requires_grad_.push_back(t.defined() && t.requires_grad());
   }
+}
+
+void StaticInputs::move_into(GraphPool& pool) {
+  TORCH_INTERNAL_ASSERT(!released_);
+  const at::NoGradGuard no_grad;
+  const auto scope = pool.allocation_scope();
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    if (tensors_[i].defined()) tensors_[i] = tensors_[i].clone().requires_grad_(requires_grad_[i]);
+  }
+}
+
+void StaticInputs::release() {
+  for (auto& t : tensors_) {
+    if (t.defined()) t = unowned_view(t);
+  }
+  released_ = true;
+}
+
+at::Tensor unowned_view(const at::Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return t.defined() ? t.detach() : t;
+  return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), [](void*) {}, t.options().requires_grad(false));
 }
 
 void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::string& where) const {
@@ -199,7 +222,7 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
                       "sample's layout, where eager code would choose kernels (and output layouts, and rounding) "
                       "for this one. Pass it in the sample's layout (.contiguous() for a contiguous sample), or "
                       "capture with a sample of this layout");
-    DWGRAPH_CHECK_ARG(!x.defined() || !x.requires_grad() || st.requires_grad(), where, ": argument ", i,
+    DWGRAPH_CHECK_ARG(!x.defined() || !x.requires_grad() || requires_grad_[i], where, ": argument ", i,
                       " requires grad but its sample did not, so the graphs compute no gradient for it; capture "
                       "with a sample that requires grad (or detach the input)");
   }

@@ -79,6 +79,14 @@ class StaticInputs {
   void check(const std::vector<at::Tensor>& inputs, const std::string& where) const;
   // Copies `inputs` in (skipping those already in place).
   void copy_in(const std::vector<at::Tensor>& inputs) const;
+  // Note [Slots share the pool by liveness]: moves the buffers into blocks of `pool`
+  // (their values kept), so that once released they are memory later captures may reuse.
+  void move_into(class GraphPool& pool);
+  // Keeps views of the buffers that do not own their memory: the pool may give it to a
+  // later capture, and the pool's replay order keeps the two apart at replay.
+  void release();
+  bool released() const { return released_; }
+  bool sample_requires_grad(size_t i) const { return requires_grad_.at(i); }
   // Marks the static inputs `graph` writes (in-place ops on an argument): eager code would
   // have changed the caller's tensor, so copy_back() does after each replay.
   void note_writes(const class Graph& graph);
@@ -88,8 +96,13 @@ class StaticInputs {
 
  private:
   std::vector<at::Tensor> tensors_;
+  std::vector<bool> requires_grad_;  // of the samples (released views do not require grad)
   std::vector<size_t> written_;
+  bool released_ = false;
 };
+
+// A view of `t` that does not own its memory (same data, sizes, strides, dtype, device).
+at::Tensor unowned_view(const at::Tensor& t);
 
 // "a float tensor of shape [2, 3] on cpu"
 std::string describe(const at::Tensor& t);
