@@ -115,7 +115,16 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _routable(opt, fam: Optional[str]) -> bool:
+def _params_routable(opt) -> bool:
+    """The parameters' part of the decision (asked when the groups' parameters change):
+    real CPU tensors."""
+    return all(isinstance(p, torch.Tensor) and p.device.type == "cpu" and not p.is_complex()
+               for g in opt.param_groups for p in g["params"])
+
+
+def _values_routable(opt, fam: Optional[str]) -> bool:
+    """The values' part (asked when a group's values change): Python-number
+    hyperparameters, none of the flags under which torch runs other code."""
     if fam is None:
         return False
     if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
@@ -128,10 +137,14 @@ def _routable(opt, fam: Optional[str]) -> bool:
                 return False
         except (KeyError, TypeError, IndexError):
             return False
-        for p in g["params"]:
-            if not isinstance(p, torch.Tensor) or p.device.type != "cpu" or p.is_complex():
-                return False
     return True
+
+
+def _immutable(v) -> bool:
+    """A value whose identity stands for its contents (a change replaces the object)."""
+    if v is None or isinstance(v, (int, float, complex, str, bytes, torch.dtype, torch.device, torch.Tensor)):
+        return True
+    return isinstance(v, tuple) and all(_immutable(x) for x in v)
 
 
 # -- watching optimizer.state ------------------------------------------------------------------
@@ -314,6 +327,9 @@ class OptimizerWatch:
         self.params_text = ""
         self.values_text = ""
         self.routed = False
+        self.params_ok = False  # _params_routable, as of the last change of the parameters
+        self.volatile = False  # a group holds a mutable value (a list): compared by its text every call
+        self.group_tensors: List[torch.Tensor] = []  # tensor values of the groups (a tensor lr)
         self.hyper: List[float] = []  # routed: the buffer's values, in slot order
         self.state_obj = None
         self.state_version = -1
@@ -337,6 +353,8 @@ class OptimizerWatch:
                 return True, True
             if not values_changed and not (_same(tuple(g.values()), self.values[i]) and tuple(g) == self.keys[i]):
                 values_changed = True
+        if self.volatile and not values_changed:
+            values_changed = self._values_words(opt) != self.values_text
         return False, values_changed
 
     def refresh_groups(self, opt, structure: bool) -> None:
@@ -347,13 +365,23 @@ class OptimizerWatch:
             self.params = [list(g.get("params", ())) for g in pg]
             # Which parameters each group holds is baked into the captured step.
             self.params_text = ";".join(",".join(f"{id(p):x}" for p in ps) for ps in self.params)
+            self.params_ok = _params_routable(opt)
         self.keys = [tuple(g) for g in pg]
         self.values = [tuple(g.values()) for g in pg]
-        self.routed = _routable(opt, self.family)
+        self.volatile = any(not _immutable(v) for g in pg for k, v in g.items() if k != "params")
+        self.group_tensors = [v for g in pg for k, v in g.items() if isinstance(v, torch.Tensor)]
+        self.routed = self.params_ok and _values_routable(opt, self.family)
+        text = self._values_words(opt)
+        if text != self.values_text:
+            self.changes += 1
+        self.values_text = text
+
+    def _values_words(self, opt) -> str:
+        """The groups' values as the key sees them; fills self.hyper when routed."""
         parts = []
         hyper: List[float] = []
         fam = self.family
-        for g in pg:
+        for g in opt.param_groups:
             if self.routed:
                 # Read at replay: only torch's branches on them and their types select a graph.
                 skip = _READ_FROM[fam]
@@ -367,10 +395,7 @@ class OptimizerWatch:
             else:
                 parts.append(repr(sorted((k, _value_text(v)) for k, v in g.items() if k != "params")))
         self.hyper = hyper
-        text = "|".join(parts)
-        if text != self.values_text:
-            self.changes += 1
-        self.values_text = text
+        return "|".join(parts)
 
     # State ----------------------------------------------------------------------------------
     def state_changed(self, opt) -> bool:
@@ -397,6 +422,11 @@ class OptimizerWatch:
         self.state_version = state.version if isinstance(state, WatchedState) else -1
         self.state_text = ";".join(parts)
         self.state_tensors = tensors
+
+    def watched_tensors(self) -> List[torch.Tensor]:
+        """The tensors whose memory the core checks at every call: the state's, and tensor
+        values of the groups."""
+        return self.state_tensors + self.group_tensors
 
 
 # -- routing during a capture ---------------------------------------------------------------------

@@ -712,10 +712,12 @@ class GraphedStep:
                 structure, values = w.groups_changed(o)
                 state = structure or w.state_changed(o)
             if structure or values:
+                tensors = w.group_tensors
                 w.refresh_groups(o, structure)
                 w.digest = _digest(w.params_text + "#" + w.values_text)
                 if w.routed:
                     self._fill_hyper(o, w)
+                moved = moved or not _C.graphs.same_objects(tensors, w.group_tensors)
             if state:
                 w.refresh_state(o)
                 w.state_digest = _digest(w.state_text)
@@ -726,7 +728,7 @@ class GraphedStep:
         pushed = tuple(pushed)
         if moved or pushed != self._state_pushed:
             # Where the state tensors' memory is: checked by the core at every call.
-            self._native.set_state_tensors([t for o in optimizers for t in self._opt_watches[o].state_tensors])
+            self._native.set_state_tensors([t for o in optimizers for t in self._opt_watches[o].watched_tensors()])
             self._state_pushed = pushed
         return "optimizers " + ",".join(tokens)
 
