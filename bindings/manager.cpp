@@ -89,7 +89,10 @@ void init_manager(py::module_& parent) {
   m.def("phase_totals", [] {
     py::dict d;
     const std::pair<const char*, TimedPhase> phases[] = {
-        {"call", TimedPhase::kCall}, {"backward", TimedPhase::kBackward}, {"backward_dw", TimedPhase::kBackwardDw}};
+        {"call", TimedPhase::kCall},
+        {"backward", TimedPhase::kBackward},
+        {"backward_dw", TimedPhase::kBackwardDw},
+        {"step", TimedPhase::kStep}};
     for (const auto& [name, phase] : phases) {
       const PhaseTotals t = phase_totals(phase);
       py::dict e;
@@ -231,7 +234,7 @@ void init_manager(py::module_& parent) {
       .def(py::init([](StepFn step, int warmup_iters, std::shared_ptr<GraphPool> pool, int64_t max_graphs,
                        std::function<NamedTensors()> params, std::function<std::vector<ModuleSpec>()> modules,
                        std::function<std::vector<at::Tensor>()> buffers, std::function<std::string()> variant_state,
-                       std::string name) {
+                       std::string name, std::function<std::string()> describe_state, int64_t max_captures) {
              GraphedStepOptions o;
              o.warmup_iters = warmup_iters;
              o.pool = std::move(pool);
@@ -240,12 +243,15 @@ void init_manager(py::module_& parent) {
              o.modules = std::move(modules);
              o.buffers = std::move(buffers);
              o.variant_state = std::move(variant_state);
+             o.describe_state = std::move(describe_state);
+             o.max_captures = max_captures;
              auto g = std::make_unique<GraphedStep>(std::move(step), std::move(o));
              g->set_name(std::move(name));
              return g;
            }),
            py::arg("step"), py::kw_only(), py::arg("warmup_iters"), py::arg("pool"), py::arg("max_graphs"),
-           py::arg("params"), py::arg("modules"), py::arg("buffers"), py::arg("variant_state"), py::arg("name"))
+           py::arg("params"), py::arg("modules"), py::arg("buffers"), py::arg("variant_state"), py::arg("name"),
+           py::arg("describe_state") = nullptr, py::arg("max_captures") = 128)
       // Warmup and capture run the autograd engine: no GIL (the step takes it back).
       .def("__call__", &GraphedStep::operator(), py::arg("tensors"), py::arg("key"),
            py::call_guard<py::gil_scoped_release>())
@@ -254,6 +260,28 @@ void init_manager(py::module_& parent) {
       .def_property_readonly("num_captures", &GraphedStep::num_captures)
       .def_property_readonly("last_variant", &GraphedStep::last_variant)
       .def_property_readonly("live_variants", &GraphedStep::live_variants)
+      .def("set_state_tensors", &GraphedStep::set_state_tensors, py::arg("tensors"))
+      .def("stats",
+           [](const GraphedStep& g) {
+             const GraphedStepStats s = g.stats();
+             py::dict d;
+             d["num_graphs"] = s.num_graphs;
+             d["num_captures"] = s.num_captures;
+             d["captures_since_reset"] = s.captures_since_reset;
+             d["num_variants"] = s.num_variants;
+             d["num_keys"] = s.num_keys;
+             d["replays"] = s.replays;
+             d["eager_calls"] = s.eager_calls;
+             d["capture_limited_calls"] = s.capture_limited_calls;
+             d["released"] = s.released;
+             d["dropped_keys"] = s.dropped_keys;
+             d["max_graphs"] = s.max_graphs;
+             d["max_captures"] = s.max_captures;
+             d["max_idle_keys"] = g.max_idle_keys();
+             d["pool_reserved_bytes"] = s.pool_reserved_bytes;
+             d["pool_allocated_bytes"] = s.pool_allocated_bytes;
+             return d;
+           })
       .def("reset", &GraphedStep::reset);
 }
 

@@ -86,6 +86,19 @@ void init_watch(py::module_& parent) {
         return true;
       },
       py::arg("type"));
+  // Note [What selects a graph, watched] (dwgraph/_optim.py): whether two lists hold the
+  // same objects, in order, by identity; one pointer comparison per element, no __eq__.
+  m.def(
+      "same_objects",
+      [](const py::list& a, const py::list& b) {
+        const Py_ssize_t n = PyList_GET_SIZE(a.ptr());
+        if (n != PyList_GET_SIZE(b.ptr())) return false;
+        for (Py_ssize_t i = 0; i < n; ++i) {
+          if (PyList_GET_ITEM(a.ptr(), i) != PyList_GET_ITEM(b.ptr(), i)) return false;
+        }
+        return true;
+      },
+      py::arg("a"), py::arg("b"));
 }
 
 }  // namespace dwgraph::bindings

@@ -3,6 +3,7 @@
 #include "common/check.h"
 #include "common/log.h"
 #include "graphs/caller_state.h"
+#include "graphs/phase_timing.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty_like.h>
@@ -38,6 +39,48 @@ void check_none_queued_before(const std::vector<ModuleSpec>& modules, const char
                         ". Eagerly, the step's backward_dw() would land the oldest of them; the graph lands "
                         "the step's own unit. Run their backward_dw() before calling the graphed step");
   }
+}
+
+// The '|'-separated fields ("name rest") in which two descriptions differ, each with the
+// part that differs (Note [A step that keeps capturing]): "hyperparameters: ...'lr', 0.1)...
+// -> ...'lr', 0.09)...". At most three fields.
+std::string what_changed(const std::string& before, const std::string& after) {
+  auto split = [](const std::string& s) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    for (;;) {
+      const size_t bar = s.find('|', start);
+      out.push_back(s.substr(start, bar == std::string::npos ? std::string::npos : bar - start));
+      if (bar == std::string::npos) break;
+      start = bar + 1;
+    }
+    return out;
+  };
+  auto excerpt = [](const std::string& s, size_t from, size_t to) {
+    constexpr size_t kContext = 24, kMost = 96;
+    const size_t b = from > kContext ? from - kContext : 0;
+    size_t e = std::min(s.size(), to + kContext);
+    std::string out = (b > 0 ? "..." : "") + s.substr(b, std::min(e - b, kMost));
+    if (e - b > kMost || e < s.size()) out += "...";
+    return out;
+  };
+  const auto a = split(before), b = split(after);
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < std::max(a.size(), b.size()) && parts.size() < 3; ++i) {
+    const std::string x = i < a.size() ? a[i] : "", y = i < b.size() ? b[i] : "";
+    if (x == y) continue;
+    const std::string& named = y.empty() ? x : y;
+    const std::string name = named.substr(0, named.find(' '));
+    size_t p = 0;
+    while (p < x.size() && p < y.size() && x[p] == y[p]) ++p;
+    size_t q = 0;
+    while (q < x.size() - p && q < y.size() - p && x[x.size() - 1 - q] == y[y.size() - 1 - q]) ++q;
+    parts.push_back(c10::str(name, ": ", excerpt(x, p, x.size() - q), " -> ", excerpt(y, p, y.size() - q)));
+  }
+  if (parts.empty()) return "nothing it can name";
+  std::string out;
+  for (const auto& part : parts) out += (out.empty() ? "" : "; ") + part;
+  return out;
 }
 
 }  // namespace
@@ -76,6 +119,7 @@ struct GraphedStep::Variant {
 };
 
 struct GraphedStep::Entry {
+  std::list<std::string>::iterator lru_pos;  // in key_lru_
   int calls = 0;
   bool known = false;  // params and modules asked
   NamedTensors params;
@@ -88,6 +132,7 @@ GraphedStep::GraphedStep(StepFn step, GraphedStepOptions options)
   DWGRAPH_CHECK_ARG(step_ != nullptr, kApi, ": argument 'fn' must be a callable step, got none");
   DWGRAPH_CHECK_ARG(opts_.warmup_iters >= 0, kApi, ": argument 'warmup_iters' must be >= 0, got ", opts_.warmup_iters);
   DWGRAPH_CHECK_ARG(opts_.max_graphs >= 1, kApi, ": argument 'max_graphs' must be >= 1, got ", opts_.max_graphs);
+  DWGRAPH_CHECK_ARG(opts_.max_captures >= 0, kApi, ": argument 'max_captures' must be >= 0, got ", opts_.max_captures);
 }
 
 GraphedStep::~GraphedStep() { reset(); }
@@ -112,7 +157,69 @@ void GraphedStep::reset() {
   }
   entries_.clear();
   lru_.clear();
+  key_lru_.clear();
+  captures_since_reset_ = 0;
+  last_capture_.clear();
+  last_key_.clear();
   if (!opts_.pool) pool_.reset();
+}
+
+size_t GraphedStep::max_idle_keys() const {
+  return static_cast<size_t>(std::max<int64_t>(64, 8 * opts_.max_graphs));
+}
+
+GraphedStepStats GraphedStep::stats() const {
+  GraphedStepStats s;
+  s.num_graphs = lru_.size();
+  s.num_captures = captures_;
+  s.captures_since_reset = captures_since_reset_;
+  s.num_variants = variants_made_;
+  s.num_keys = entries_.size();
+  s.replays = replays_;
+  s.eager_calls = eager_calls_;
+  s.capture_limited_calls = limited_calls_;
+  s.released = released_;
+  s.dropped_keys = dropped_keys_;
+  s.max_graphs = opts_.max_graphs;
+  s.max_captures = opts_.max_captures;
+  if (pool_) {
+    const auto p = pool_->stats();
+    s.pool_reserved_bytes = static_cast<int64_t>(p.reserved_bytes);
+    s.pool_allocated_bytes = static_cast<int64_t>(p.allocated_bytes);
+  }
+  return s;
+}
+
+void GraphedStep::drop_idle_keys(const std::string& current) {
+  // Note [A step that keeps capturing]: keys that hold no graph, least recently called
+  // first. Keys with graphs are at most max_graphs, so the walk is short.
+  while (entries_.size() > max_idle_keys()) {
+    auto pos = key_lru_.end();
+    bool dropped = false;
+    while (pos != key_lru_.begin()) {
+      --pos;
+      if (*pos == current) continue;
+      auto it = entries_.find(*pos);
+      const bool holds = std::any_of(it->second->variants.begin(), it->second->variants.end(),
+                                     [](const auto& kv) { return kv.second->graph != nullptr; });
+      if (holds) continue;
+      if (!warned_keys_) {
+        warned_keys_ = true;
+        log::warning("graphed_step ", name_, ": its key changed at every call (", entries_.size(),
+                     " keys; what changed from the previous call: ", what_changed(last_key_, current),
+                     "); a key is captured only after its first warmup_iters=", opts_.warmup_iters,
+                     " calls, so these calls run eagerly. Pass values that change at every call as tensors "
+                     "(a tensor argument's value is read by the graph), or keep them out of the step. Keys "
+                     "without a graph beyond ", max_idle_keys(), " are forgotten, least recently used first");
+      }
+      entries_.erase(it);
+      key_lru_.erase(pos);
+      ++dropped_keys_;
+      dropped = true;
+      break;
+    }
+    if (!dropped) break;
+  }
 }
 
 void GraphedStep::evict_until_room() {
@@ -126,11 +233,13 @@ void GraphedStep::evict_until_room() {
               " reached)");
     if (it->second->graph) it->second->graph->reset();
     e.variants.erase(it);
+    ++released_;
   }
 }
 
 std::vector<at::Tensor> GraphedStep::run_eagerly(const std::vector<at::Tensor>& tensors) {
   last_variant_.clear();
+  ++eager_calls_;
   return step_(tensors);
 }
 
@@ -145,17 +254,41 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
                       "backpropagate into the caller's graph. Detach it, or compute it inside the step");
   }
   std::ostringstream os;
-  os << key << '|';
+  os << key << "|tensors ";
   for (const auto& t : tensors) append_tensor_key(os, t);
-  const std::string full = os.str();
+  std::string full = os.str();
   auto it = entries_.find(full);
-  if (it == entries_.end()) it = entries_.emplace(full, std::make_unique<Entry>()).first;
+  if (it == entries_.end()) {
+    it = entries_.emplace(full, std::make_unique<Entry>()).first;
+    key_lru_.push_front(full);
+    it->second->lru_pos = key_lru_.begin();
+    drop_idle_keys(full);
+  } else if (it->second->lru_pos != key_lru_.begin()) {
+    key_lru_.splice(key_lru_.begin(), key_lru_, it->second->lru_pos);
+  }
+  if (last_key_ != full) last_key_ = full;
   Entry& e = *it->second;
   ++e.calls;
   if (e.calls <= opts_.warmup_iters) return run_eagerly(tensors);  // warmup: the real step, eagerly
   Variant& v = variant_for(e, full, tensors);
   last_variant_ = v.id;
   if (!v.graph) {
+    if (opts_.max_captures >= 0 && captures_since_reset_ >= static_cast<size_t>(opts_.max_captures)) {
+      // Note [A step that keeps capturing]: past the limit, what would be captured runs
+      // eagerly (the graphs held still replay).
+      if (!warned_limit_) {
+        warned_limit_ = true;
+        log::warning("graphed_step ", name_, ": captured ", captures_since_reset_,
+                     " graphs since its last reset() (max_captures=", opts_.max_captures,
+                     "); from now on a call that would capture runs eagerly (what changed from the last capture: ",
+                     what_changed(last_capture_, describe_call(full, e, tensors)),
+                     "). See docs/graphed-step.md, \"A step that keeps capturing\"; reset() starts counting again");
+      }
+      const std::string pattern = v.pattern;  // v is destroyed by the erase
+      e.variants.erase(pattern);
+      ++limited_calls_;
+      return run_eagerly(tensors);
+    }
     try {
       return capture(e, v, full, tensors);
     } catch (...) {
@@ -173,12 +306,34 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
 
 namespace {
 
+// The variant of a call: the front end's variant state, then per parameter whether its
+// .grad exists, whether it requires grad and where its memory is, the memory of the state
+// tensors (the optimizers'), and which tensor arguments that require grad have a .grad.
+// Binary (a few bytes per parameter, no formatting): it is built at every call.
 std::string pattern_of(const NamedTensors& params, const std::vector<at::Tensor>& tensors,
-                       const std::function<std::string()>& state) {
-  std::ostringstream os;
-  if (state) os << state() << '|';
+                       const std::function<std::string()>& state, const std::vector<at::Tensor>& state_tensors) {
+  std::string s = state ? state() : std::string();
+  s.reserve(s.size() + 2 + params.size() * (1 + sizeof(void*)) + state_tensors.size() * sizeof(void*) + tensors.size());
+  s.push_back('\0');
+  auto append = [&s](const void* ptr) { s.append(reinterpret_cast<const char*>(&ptr), sizeof(ptr)); };
   for (const auto& [name, p] : params) {
-    os << (p.grad().defined() ? 'G' : '-') << (p.requires_grad() ? 'R' : '-') << p.data_ptr() << ';';
+    s.push_back(static_cast<char>((p.grad().defined() ? 1 : 0) | (p.requires_grad() ? 2 : 0)));
+    append(p.data_ptr());
+  }
+  s.push_back('\0');
+  for (const auto& t : state_tensors) append(t.defined() && t.has_storage() ? t.data_ptr() : nullptr);
+  for (const auto& t : tensors) {
+    if (t.defined() && t.requires_grad()) s.push_back(t.grad().defined() ? 'G' : '-');
+  }
+  return s;
+}
+
+// The same in words, for the log: "gradients G R 0x...;".
+std::string gradients_in_words(const NamedTensors& params, const std::vector<at::Tensor>& tensors) {
+  std::ostringstream os;
+  os << "gradients ";
+  for (const auto& [name, p] : params) {
+    os << name << (p.grad().defined() ? ":G" : ":-") << (p.requires_grad() ? "R" : "-") << '@' << p.data_ptr() << ';';
   }
   for (const auto& t : tensors) {
     if (t.defined() && t.requires_grad()) os << (t.grad().defined() ? 'G' : '-');
@@ -194,13 +349,13 @@ GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::string& key,
     e.modules = opts_.modules ? opts_.modules() : std::vector<ModuleSpec>{};
     e.known = true;
   }
-  std::string pattern = pattern_of(e.params, tensors, opts_.variant_state);
+  std::string pattern = pattern_of(e.params, tensors, opts_.variant_state, state_tensors_);
   auto it = e.variants.find(pattern);
   if (it == e.variants.end() || !it->second->graph) {
     // About to capture: what the step trains may have grown since (a parameter unfrozen).
     e.params = opts_.params ? opts_.params() : NamedTensors{};
     e.modules = opts_.modules ? opts_.modules() : std::vector<ModuleSpec>{};
-    pattern = pattern_of(e.params, tensors, opts_.variant_state);
+    pattern = pattern_of(e.params, tensors, opts_.variant_state, state_tensors_);
     it = e.variants.find(pattern);
   }
   if (it == e.variants.end()) {
@@ -209,6 +364,11 @@ GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::string& key,
     it->second->id = std::to_string(++variants_made_);
   }
   return *it->second;
+}
+
+std::string GraphedStep::describe_call(const std::string& key, const Entry& e, const std::vector<at::Tensor>& tensors) const {
+  std::string state = opts_.describe_state ? opts_.describe_state() : (opts_.variant_state ? opts_.variant_state() : "");
+  return c10::str(key, '|', state, '|', gradients_in_words(e.params, tensors));
 }
 
 std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::string& key,
@@ -364,7 +524,21 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
   }
   v.graph = std::move(graph);
   ++captures_;
+  ++captures_since_reset_;
   lru_.emplace_front(key, v.pattern);
+  {
+    // Note [A step that keeps capturing].
+    std::string words = describe_call(key, e, tensors);
+    if (!warned_storm_ && static_cast<int64_t>(captures_since_reset_) > opts_.max_graphs) {
+      warned_storm_ = true;
+      log::warning("graphed_step ", name_, ": captured ", captures_since_reset_, " graphs, more than it holds (max_graphs=",
+                   opts_.max_graphs, "), so it keeps capturing instead of replaying (what changed from the previous "
+                   "capture: ", what_changed(last_capture_, words), "). A value the graph bakes in changes between "
+                   "calls: see docs/graphed-step.md, \"A step that keeps capturing\". After max_captures=",
+                   opts_.max_captures, " captures it runs such calls eagerly");
+    }
+    last_capture_ = std::move(words);
+  }
   if (log::enabled(log::Level::kInfo)) {
     const auto pool_stats = pool_->stats();
     char time[32];
@@ -394,8 +568,11 @@ std::vector<at::Tensor> GraphedStep::replay(Entry& e, Variant& v, const std::vec
   const auto& params = v.params.tensors();
   for (size_t i = 0; i < v.param_grads.size(); ++i) check_grad(params[i].grad(), v.param_grads[i]);
   for (size_t k = 0; k < v.grad_inputs.size(); ++k) check_grad(tensors[v.grad_inputs[k]].grad(), v.input_grads[k]);
-  v.inputs.copy_in(tensors);
+  ++replays_;
+  uint64_t replay_ns = 0, copy_ns = 0;  // phase_timing.h: the overhead benchmark subtracts them
   {
+    const ScopedNs t(&copy_ns);
+    v.inputs.copy_in(tensors);
     const at::NoGradGuard no_grad;
     for (size_t i = 0; i < v.param_grads.size(); ++i) {
       if (v.param_grads[i].copy_in) v.param_grads[i].stand_in.copy_(params[i].grad());
@@ -404,9 +581,13 @@ std::vector<at::Tensor> GraphedStep::replay(Entry& e, Variant& v, const std::vec
       if (v.input_grads[k].copy_in) v.input_grads[k].stand_in.copy_(tensors[v.grad_inputs[k]].grad());
     }
   }
-  v.graph->replay();
-  v.inputs.copy_back(tensors);
   {
+    const ScopedNs t(&replay_ns);
+    v.graph->replay();
+  }
+  {
+    const ScopedNs t(&copy_ns);
+    v.inputs.copy_back(tensors);
     const at::NoGradGuard no_grad;
     auto give_back = [](const at::Tensor& leaf, const GradSlot& slot) {
       switch (slot.back) {
@@ -429,8 +610,12 @@ std::vector<at::Tensor> GraphedStep::replay(Entry& e, Variant& v, const std::vec
   v.landing.land();
   // Fresh tensors the caller owns, as an eager step returns.
   std::vector<at::Tensor> out;
-  out.reserve(v.static_outputs.size());
-  for (const auto& o : v.static_outputs) out.push_back(o.defined() ? o.clone() : at::Tensor());
+  {
+    const ScopedNs t(&copy_ns);
+    out.reserve(v.static_outputs.size());
+    for (const auto& o : v.static_outputs) out.push_back(o.defined() ? o.clone() : at::Tensor());
+  }
+  add_phase_time(TimedPhase::kStep, replay_ns, copy_ns, true);
   return out;
 }
 

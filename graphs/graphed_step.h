@@ -21,6 +21,19 @@
 // parameters require grad and where their memory is: freezing, unfreezing or
 // re-allocating a parameter selects (captures) another variant rather than replaying one
 // that would train the wrong set.
+//
+// Note [A step that keeps capturing] (contract C10): a value that changes at every call
+// and is baked into the graph (a Python-number hyperparameter of an optimizer whose step
+// cannot read it at replay, an int argument) makes every call capture, or warm up, again:
+// slower than eager, with nothing said. So the step (1) warns once, naming what changed
+// from the previous capture, when it has captured more graphs since its last reset() than
+// it holds (max_graphs); (2) after max_captures captures since its last reset() (128, as
+// Inductor's CUDA graph trees stop re-recording), runs every call that would capture
+// eagerly instead, as a warmup call does, and says so once; (3) keeps at most
+// max_idle_keys() keys that hold no graph, dropping the least recently used (an int
+// counter argument makes a key per call, each waiting for its warmup calls forever), and
+// warns once, naming what changed in the key, when it first drops one. stats() counts
+// captures, variants, keys, replays and eager calls.
 
 #include "graphs/graph.h"
 #include "graphs/landing.h"
@@ -54,8 +67,33 @@ struct GraphedStepOptions {
   std::function<std::vector<at::Tensor>()> buffers;
   // Other state the captured kernels bake in, asked at every call after the warmup calls
   // (Python: the training flags of the modules the step runs, the optimizers' Python-number
-  // hyperparameters): a change selects (captures) another variant. Optional.
+  // hyperparameters): a change selects (captures) another variant. Optional. Called at
+  // every call: it should be cheap when nothing changed (Python: Note [What selects a
+  // graph, watched]).
   std::function<std::string()> variant_state;
+  // The variant state in words, for the log (asked at capture only). Optional.
+  std::function<std::string()> describe_state;
+  // Note [A step that keeps capturing]: after this many captures since the last reset(),
+  // calls that would capture run eagerly.
+  int64_t max_captures = 128;
+};
+
+// What a step did (GraphedStep::stats()).
+struct GraphedStepStats {
+  size_t num_graphs = 0;            // graphs held now
+  size_t num_captures = 0;          // captures in the step's lifetime
+  size_t captures_since_reset = 0;  // what max_captures counts
+  size_t num_variants = 0;          // distinct (key, variant) the step made a graph slot for, lifetime
+  size_t num_keys = 0;              // keys known now
+  size_t replays = 0;
+  size_t eager_calls = 0;           // warmup calls, abandoned captures, calls past max_captures
+  size_t capture_limited_calls = 0; // of those: calls past max_captures
+  size_t released = 0;              // graphs released for room (max_graphs)
+  size_t dropped_keys = 0;          // keys without a graph dropped (max_idle_keys)
+  int64_t max_graphs = 0;
+  int64_t max_captures = 0;
+  int64_t pool_reserved_bytes = 0;
+  int64_t pool_allocated_bytes = 0;
 };
 
 class GraphedStep {
@@ -84,6 +122,13 @@ class GraphedStep {
   void set_name(std::string name) { name_ = std::move(name); }
   // Releases every graph and the pool.
   void reset();
+  // Tensors whose memory the step's graphs depend on beyond the parameters (Python: the
+  // optimizers' state tensors): where one's memory moved since a capture, the call selects
+  // another variant. Checked at every call (one pointer each).
+  void set_state_tensors(std::vector<at::Tensor> tensors) { state_tensors_ = std::move(tensors); }
+  GraphedStepStats stats() const;
+  // Note [A step that keeps capturing]: the keys without a graph kept.
+  size_t max_idle_keys() const;
 
  private:
   struct Entry;
@@ -92,13 +137,28 @@ class GraphedStep {
   std::vector<at::Tensor> capture(Entry& e, Variant& v, const std::string& key, const std::vector<at::Tensor>& tensors);
   std::vector<at::Tensor> replay(Entry& e, Variant& v, const std::vector<at::Tensor>& tensors);
   void evict_until_room();
+  void drop_idle_keys(const std::string& current);
+  std::string describe_call(const std::string& key, const Entry& e, const std::vector<at::Tensor>& tensors) const;
 
   StepFn step_;
   GraphedStepOptions opts_;
   std::shared_ptr<GraphPool> pool_;
   std::map<std::string, std::unique_ptr<Entry>> entries_;
   std::list<std::pair<std::string, std::string>> lru_;  // captured (key, variant), most recent first
+  std::list<std::string> key_lru_;                      // every key, most recently called first
+  std::vector<at::Tensor> state_tensors_;
   size_t captures_ = 0;
+  size_t captures_since_reset_ = 0;
+  size_t replays_ = 0;
+  size_t eager_calls_ = 0;
+  size_t limited_calls_ = 0;
+  size_t released_ = 0;
+  size_t dropped_keys_ = 0;
+  bool warned_storm_ = false;
+  bool warned_limit_ = false;
+  bool warned_keys_ = false;
+  std::string last_capture_;  // the previous capture in words (describe_call())
+  std::string last_key_;      // the previous call's key
   std::string name_ = "step";
   std::string last_variant_;
   uint64_t variants_made_ = 0;
@@ -111,5 +171,6 @@ class GraphedStep {
 namespace dwgraph {
 using graphs::GraphedStep;
 using graphs::GraphedStepOptions;
+using graphs::GraphedStepStats;
 using graphs::StepFn;
 }  // namespace dwgraph

@@ -538,7 +538,7 @@ void GraphManager::backward_dw(size_t s) {
                         "the graphs saw (as the eager modules, which refuse this too); that backward's weight "
                         "gradients are dropped");
   }
-  uint64_t replay_ns = 0, copy_ns = 0;
+  uint64_t replay_ns = 0;
   {
     const ScopedNs t(&replay_ns);
     slot.dw->replay();

@@ -7,7 +7,7 @@ std::atomic<bool> g_on{false};
 struct Totals {
   std::atomic<uint64_t> count{0}, replay_ns{0}, copy_ns{0};
 };
-std::array<Totals, 3> g_totals;
+std::array<Totals, 4> g_totals;
 
 }  // namespace
 

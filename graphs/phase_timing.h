@@ -1,9 +1,10 @@
 #pragma once
-// Host time of the graphed entry points, for the overhead benchmark (namespace
-// dwgraph::graphs; bench/bench_overhead.py, contract C10): while switched on, each call,
-// backward and backward_dw() of a graphed callable adds the time spent in its graph's
-// replay and in its copies (static inputs in and out, outputs cloned, gradients copied and
-// handed over) to process-wide totals, so the benchmark can subtract them from the wall
+// Host time of the graphed entry points, for the overhead benchmarks (namespace
+// dwgraph::graphs; bench/bench_manager.py, bench/bench_step.py, contract C10): while
+// switched on, each call, backward and backward_dw() of a graphed callable, and each
+// replaying call of a graphed step (kStep), adds the time spent in its graph's replay and
+// in its copies (static inputs in and out, outputs cloned, gradients copied and handed
+// over) to process-wide totals, so the benchmark can subtract them from the wall
 // time of the same calls and what is left is the manager's own host work. Off (the
 // default) it costs one relaxed load per phase.
 
@@ -14,7 +15,7 @@
 
 namespace dwgraph::graphs {
 
-enum class TimedPhase { kCall = 0, kBackward = 1, kBackwardDw = 2 };
+enum class TimedPhase { kCall = 0, kBackward = 1, kBackwardDw = 2, kStep = 3 };
 
 struct PhaseTotals {
   uint64_t count = 0;

@@ -12,8 +12,8 @@ from . import _C
 from . import ops
 from . import nn
 from . import graphs
-from .graphed import GraphedCallable, graphed_handle, make_graphed_callables, summary
-from .step import GraphedStep, graphed_step
+from .graphed import GraphedCallable, graphed_handle, make_graphed_callables
+from .step import GraphedStep, graphed_step, summary  # summary: of graphed steps too
 
 __version__ = _C.version()
 

@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import enum
 import functools
+import hashlib
 import itertools
 import threading
 import types
@@ -40,13 +41,14 @@ import torch.optim.optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from . import _C, _spec
-from ._watch import was_displaced
+from . import _C, _optim, _spec
+from . import _watch as _state_watch
+from . import graphed as _graphed
 from .errors import ArgumentError, GraphStateError, _CreatesState, _FoundMore
 from .graphs import refuse_host_read
 from .nn import _step_context
 
-__all__ = ["graphed_step", "GraphedStep"]
+__all__ = ["graphed_step", "GraphedStep", "summary"]
 
 
 # -- what a step touches, seen from its own thread ----------------------------------------------
@@ -120,9 +122,9 @@ def _seen_module(module, _inputs) -> None:
         return
     inner = _compiled_module_tree(module)
     for step, watcher in _watch.seeing:
-        step._all_modules.setdefault(id(module), module)
+        step._see_module(module)
         for m in inner:
-            step._all_modules.setdefault(id(m), m)
+            step._see_module(m)
             for p in m.parameters(recurse=False):
                 watcher._see(p)
 
@@ -199,15 +201,26 @@ def _install_optimizer_hooks() -> None:
             _watch.step._optimizers.setdefault(id(opt), opt)
             _watch.step._hyper_before.setdefault(id(opt), (opt, _hyperparameters([opt])))
             _watch.optimizer = opt
+            capturing = _C.graphs.capturing()
             # State made inside a capture would live in the graph's pool and be the
             # capture's, not the caller's: it must exist before (a warmup call makes it).
             # Stateless optimizers (SGD without momentum) make none.
-            _watch.state_before = ({p: set(st) for p, st in opt.state.items()} if _C.graphs.capturing() else None)
+            _watch.state_before = ({p: set(st) for p, st in opt.state.items()} if capturing else None)
+            if capturing and opt not in _watch.step._opt_watches:
+                # Not in the variant state this capture was selected by (a new optimizer,
+                # replacing one): start again knowing it, so its values select or are read.
+                raise _FoundMore(
+                    f"dwgraph.graphed_step: at capture the step stepped a {type(opt).__name__} its earlier calls did "
+                    "not; the capture was abandoned and is retried with it")
+            # Note [Hyperparameters a replay reads] (_optim.py): inside a capture, torch's
+            # SGD/Adam implementations read this optimizer's values from its buffer.
+            _optim.active.route = _watch.step._route_for(opt) if capturing else None
 
     def post(opt, args, kwargs):
         if _watch.step is None:
             return
         _watch.optimizer = None
+        _optim.active.route = None
         before, _watch.state_before = _watch.state_before, None
         if before is None:
             return
@@ -402,20 +415,32 @@ def _schedulers_of(optimizers) -> list:
     return out
 
 
-def _state_identity(optimizers) -> str:
-    # A captured optimizer step reads and updates the state tensors it found at capture:
-    # which tensors they are (load_state_dict, state.clear() replace them) selects a graph.
-    parts = []
-    for opt in optimizers:
-        for g in opt.param_groups:
-            for p in g["params"]:
-                state = opt.state.get(p)
-                if state:
-                    parts.append(",".join(f"{k}:{id(v)}@{v.data_ptr()}" if isinstance(v, torch.Tensor) else f"{k}"
-                                          for k, v in sorted(state.items(), key=lambda kv: str(kv[0]))))
-                else:
-                    parts.append("-")
-    return ";".join(parts)
+def _digest(text: str) -> str:
+    """A short stand-in for a long variant-state text (the core compares it at every call)."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def _watch_module(module) -> bool:
+    """Note [What selects a graph, watched]: makes `module`'s hook dicts watching dicts
+    (dwgraph._watch's: a change moves the state epoch) and gives its parameters' types the
+    setter watch (a grad_dtype assignment moves it). Only an empty hook dict is replaced
+    (a RemovableHandle made earlier holds the dict its hook is in). False when some of it
+    cannot be watched: the step then looks at this module at every call."""
+    ok = True
+    d = vars(module)
+    for kind in _spec.HOOK_KINDS:
+        hooks = d.get(kind)
+        if hooks is None or isinstance(hooks, (_state_watch.WatchedDict, _state_watch.WatchedOrderedDict)):
+            continue
+        if hooks:
+            ok = False
+            continue
+        d[kind] = (_state_watch.WatchedOrderedDict if isinstance(hooks, collections.OrderedDict)
+                   else _state_watch.WatchedDict)()
+    for p in module._parameters.values():
+        if p is not None and not _C.graphs.watch_parameter_setters(type(p)):
+            ok = False
+    return ok
 
 
 def _refuse_changed_arguments(caller, rebuilt, given: List[torch.Tensor], static: List[torch.Tensor]) -> None:
@@ -467,7 +492,8 @@ class GraphedStep:
     """The callable ``@graphed_step`` returns. ``num_graphs`` and ``num_captures`` report
     how many graphs it holds and how often it captured; ``reset()`` releases them."""
 
-    def __init__(self, fn: Callable, *, warmup_iters: int = 3, pool=None, params=None, max_graphs: int = 8):
+    def __init__(self, fn: Callable, *, warmup_iters: int = 3, pool=None, params=None, max_graphs: int = 8,
+                 max_captures: int = 128):
         functools.update_wrapper(self, fn)
         _install_optimizer_hooks()
         self._fn = fn
@@ -495,6 +521,24 @@ class GraphedStep:
         self._ran_python = False
         self._hyper_before: Dict[int, tuple] = {}  # this call: each optimizer's values when first seen
         self._changes_own_hyperparameters: Optional[str] = None  # seen in an eager call
+        # Note [What selects a graph, watched]: the variant state, rebuilt only for what
+        # changed. Modules: the state epoch (training flags, hook dicts made watching dicts
+        # when a module is first seen, parameter setters) and which modules the step runs;
+        # modules whose hooks cannot be watched are looked at every call.
+        self._modules_added = 0
+        self._unwatched: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+        self._modules_stamp = None
+        self._modules_text = ""
+        self._modules_digest = ""
+        self._unwatched_words = ""
+        # Optimizers: one _optim.OptimizerWatch each; a serial number instead of id() (a
+        # new optimizer may get a dead one's id); the routed ones' hyperparameter buffers.
+        self._opt_watches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._opt_serials: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._serials = itertools.count(1)
+        self._hyper_buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._state_pushed: tuple = ()
+        self._trained_ids: Optional[set] = None  # what _unique_arguments refuses, cached
         name = getattr(fn, "__name__", type(fn).__name__)
         # Note [A graphed step holds itself weakly]: the core keeps the functions it is
         # given for its lifetime, and this object keeps the core. A bound method (or a
@@ -509,7 +553,7 @@ class GraphedStep:
             _weakly(self, "_run_flat", name), warmup_iters=warmup_iters, pool=pool, max_graphs=max_graphs,
             params=_weakly(self, "_params", name), modules=_weakly(self, "_module_specs", name),
             buffers=_weakly(self, "_buffers", name), variant_state=_weakly(self, "_variant_state", name),
-            name=name)
+            name=name, describe_state=_weakly(self, "_describe_state", name), max_captures=int(max_captures))
 
     @staticmethod
     def _named(params):
@@ -534,10 +578,12 @@ class GraphedStep:
             # module built inside the step, another model) change nothing here.
             tree = self._module_tree()
             trained = list(self._touched.values()) + ([p for _, p in self._given] if self._given else [])
-            if tree != self._tree or any(was_displaced(t) for t in trained):
+            if tree != self._tree or any(_state_watch.was_displaced(t) for t in trained):
                 self._native.reset()
                 self._touched.clear()
+                self._trained_ids = None
                 self._all_modules.clear()
+                self._unwatched.clear()
                 self._out_specs.clear()
                 tree = self._module_tree()
             self._version, self._tree = version, tree
@@ -550,7 +596,8 @@ class GraphedStep:
         # modules' training flags and the optimizers' hyperparameters select a variant
         # (_variant_state), as they are known only after the warmup calls.
         autocast = [(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
-        key = f"{key_args}{key_kwargs}|aliases {where}|grad {torch.is_grad_enabled()}|autocast {autocast}"
+        key = (f"args {key_args}|kwargs {key_kwargs}|aliases {where}|grad {torch.is_grad_enabled()}"
+               f"|autocast {autocast}")
         # Eager calls (warmup) run the step on the caller's own arguments, so what it does
         # to them (an append to a list argument, an attribute set on a batch object) is
         # what the undecorated function does; a capture runs it on a rebuilt copy holding
@@ -604,29 +651,130 @@ class GraphedStep:
                  [(n, id(b)) for n, b in m.named_buffers(recurse=False)],
                  [(n, id(c)) for n, c in m.named_children()]) for m in self._all_modules.values()]
 
-    def _hooks(self) -> str:
-        # Module hooks are Python the captured kernels may depend on (a hook that changes
-        # an output): hooks added or removed select another graph, captured with them.
-        ids = [id(h) for m in self._all_modules.values() for kind in _spec.HOOK_KINDS for h in getattr(m, kind).values()]
-        ids += [id(h) for _, h in _spec.user_global_hooks()]
-        return ",".join(map(str, ids))
+    # -- the variant state (Note [What selects a graph, watched]) ---------------------------
+    def _see_module(self, module) -> None:
+        """A module the step runs: from now on part of its variant state. Its hook dicts
+        become watching dicts (an added or removed hook moves the state epoch) and its
+        parameters' types get the setter watch (grad_dtype); where that cannot be done (a
+        hook registered before the step saw the module, a parameter type with its own
+        __setattr__), the module is looked at every call."""
+        if id(module) in self._all_modules:
+            return
+        self._all_modules[id(module)] = module
+        self._modules_added += 1
+        if not _watch_module(module):
+            self._unwatched[id(module)] = module
 
-    def _variant_state(self) -> str:
-        modes = "".join("1" if m.training else "0" for m in self._all_modules.values())
+    def _module_words(self, modules) -> str:
+        modules = list(modules)
+        modes = "".join("1" if m.training else "0" for m in modules)
         # The engine casts a leaf's gradient to its grad_dtype and dwgraph modules choose
         # their weight-gradient GEMM's output dtype by it: part of what the kernels are.
         grad_dtypes = ",".join("." if getattr(p, "grad_dtype", None) in (None, p.dtype) else str(p.grad_dtype)
-                               for m in self._all_modules.values() for p in m.parameters(recurse=False))
-        optimizers = list(self._optimizers.items())
-        return (f"training {modes}|grad_dtype {grad_dtypes}|hooks {self._hooks()}|optimizers {[i for i, _ in optimizers]}"
-                f"|{_hyperparameters(o for _, o in optimizers)}|state {_state_identity(o for _, o in optimizers)}")
+                               for m in modules for p in m.parameters(recurse=False))
+        # Module hooks are Python the captured kernels may depend on (a hook that changes
+        # an output): hooks added or removed select another graph, captured with them.
+        hooks = ",".join(str(id(h)) for m in modules for kind in _spec.HOOK_KINDS for h in getattr(m, kind).values())
+        return f"training {modes}|grad_dtype {grad_dtypes}|hooks {hooks}"
+
+    def _variant_state(self) -> str:
+        """Asked by the core at every call after the warmup calls: O(1) in the modules and
+        parameters when nothing changed, O(groups) per optimizer (plus one pointer compare per
+        parameter of its groups, at C speed)."""
+        stamp = (_C.graphs.state_epoch(), self._modules_added, len(self._all_modules))
+        if stamp != self._modules_stamp:
+            words = self._module_words(self._all_modules.values())
+            if _state_watch.global_hooks_watched():
+                words += "|global hooks " + ",".join(str(id(h)) for _, h in _spec.user_global_hooks())
+            self._modules_text, self._modules_digest, self._modules_stamp = words, _digest(words), stamp
+        parts = [f"modules {self._modules_digest}"]
+        if self._unwatched or not _state_watch.global_hooks_watched():
+            words = self._module_words(self._unwatched.values()) if self._unwatched else ""
+            if not _state_watch.global_hooks_watched():
+                words += "|global hooks " + ",".join(str(id(h)) for _, h in _spec.user_global_hooks())
+            self._unwatched_words = words
+            parts.append(f"unwatched {_digest(words)}")
+        parts.append(self._optimizer_state())
+        return "|".join(parts)
+
+    def _optimizer_state(self) -> str:
+        optimizers = [o for _, o in self._optimizers.items()]
+        tokens = []
+        pushed = []
+        moved = False
+        for o in optimizers:
+            w = self._opt_watches.get(o)
+            if w is None:
+                w = self._opt_watches[o] = _optim.OptimizerWatch(o)
+                self._opt_serials[o] = next(self._serials)
+                structure = values = state = True
+            else:
+                structure, values = w.groups_changed(o)
+                state = structure or w.state_changed(o)
+            if structure or values:
+                tensors = w.group_tensors
+                w.refresh_groups(o, structure)
+                w.digest = _digest(w.params_text + "#" + w.values_text)
+                if w.routed:
+                    self._fill_hyper(o, w)
+                moved = moved or not _C.graphs.same_objects(tensors, w.group_tensors)
+            if state:
+                w.refresh_state(o)
+                w.state_digest = _digest(w.state_text)
+                moved = True
+            serial = self._opt_serials[o]
+            pushed.append(serial)
+            tokens.append(f"{serial}:{w.digest}:{w.state_digest}")
+        pushed = tuple(pushed)
+        if moved or pushed != self._state_pushed:
+            # Where the state tensors' memory is: checked by the core at every call.
+            self._native.set_state_tensors([t for o in optimizers for t in self._opt_watches[o].watched_tensors()])
+            self._state_pushed = pushed
+        return "optimizers " + ",".join(tokens)
+
+    def _fill_hyper(self, opt, w) -> None:
+        """Note [Hyperparameters a replay reads]: the values the routed optimizer's captured
+        step reads, written into its buffer (one per number of values: a graph captured
+        with another layout keeps reading its own)."""
+        buffers = self._hyper_buffers.get(opt)
+        if buffers is None:
+            buffers = self._hyper_buffers[opt] = {}
+        buf = buffers.get(len(w.hyper))
+        if buf is None:
+            buf = buffers[len(w.hyper)] = torch.zeros(len(w.hyper), dtype=torch.float64)
+        with torch.no_grad():
+            buf.copy_(torch.tensor(w.hyper, dtype=torch.float64))
+
+    def _route_for(self, opt):
+        """Inside a capture: the route of `opt`'s step, or None (torch's own code, its values
+        in the key)."""
+        w = self._opt_watches.get(opt)
+        if w is None or not w.routed:
+            return None
+        return _optim.Route(opt, w.family, self._hyper_buffers[opt][len(w.hyper)])
+
+    def _describe_state(self) -> str:
+        """The variant state in words (the log's "what changed"; asked at capture only)."""
+        parts = [self._modules_text]
+        if self._unwatched_words:
+            parts.append(f"unwatched {self._unwatched_words}")
+        for _, o in self._optimizers.items():
+            w = self._opt_watches.get(o)
+            if w is None:
+                continue
+            name = f"{type(o).__name__}#{self._opt_serials.get(o)}"
+            parts += [f"hyperparameters({name}) {w.values_text}", f"param_groups({name}) {w.params_text}",
+                      f"optimizer_state({name}) {w.state_text}"]
+        return "|".join(parts)
 
     def _unique_arguments(self, found: List[torch.Tensor]):
         """The distinct tensor arguments, and for each argument its index among them. The
         same tensor twice is one static input; two tensors sharing memory, or a tensor the
         step trains passed as an argument, cannot be copied into static inputs faithfully
         and are refused."""
-        trained = set(self._touched) | ({id(p) for _, p in self._given} if self._given else set())
+        trained = self._trained_ids
+        if trained is None:
+            trained = self._trained_ids = set(self._touched) | ({id(p) for _, p in self._given} if self._given else set())
         unique, where, index, memory = [], [], {}, {}
         for i, t in enumerate(found):
             if id(t) in index:
@@ -690,17 +838,26 @@ class GraphedStep:
         _watch.seeing.append(seeing)
         _module_hook.enter()
         try:
-            with watcher, _compiled_code_as_captured():
+            # Capturing: torch.optim's SGD and Adam implementations read the routed
+            # optimizers' hyperparameters from their buffers (Note [Hyperparameters a
+            # replay reads]).
+            with watcher, _compiled_code_as_captured(), (_optim.routing() if handed is not None
+                                                         else contextlib.nullcontext()):
                 out = self._fn(*args, **kwargs)
         except Exception as e:
             opt = _watch.optimizer
-            if opt is not None and handed is not None and not getattr(e, "_dwgraph_complete", False):
+            if opt is not None and handed is not None and not getattr(e, "_dwgraph_complete", False) and \
+                    not isinstance(e, _FoundMore):
                 raise GraphStateError(
-                    f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step cannot be captured ({e}); "
-                    "an optimizer that reads tensor values on the host (Adam/AdamW without capturable=True, for "
-                    "example) must run after the step returns") from e
+                    f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step cannot be captured ({e}): it "
+                    "reads tensor values on the host. A graphed step reads the hyperparameters and step counts of "
+                    "torch.optim.SGD, Adam and AdamW on the CPU at replay (Python-number hyperparameters); for "
+                    "another optimizer pass fused=True where torch has a fused implementation (the CPU too), "
+                    "capturable=True on CUDA (with a tensor lr, which it reads at replay), or step the optimizer "
+                    "after the graphed step returns") from e
             raise
         finally:
+            _optim.active.route = None
             _module_hook.leave()
             _watch.seeing.remove(seeing)
             _watch.step, _watch.optimizer = saved
@@ -737,6 +894,7 @@ class GraphedStep:
                 for t, before in stray:
                     t.grad = before  # what the capture wrote there is the graph's memory
                 self._touched.update({id(t): t for t, _ in stray})  # known from now on
+                self._trained_ids = None
                 raise _FoundMore(
                     f"dwgraph.graphed_step: at capture the step gave a gradient to (or used the .grad of) "
                     f"{_describe(stray[0][0])} that it did not touch in its earlier calls, so the graph would not hand "
@@ -748,6 +906,8 @@ class GraphedStep:
                     "hooks run after the step's graph, so they would see gradients only after the optimizer used "
                     "them. Move the optimizer step out of the graphed step, or remove the hooks")
         else:
+            if any(i not in self._touched for i in touched):
+                self._trained_ids = None
             self._touched.update({i: t for i, (t, _) in touched.items()})
         out_leaves, out_spec = pytree.tree_flatten(out)
         for leaf in out_leaves:
@@ -790,6 +950,44 @@ class GraphedStep:
     def num_captures(self) -> int:
         return self._native.num_captures
 
+    @property
+    def num_variants(self) -> int:
+        """Distinct (key, variant) pairs the step prepared a graph for, in its lifetime."""
+        return self._native.stats()["num_variants"]
+
+    def stats(self) -> Dict[str, Any]:
+        """What the step did (Note [A step that keeps capturing], graphs/graphed_step.h):
+        ``num_graphs`` (held now), ``num_captures`` (lifetime), ``captures_since_reset`` (what
+        ``max_captures`` counts), ``num_variants``, ``num_keys``, ``replays``, ``eager_calls``
+        (warmup calls, abandoned captures and ``capture_limited_calls``, the calls run eagerly
+        past ``max_captures``), ``released`` (graphs released for room), ``dropped_keys``,
+        ``max_graphs``, ``max_captures``, ``max_idle_keys``, the pool's bytes, and
+        ``optimizers``: per optimizer the step runs, whether its hyperparameters are read at
+        replay (``"read at replay"``) or select a graph by value (``"in the key"``)."""
+        st = self._native.stats()
+        st["optimizers"] = {f"{type(o).__name__}#{self._opt_serials.get(o)}":
+                            ("read at replay" if self._opt_watches.get(o) is not None and self._opt_watches[o].routed
+                             else "in the key")
+                            for _, o in self._optimizers.items()}
+        return st
+
+    def summary(self) -> str:
+        """A few lines: graphs, captures, variants, keys, calls, pool, optimizers."""
+        st = self.stats()
+        fmt = _C.format_bytes
+        out = [f"dwgraph.graphed_step {self.__name__}: {st['num_graphs']} graphs held (max_graphs={st['max_graphs']})",
+               f"  captures        {st['num_captures']} ({st['captures_since_reset']} since reset, "
+               f"max_captures={st['max_captures']})",
+               f"  variants        {st['num_variants']}",
+               f"  keys            {st['num_keys']} ({st['dropped_keys']} dropped, max_idle_keys={st['max_idle_keys']})",
+               f"  calls           {st['replays']} replayed, {st['eager_calls']} eager "
+               f"({st['capture_limited_calls']} past max_captures)",
+               f"  released        {st['released']} graphs",
+               f"  pool reserved   {fmt(st['pool_reserved_bytes'])}",
+               f"  pool live       {fmt(st['pool_allocated_bytes'])}"]
+        out += [f"  optimizer       {name}: hyperparameters {how}" for name, how in st["optimizers"].items()]
+        return "\n".join(out)
+
     def reset(self) -> None:
         self._native.reset()
         self._out_specs.clear()
@@ -801,7 +999,7 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def graphed_step(fn: Optional[Callable] = None, *, warmup_iters: int = 3, pool=None, params=None,
-                 max_graphs: int = 8):
+                 max_graphs: int = 8, max_captures: int = 128):
     """Decorates a training step (forward, ``loss.backward()``, ``backward_dw()`` calls,
     optionally gradient clipping and a capturable optimizer step) so it runs as graphs:
     ``warmup_iters`` eager calls per key, then a capture on a private pool, then replays.
@@ -813,8 +1011,23 @@ def graphed_step(fn: Optional[Callable] = None, *, warmup_iters: int = 3, pool=N
     describe are refused. Up to ``max_graphs`` graphs are kept, least recently used
     released first. ``params``: what the step trains (a module, a dict, or tensors);
     by default whatever its backward calls reach during the warmup calls, so at least one
-    warmup call runs. Returned tensors are fresh tensors the caller owns."""
+    warmup call runs. Returned tensors are fresh tensors the caller owns.
+
+    The learning rates, momenta, betas, eps and weight decays of ``torch.optim.SGD``,
+    ``Adam`` and ``AdamW`` stepped inside the step (CPU) are read at replay: an LR
+    scheduler stepped outside the step selects no new graph. A step that keeps capturing
+    warns once; after ``max_captures`` captures since its last ``reset()`` it runs calls
+    that would capture eagerly (``stats()``, ``summary()``)."""
     def wrap(f):
-        return GraphedStep(f, warmup_iters=warmup_iters, pool=pool, params=params, max_graphs=max_graphs)
+        return GraphedStep(f, warmup_iters=warmup_iters, pool=pool, params=params, max_graphs=max_graphs,
+                           max_captures=max_captures)
 
     return wrap(fn) if fn is not None else wrap
+
+
+def summary(graphed) -> str:
+    """``dwgraph.summary``: of a graphed step, :meth:`GraphedStep.summary`; of what
+    ``make_graphed_callables`` returned, its table of graphs (dwgraph.graphed.summary)."""
+    if isinstance(graphed, GraphedStep):
+        return graphed.summary()
+    return _graphed.summary(graphed)
