@@ -85,7 +85,7 @@ void init_manager(py::module_& parent) {
   m.def("capturing", [] { return graphs::detail::this_thread_records(); });
   m.def("note_reseed", &graphs::detail::note_reseed);
   // The overhead benchmark's clock (graphs/phase_timing.h).
-  m.def("set_phase_timing", &set_phase_timing, py::arg("on"));
+  m.def("set_phase_timing", &set_phase_timing, py::arg("on"), py::arg("thread_cpu") = false);
   m.def("phase_totals", [] {
     py::dict d;
     const std::pair<const char*, TimedPhase> phases[] = {

@@ -1,9 +1,12 @@
 #include "graphs/phase_timing.h"
 
+#include <time.h>
+
 namespace dwgraph::graphs {
 namespace {
 
 std::atomic<bool> g_on{false};
+std::atomic<bool> g_thread_cpu{false};
 struct Totals {
   std::atomic<uint64_t> count{0}, replay_ns{0}, copy_ns{0};
 };
@@ -11,7 +14,8 @@ std::array<Totals, 4> g_totals;
 
 }  // namespace
 
-void set_phase_timing(bool on) {
+void set_phase_timing(bool on, bool thread_cpu) {
+  g_thread_cpu.store(thread_cpu, std::memory_order_relaxed);
   for (auto& t : g_totals) {
     t.count = 0;
     t.replay_ns = 0;
@@ -21,6 +25,16 @@ void set_phase_timing(bool on) {
 }
 
 bool phase_timing_on() { return g_on.load(std::memory_order_relaxed); }
+
+uint64_t phase_clock_ns() {
+  if (g_thread_cpu.load(std::memory_order_relaxed)) {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+  }
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
 
 PhaseTotals phase_totals(TimedPhase phase) {
   const auto& t = g_totals[static_cast<size_t>(phase)];

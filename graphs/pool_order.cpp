@@ -48,12 +48,41 @@ std::vector<PoolOrder::Range> PoolOrder::query(const Intervals& map, uintptr_t b
   return out;
 }
 
+void PoolOrder::coalesce(std::vector<Range>& ranges) {
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return a.graph != b.graph ? a.graph < b.graph : a.begin < b.begin;
+  });
+  size_t n = 0;
+  for (const Range& r : ranges) {
+    if (n > 0 && ranges[n - 1].graph == r.graph && ranges[n - 1].end >= r.begin) {
+      ranges[n - 1].end = std::max(ranges[n - 1].end, r.end);
+    } else {
+      ranges[n++] = r;
+    }
+  }
+  ranges.resize(n);
+}
+
+void PoolOrder::coalesce(std::vector<std::pair<uintptr_t, uintptr_t>>& ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  size_t n = 0;
+  for (const auto& r : ranges) {
+    if (n > 0 && ranges[n - 1].second >= r.first) {
+      ranges[n - 1].second = std::max(ranges[n - 1].second, r.second);
+    } else {
+      ranges[n++] = r;
+    }
+  }
+  ranges.resize(n);
+}
+
 PoolOrder::GraphId PoolOrder::add_graph(std::string name, const std::vector<MemoryAccess>& accesses) {
   const std::lock_guard<std::mutex> lock(mu_);
   const GraphId id = next_id_++;
   GraphInfo info;
   info.name = std::move(name);
   Intervals own;  // bytes this graph has written so far, in kernel order
+  std::vector<GraphId> writers;  // whose readers grew
   for (const auto& a : accesses) {
     if (a.begin >= a.end) continue;
     if (a.kind != MemoryAccess::Kind::kWrite) {
@@ -63,6 +92,7 @@ PoolOrder::GraphId PoolOrder::add_graph(std::string name, const std::vector<Memo
           if (w.graph == 0) continue;  // never written by a graph: nothing to expect
           info.expects.push_back(Range{w.begin, w.end, w.graph});
           graphs_.at(w.graph).readers.push_back(Range{w.begin, w.end, id});
+          writers.push_back(w.graph);
         }
       }
     }
@@ -71,6 +101,11 @@ PoolOrder::GraphId PoolOrder::add_graph(std::string name, const std::vector<Memo
       info.writes.emplace_back(a.begin, a.end);
     }
   }
+  coalesce(info.expects);
+  coalesce(info.writes);
+  std::sort(writers.begin(), writers.end());
+  writers.erase(std::unique(writers.begin(), writers.end()), writers.end());
+  for (GraphId w : writers) coalesce(graphs_.at(w).readers);
   for (const auto& [b, e] : info.writes) assign(captured_writer_, b, e, id);
   graphs_.emplace(id, std::move(info));
   return id;
@@ -131,15 +166,17 @@ void PoolOrder::check_replay(GraphId id) const {
                     "replay them in capture order (or capture them in the order you replay). Nothing was run.");
     }
   }
-  for (const auto& [b, e] : me.writes) {
-    for (const auto& [need, writer] : pending_) {
-      if (need.graph == id || writer == id || need.end <= b || e <= need.begin) continue;
-      DWGRAPH_RAISE(ErrorCode::kGraphState, "dwgraph: replaying the ", name_of(id), " now would overwrite pool "
-                    "memory that holds data the ", name_of(writer), " wrote for the ", name_of(need.graph),
-                    ", which has not replayed yet. Graphs that share a pool must replay in an order whose memory "
-                    "reuse matches the capture: run the ", name_of(need.graph), " first (or capture in the order "
-                    "you replay). Nothing was run.");
-    }
+  // me.writes is sorted and disjoint: one binary search per pending range.
+  for (const auto& [need, writer] : pending_) {
+    if (need.graph == id || writer == id) continue;
+    auto it = std::lower_bound(me.writes.begin(), me.writes.end(), need.end,
+                               [](const std::pair<uintptr_t, uintptr_t>& w, uintptr_t v) { return w.first < v; });
+    if (it == me.writes.begin() || std::prev(it)->second <= need.begin) continue;
+    DWGRAPH_RAISE(ErrorCode::kGraphState, "dwgraph: replaying the ", name_of(id), " now would overwrite pool "
+                  "memory that holds data the ", name_of(writer), " wrote for the ", name_of(need.graph),
+                  ", which has not replayed yet. Graphs that share a pool must replay in an order whose memory "
+                  "reuse matches the capture: run the ", name_of(need.graph), " first (or capture in the order "
+                  "you replay). Nothing was run.");
   }
 }
 

@@ -65,6 +65,8 @@ class PoolOrder {
   };
   struct GraphInfo {
     std::string name;
+    // All three coalesced (sorted; touching ranges of one graph joined), so the checks of a
+    // replay cost about the number of separate pool blocks, not of kernels or tensors.
     std::vector<Range> expects;  // bytes read before written, and their capture-time writer
     std::vector<std::pair<uintptr_t, uintptr_t>> writes;
     std::vector<Range> readers;  // graphs reading this graph's data, per range
@@ -74,6 +76,8 @@ class PoolOrder {
   using Intervals = std::map<uintptr_t, std::pair<uintptr_t, GraphId>>;
   static void assign(Intervals& map, uintptr_t begin, uintptr_t end, GraphId g);
   static std::vector<Range> query(const Intervals& map, uintptr_t begin, uintptr_t end);
+  static void coalesce(std::vector<Range>& ranges);
+  static void coalesce(std::vector<std::pair<uintptr_t, uintptr_t>>& ranges);
   std::string name_of(GraphId g) const;
 
   mutable std::mutex mu_;

@@ -1,0 +1,193 @@
+"""Per-call host work of make_graphed_callables over the replays themselves (contract C10),
+for module trees of 1, 16, 128 and 1024 deferred Linear layers, measured in one run.
+
+For each tree, one graphed callable (the whole Sequential) is called, backpropagated and
+given its ``backward_dw()`` many times with dwgraph's phase clock on
+(``dwgraph._C.graphs.set_phase_timing``, graphs/phase_timing.h): the core adds up the time
+each phase spends inside its graph's ``replay()`` and in its copies (static inputs in,
+outputs cloned, gradients copied and handed over). What is left of each phase's wall time
+is the manager's own host work: the checks, the slot bookkeeping, the autograd node, the
+Python front end. The backward's time also holds the autograd engine's own cost of running
+a backward over an edge per parameter, which eager code and torch's make_graphed_callables
+(one ``autograd.Function`` over the input and every parameter) pay too: it is measured side
+by side with such a no-op ``torch.autograd.Function`` and subtracted ("net"). On CPU the
+clock is the calling thread's CPU time (``time.thread_time`` and the core's phase clock set
+to the same), so a loaded machine does not inflate the figures. Contract C10 asks for overhead that does
+not grow with the tree (the largest at most 1.2x the smallest) and at most 5 us.
+
+A second table gives whole steps against the same modules run eagerly.
+
+    python bench/bench_overhead.py [--quick]     (--device cuda: the same on a GPU)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+import dwgraph
+from common import bench_args
+from dwgraph import _C
+
+SIZES = (1, 16, 128, 1024)
+
+
+class _Noop(torch.autograd.Function):
+    """The autograd node torch's own make_graphed_callables builds: one Function over the
+    input and every parameter, its backward a no-op (None for the parameters)."""
+
+    @staticmethod
+    def forward(x, *params):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g,) + (None,) * ctx.n_params
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.n_params = len(inputs) - 1
+
+
+def _sync(dev):
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def _clock(dev):
+    """The calling thread's CPU time on CPU (the whole call, autograd's backward included,
+    runs on it; time spent waiting for a core on a loaded machine is not counted), the
+    wall clock on CUDA (autograd runs the backward on its device thread)."""
+    return time.thread_time if dev == "cpu" else time.perf_counter
+
+
+def _engine_floor(model, dev, reps, n):
+    """A backward through a no-op node with edges to the input and every parameter:
+    autograd's own cost, which eager code and torch's graphs pay too."""
+    clock = _clock(dev)
+    x = torch.randn(4, 8, device=dev, requires_grad=True)
+    dy = torch.randn(4, 8, device=dev)
+    params = [p for p in model.parameters() if p.requires_grad]
+    best = []
+    for _ in range(reps):
+        total = 0.0
+        for _ in range(n):
+            y = _Noop.apply(x, *params)
+            t0 = clock()
+            y.backward(dy)
+            total += clock() - t0
+        best.append(total / n)
+    return statistics.median(best) * 1e6
+
+
+def _overheads(model, g, x, dy, dev, reps, n):
+    clock = _clock(dev)
+    per = {"call": [], "backward": [], "backward_dw": []}
+    for _ in range(reps):
+        wall = dict.fromkeys(per, 0.0)
+        _C.graphs.set_phase_timing(True, thread_cpu=dev == "cpu")
+        for _ in range(n):
+            t0 = clock()
+            y = g(x)
+            _sync(dev)
+            t1 = clock()
+            y.backward(dy)
+            _sync(dev)
+            t2 = clock()
+            g.backward_dw()
+            _sync(dev)
+            t3 = clock()
+            model.zero_grad(set_to_none=True)
+            wall["call"] += t1 - t0
+            wall["backward"] += t2 - t1
+            wall["backward_dw"] += t3 - t2
+        totals = _C.graphs.phase_totals()
+        _C.graphs.set_phase_timing(False)
+        for k in per:
+            per[k].append((wall[k] - totals[k]["replay_s"] - totals[k]["copy_s"]) / n * 1e6)
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def _step_ratio(size, dev, reps):
+    """A whole step (forward, backward, backward_dw, zero_grad) graphed against eager."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(*[dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True, device=dev)
+                                  for _ in range(size)])
+    graphed_model = torch.nn.Sequential(*[dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True, device=dev)
+                                          for _ in range(size)])
+    graphed_model.load_state_dict(eager.state_dict())
+    x = torch.randn(4, 8, device=dev)
+    g = dwgraph.make_graphed_callables(graphed_model, (x,))
+
+    def eager_step():
+        eager(x).sum().backward()
+        for m in eager:
+            m.backward_dw()
+        eager.zero_grad(set_to_none=True)
+
+    def graphed_step():
+        g(x).sum().backward()
+        g.backward_dw()
+        graphed_model.zero_grad(set_to_none=True)
+
+    n = max(3, 600 // size)
+    times = {"eager": [], "graphed": []}
+    for fn in (eager_step, graphed_step):
+        fn()
+    for _ in range(reps):  # alternated, so a load change hits both
+        for name, fn in (("eager", eager_step), ("graphed", graphed_step)):
+            _sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            _sync(dev)
+            times[name].append((time.perf_counter() - t0) / n * 1e6)
+    e, r = statistics.median(times["eager"]), statistics.median(times["graphed"])
+    return e, r
+
+
+def main() -> None:
+    args = bench_args(__doc__)
+    dev = args.device
+    reps = 3 if args.quick else 7
+    print(f"# make_graphed_callables per-call host work over the replays ({dev}, "
+          f"{'thread CPU time' if dev == 'cpu' else 'wall time'})\n")
+    print("| modules | call us | backward us (net) | backward us (raw) | autograd floor us | backward_dw us |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    floors = {}
+    rows = {}
+    for size in SIZES:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True, device=dev)
+                                      for _ in range(size)])
+        x = torch.randn(4, 8, device=dev)
+        dy = torch.randn(4, 8, device=dev)
+        g = dwgraph.make_graphed_callables(model, (x,))
+        for _ in range(5):
+            g(x).backward(dy)
+            g.backward_dw()
+            model.zero_grad(set_to_none=True)
+        n = max(20, (1000 if args.quick else 4000) // size)
+        o = _overheads(model, g, x, dy, dev, reps, n)
+        floor = floors[size] = _engine_floor(model, dev, reps, n)
+        rows[size] = o
+        print(f"| {size} | {o['call']:.2f} | {o['backward'] - floor:.2f} | {o['backward']:.2f} | {floor:.2f} | "
+              f"{o['backward_dw']:.2f} |", flush=True)
+    first, last = rows[SIZES[0]], rows[SIZES[-1]]
+    print("\n| phase | largest / smallest |\n|---|---:|")
+    for k in ("call", "backward", "backward_dw"):
+        net = k == "backward"
+        a = first[k] - (floors[SIZES[0]] if net else 0)
+        b = last[k] - (floors[SIZES[-1]] if net else 0)
+        print(f"| {k} | {b / a:.2f} |" if a > 0 else f"| {k} | n/a |")
+
+    print("\n| modules | eager step us | graphed step us | graphed / eager |\n|---:|---:|---:|---:|")
+    for size in SIZES if not args.quick else SIZES[:3]:
+        e, r = _step_ratio(size, dev, reps)
+        print(f"| {size} | {e:.1f} | {r:.1f} | {r / e:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
