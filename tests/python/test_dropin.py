@@ -61,6 +61,23 @@ def test_modules_come_back_with_forward_replaced():
     assert torch.equal(fn(x), x * 2 + 1)
 
 
+def test_a_module_list_is_a_sequence_of_callables():
+    # model.blocks as users hold it: each block graphed, the list itself has no forward.
+    blocks = torch.nn.ModuleList([_mlp(), _mlp()])
+    eager = copy.deepcopy(blocks)
+    graphed = dwgraph.make_graphed_callables(
+        blocks, ((torch.randn(B, H),), (torch.randn(B, H, requires_grad=True),)))
+    assert isinstance(graphed, tuple) and graphed[0] is blocks[0] and graphed[1] is blocks[1]
+    for step in range(3):
+        x = torch.randn(B, H)
+        blocks[1](blocks[0](x)).square().sum().backward()
+        for b in graphed:
+            b.backward_dw()
+        eager[1](eager[0](x)).square().sum().backward()
+        eager_backward_dw(eager)
+        assert_same_as_eager(blocks, eager, f"step {step}")
+
+
 def test_a_forward_set_on_the_instance_is_what_gets_graphed():
     # make_graphed_callables stripped any instance 'forward' (meant for its own, from an
     # earlier graphing), so the graphs ran the class forward instead of the caller's.

@@ -241,7 +241,8 @@ def make_graphed_callables(
     _reuse_graph_input_output_buffers: Optional[bool] = None,
     _unsafe_capture_with_caller_grad: bool = False,
 ):
-    """Graphs ``modules`` (one module or callable, or a tuple of them) on the device of
+    """Graphs ``modules`` (one module or callable, or a tuple, list or ``torch.nn.ModuleList``
+    of them; a sequence comes back as a tuple) on the device of
     ``sample_args``. Inputs and outputs may be arbitrary pytrees; tensors are the graphs'
     inputs and outputs, everything else is fixed at capture.
 
@@ -285,7 +286,9 @@ def make_graphed_callables(
     order = order if order is not None else _order
     num_layers_per_chunk = num_layers_per_chunk if num_layers_per_chunk is not None else _num_layers_per_chunk
 
-    single = not isinstance(modules, (tuple, list))
+    # A ModuleList is a container, not a callable (it has no forward): its modules are the
+    # callables, as a tuple of them would be.
+    single = not isinstance(modules, (tuple, list, torch.nn.ModuleList))
     if single:
         modules, sample_args = (modules,), (sample_args,)
         if sample_kwargs is not None:
