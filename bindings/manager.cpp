@@ -14,6 +14,7 @@
 
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <climits>
@@ -194,6 +195,29 @@ void init_manager(py::module_& parent) {
       // None when the callable is in a mode its graphs were not captured in: the front end
       // then runs it eagerly with the caller's own arguments.
       .def("__call__", &GraphedCallable::replay_or_nothing, py::arg("inputs"), py::call_guard<py::gil_scoped_release>())
+      // The front end's common path (contract C10): positional tensor arguments as the
+      // caller's tuple, converted here without a Python-level pass over them.
+      // NotImplemented when one is not a tensor (the front end's general path decides),
+      // None for a mode the graphs were not captured in, else the one output or the list.
+      .def(
+          "call_tensors",
+          [](GraphedCallable& self, const py::tuple& args, bool single) -> py::object {
+            std::vector<at::Tensor> inputs;
+            inputs.reserve(args.size());
+            for (const auto& a : args) {
+              if (!THPVariable_Check(a.ptr())) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+              inputs.push_back(THPVariable_Unpack(a.ptr()));
+            }
+            std::optional<std::vector<at::Tensor>> outs;
+            {
+              const py::gil_scoped_release no_gil;
+              outs = self.replay_or_nothing(inputs);
+            }
+            if (!outs) return py::none();
+            if (single && outs->size() == 1) return py::cast((*outs)[0]);
+            return py::cast(*outs);
+          },
+          py::arg("args"), py::arg("single"))
       .def("replays", &GraphedCallable::replays)
       .def("backward_dw", &GraphedCallable::backward_dw, py::call_guard<py::gil_scoped_release>())
       .def("need_backward_dw", &GraphedCallable::need_backward_dw)

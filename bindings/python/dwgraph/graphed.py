@@ -90,6 +90,8 @@ class GraphedCallable:
         self._forward = forward
         self._in_sig = in_sig
         self._out = out_sig
+        # Positional tensors only, as captured: the count the common path of __call__ takes.
+        self._positional = in_sig.num_leaves if in_sig.positional_tensors else -1
         is_module = isinstance(target, torch.nn.Module)
         self._dw_modules = [m for m in target.modules() if _spec.is_dwgraph_module(m)] if is_module else []
 
@@ -99,13 +101,13 @@ class GraphedCallable:
         # changes]).
         _guards.check_data_parallel(self._dw_modules)  # a replay runs no module forward
         in_sig = self._in_sig
-        if (in_sig.positional_tensors and not kwargs and len(args) == in_sig.num_leaves and
-                all(isinstance(a, torch.Tensor) for a in args)):
-            outs = self._native(list(args))
+        if not kwargs and len(args) == self._positional:
+            out_sig = self._out["sig"]
+            outs = self._native.call_tensors(args, out_sig.single_tensor)
             if outs is None:
                 return self._forward(*args, **kwargs)  # a mode the graphs were not captured in
-            out_sig = self._out["sig"]
-            return outs[0] if out_sig.single_tensor else out_sig.rebuild(outs)
+            if outs is not NotImplemented:
+                return outs if out_sig.single_tensor else out_sig.rebuild(outs)
         sig = _Signature((args, kwargs))
         if not sig.matches(in_sig):
             if not self._native.replays():
