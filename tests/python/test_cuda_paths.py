@@ -1,0 +1,127 @@
+"""What only a GPU can show about this round's core changes (run by scripts/gpu-check;
+skipped without a GPU):
+
+* Note [Slots share the pool by liveness] on CUDA: a pipeline schedule's static inputs and
+  grad outputs are allocated in the graphs' private pool through the caching allocator's
+  beginAllocateToPool (GraphPool::allocation_scope), outside any capture; the host test
+  backend uses its own pool, so only a GPU runs that routing. Replays must stay bitwise
+  eager's and the pool must not grow with the microbatch count.
+* Autograd runs a CUDA backward on its own device thread, not the caller's: the slot's
+  parameter node (Note [Parameter gradients through one node]) and what a partial backward
+  asked for (Note [What a backward asked for]) are read there.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dwgraph
+from conftest import requires_cuda
+from safety_common import assert_same_as_eager
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+
+H, B = 64, 16
+
+
+def _one_f_one_b(m: int, warm: int = 2):
+    order, f, b = [], 0, 0
+    for _ in range(min(warm, m)):
+        order.append(1)
+        f += 1
+    while b < m:
+        order += [-1, -1.5]
+        b += 1
+        if f < m:
+            order.append(1)
+            f += 1
+    return order
+
+
+def _run_order(order, slots, xs, dw):
+    outs, f, b = {}, 0, 0
+    for o in order:
+        if o == 1:
+            outs[f] = slots[f](xs[f])
+            f += 1
+        elif o == -1:
+            outs.pop(b).square().sum().backward()
+            b += 1
+        else:
+            dw(b - 1)
+
+
+def _layer():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(dwgraph.nn.LayerNormMLP(H, 4 * H, delay_wgrad_compute=True, device="cuda"),
+                               dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, device="cuda"))
+
+
+def _graphed_pipeline(m: int):
+    layer = _layer()
+    eager = copy.deepcopy(layer)
+    order = _one_f_one_b(m)
+    samples = tuple((torch.randn(B, H, device="cuda", requires_grad=True),) for _ in range(m))
+    slots = dwgraph.make_graphed_callables((layer,), samples, order=order)
+    return layer, eager, order, slots
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["none", "zeroed"])
+def test_pipeline_slots_sharing_the_private_pool_replay_bitwise(set_to_none):
+    layer, eager, order, slots = _graphed_pipeline(4)
+    for step in range(3):
+        xs = [torch.randn(B, H, device="cuda", requires_grad=True) for _ in range(4)]
+        _run_order(order, slots, xs, lambda mb: slots[mb].backward_dw())
+        eager_xs = [x.detach().clone().requires_grad_() for x in xs]
+        _run_order(order, [eager] * 4, eager_xs, lambda mb: [m.backward_dw() for m in eager
+                                                              if hasattr(m, "backward_dw")])
+        torch.cuda.synchronize()
+        for x, xe in zip(xs, eager_xs):
+            assert torch.equal(x.grad, xe.grad), f"step {step}: input gradient"
+        assert_same_as_eager(layer, eager, f"step {step}")
+        layer.zero_grad(set_to_none=set_to_none)
+        eager.zero_grad(set_to_none=set_to_none)
+
+
+def test_pipeline_pool_does_not_grow_with_the_microbatches_on_cuda():
+    reserved = {}
+    for m in (4, 8):
+        _, _, _, slots = _graphed_pipeline(m)
+        reserved[m] = slots[0].stats()["pool_reserved_bytes"]
+        for s in slots:
+            s.reset()
+        del slots
+    # The caching allocator reserves whole segments: allow one extra 2 MiB segment.
+    assert reserved[8] <= reserved[4] + (2 << 20), reserved
+
+
+@pytest.mark.parametrize("asked", ["first_weight", "last_weight", "input"])
+def test_partial_backward_on_the_device_thread_lands_what_was_asked(asked):
+    # The CUDA backward runs on autograd's device thread: the graph task's exec_info (what
+    # backward(inputs=...) asked for) is read there, by the slot's parameter node.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, device="cuda"), torch.nn.GELU(),
+                                dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, device="cuda"))
+    eager = copy.deepcopy(model)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H, device="cuda", requires_grad=True),))
+    for step in range(2):
+        x = torch.randn(B, H, device="cuda", requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        for m, call, inp in ((model, g, x), (eager, eager, xe)):
+            target = {"first_weight": m[0].weight, "last_weight": m[2].weight, "input": inp}[asked]
+            call(inp).square().sum().backward(inputs=[target])
+        for m in (model[0], model[2]):
+            if m.num_pending_wgrad_units():
+                g.backward_dw()
+                break
+        for m in (eager[0], eager[2]):
+            while m.num_pending_wgrad_units():
+                m.backward_dw()
+        torch.cuda.synchronize()
+        assert (x.grad is None) == (xe.grad is None) and (x.grad is None or torch.equal(x.grad, xe.grad))
+        assert_same_as_eager(model, eager, f"step {step}")
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
