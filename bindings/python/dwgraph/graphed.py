@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from . import _C, _guards, _spec, _watch
 from .errors import ArgumentError
-from .graphs import RefuseHostReads
+from .graphs import RefuseHostReads, compiled_code_as_captured
 
 __all__ = ["make_graphed_callables", "GraphedCallable", "graphed_handle", "summary"]
 
@@ -403,7 +403,8 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
 
         def run(tensors, call=call, in_sig=in_sigs[i], out_sig=out_sig, i=i):
             args, kwargs = in_sig.rebuild(tensors)
-            out = call(*args, **kwargs)
+            with compiled_code_as_captured():  # Note [A step around compiled code]
+                out = call(*args, **kwargs)
             sig = _Signature(out)
             if "sig" not in out_sig:
                 out_sig["sig"] = sig

@@ -43,6 +43,24 @@ def refuse_host_read(func) -> None:
             "capture forever); move it out of the captured region")
 
 
+def compiled_code_as_captured():
+    """Note [A step around compiled code] (step.py), for every capture of a callable: inside
+    a capture on the host graph, torch.compile'd code (this thread only) runs its original
+    Python eagerly, so the host graph records its ATen kernels (inductor's CPU kernels are
+    C++ functions it calls directly, which a host capture would miss: a replay would skip
+    them and read the capture's values); anywhere else (eager calls, CUDA captures, which
+    capture inductor's kernels) it runs compiled."""
+    if not _C.graphs.capturing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return contextlib.nullcontext()
+    # torch's own thread-local switch (its compiler runs nested compiled code eagerly with
+    # it); test_graphed_step.py and test_dropin.py fail if a torch without it records half
+    # a region.
+    eager = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "_use_eager_on_nested_compile", None)
+    if eager is None:
+        return contextlib.nullcontext()
+    return eager()
+
+
 class RefuseHostReads(TorchFunctionMode):
     """A torch function mode (this thread only) that refuses host reads inside captures."""
 

@@ -45,6 +45,7 @@ from . import _C, _optim, _spec
 from . import _watch as _state_watch
 from . import graphed as _graphed
 from .errors import ArgumentError, GraphStateError, _CreatesState, _FoundMore
+from .graphs import compiled_code_as_captured as _compiled_code_as_captured
 from .graphs import refuse_host_read
 from .nn import _step_context
 
@@ -139,18 +140,6 @@ def _compiled_module_tree(module) -> list:
     if optimized is None or not isinstance(module, optimized):
         return []
     return list(module._orig_mod.modules())
-
-
-def _compiled_code_as_captured():
-    """Note [A step around compiled code]. Around the step's code: inside a capture on
-    the host graph, torch.compile'd code (this thread only) runs its original Python
-    eagerly; anywhere else (eager calls, CUDA captures) it runs compiled."""
-    if not _C.graphs.capturing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        return contextlib.nullcontext()
-    # torch's own thread-local switch (its compiler runs nested compiled code eagerly
-    # with it); test_graphed_step.py fails if a torch without it records half a step.
-    eager = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "_use_eager_on_nested_compile", None)
-    return eager() if eager is not None else contextlib.nullcontext()
 
 
 class _ModuleHook:
