@@ -977,3 +977,24 @@ def test_replay_prints_no_torch_warnings(capfd):
     err = capfd.readouterr().err
     assert torch.equal(loss, F.mse_loss(x, t))
     assert "Warning" not in err, err.splitlines()[0]
+
+
+def test_compiled_code_in_a_capture_records_its_kernels():
+    # Inductor's CPU kernels are not ATen kernels: a capture around compiled code records
+    # its original Python's kernels instead (Note [A step around compiled code]), so a
+    # replay on new inputs is bitwise the uncompiled model (it returned the capture's
+    # values before).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    compiled = torch.compile(model)
+    x = torch.randn(4, 8)
+    g = Graph()
+    with torch.no_grad():
+        compiled(x)
+        with g.capture():
+            y = compiled(x)
+        for _ in range(2):
+            x.copy_(torch.randn(4, 8))
+            g.replay()
+            assert torch.equal(y, model(x))

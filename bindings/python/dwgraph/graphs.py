@@ -89,7 +89,7 @@ class Graph:
         pool reference and no capture mode remain, and the block can be captured again."""
         self._graph.capture_begin(pool)
         try:
-            with RefuseHostReads():
+            with RefuseHostReads(), compiled_code_as_captured():  # Note [A step around compiled code]
                 yield self
         except BaseException:
             self._graph.capture_abort()
