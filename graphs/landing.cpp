@@ -29,10 +29,13 @@ void Landing::land(const LiveMask& live, bool timed) const {
       }
     }
   }
-  if (timed) add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
-  for (const auto& f : flags) {
-    if (is_live(live, f.param_index)) f.set();
+  {
+    const ScopedNs t(timed ? &copy_ns : nullptr);
+    for (const auto& f : flags) {
+      if (is_live(live, f.param_index)) f.set();
+    }
   }
+  if (timed) add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
   // A hook may reset() the graphs that own this landing, destroying it: the hooks to run
   // are copied first (nothing of the landing is read after them).
   std::vector<std::function<void()>> run;

@@ -516,7 +516,15 @@ void GraphManager::backward_dw(size_t s) {
   }
   verify(ci, w, /*front_end=*/false);
   const LiveMask live = slot.dw_live;
-  slot.after_dw.check(w + ".backward_dw()", live);  // before anything is written
+  {
+    // The hand-off's own check (before anything is written): timed with the hand-off.
+    uint64_t check_ns = 0;
+    {
+      const ScopedNs t(&check_ns);
+      slot.after_dw.check(w + ".backward_dw()", live);
+    }
+    add_phase_time(TimedPhase::kBackwardDw, 0, check_ns, false);
+  }
   std::vector<const WatchedVersion*> watched;
   for (const auto& v : slot.dw_inputs) watched.push_back(&v);
   for (const auto& v : slot.dw_grads) watched.push_back(&v);

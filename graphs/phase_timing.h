@@ -4,7 +4,7 @@
 // switched on, each call, backward and backward_dw() of a graphed callable, and each
 // replaying call of a graphed step (kStep), adds the time spent in its graph's replay and
 // in its copies (static inputs in and out, outputs cloned, gradients copied and handed
-// over) to process-wide totals, so the benchmark can subtract them from the wall
+// over, with the hand-off's checks and flags) to process-wide totals, so the benchmark can subtract them from the wall
 // time of the same calls and what is left is the manager's own host work. Off (the
 // default) it costs one relaxed load per phase. The clock is the wall clock, or the calling
 // thread's CPU time: on CPU, where the whole call (the autograd backward included) runs on
