@@ -172,6 +172,34 @@ def test_te_spellings_and_buffer_reuse():
     assert stats[True] < stats[False], f"reuse did not save static bytes: {stats}"
 
 
+@pytest.mark.parametrize("spelling", ["clone_param_grads_on_return", "_clone_param_grads_on_return"])
+@pytest.mark.parametrize("value", [True, False])
+def test_clone_param_grads_on_return_is_accepted_and_grads_are_always_the_callers(spelling, value):
+    # TransformerEngine's argument: False lets TE hand out its static gradient buffers.
+    # dwgraph never does: a gradient kept from one step is not overwritten by the next
+    # replay, whatever the value.
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+    eager = copy.deepcopy(model)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),), **{spelling: value})
+    kept, eager_kept = [], []
+    for step in range(3):
+        x = torch.randn(B, H, requires_grad=True)
+        g(x).square().sum().backward()
+        g.backward_dw()
+        eager(x.detach().requires_grad_()).square().sum().backward()
+        eager_backward_dw(eager)
+        assert_same_as_eager(model, eager, f"step {step}")
+        kept.append(model[0].weight.grad)  # held past the next replays, as a hook or a logger would
+        eager_kept.append(eager[0].weight.grad)
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+    assert len(kept) == len(eager_kept) == 3
+    for a, b in zip(kept, eager_kept):
+        assert torch.equal(a, b), "a kept gradient was overwritten by a later replay"
+    with pytest.raises(dwgraph.ArgumentError, match="clone_param_grads_on_return"):
+        dwgraph.make_graphed_callables(copy.deepcopy(eager), (torch.randn(B, H),), clone_param_grads_on_return="no")
+
+
 def test_torch_pool_handles_are_accepted_or_refused_clearly():
     with pytest.raises(dwgraph.ArgumentError, match="torch CUDA pool handle"):
         dwgraph.make_graphed_callables(_mlp(), (torch.randn(B, H),), pool=(0, 1))

@@ -238,9 +238,11 @@ def make_graphed_callables(
     reuse_static_buffers: bool = False,
     clone_outputs: bool = True,
     backward_under_autocast: bool = False,
+    clone_param_grads_on_return: bool = True,
     _order: Optional[Sequence[float]] = None,
     _num_layers_per_chunk: Optional[Sequence[int]] = None,
     _reuse_graph_input_output_buffers: Optional[bool] = None,
+    _clone_param_grads_on_return: Optional[bool] = None,
     _unsafe_capture_with_caller_grad: bool = False,
 ):
     """Graphs ``modules`` (one module or callable, or a tuple, list or ``torch.nn.ModuleList``
@@ -276,6 +278,12 @@ def make_graphed_callables(
     them; ``True`` captures them in the forward's autocast state, for a loop that calls the
     backward inside the region. A backward in the other state is refused.
 
+    ``clone_param_grads_on_return`` (TransformerEngine's, also ``_clone_param_grads_on_return``):
+    dwgraph hands autograd and ``.grad`` fresh gradient tensors the caller owns, never the
+    graphs' static buffers, whatever the value (what ``True`` asks for); ``False`` lets
+    TransformerEngine skip that copy and hand out buffers the next replay overwrites, a
+    lifetime dwgraph does not offer, so it is accepted and changes nothing.
+
     ``_unsafe_capture_with_caller_grad`` is for tests only: it captures backward-dw with
     the caller's ``.grad`` in place and skips the hand-off (the unfixed hazard).
     """
@@ -285,6 +293,11 @@ def make_graphed_callables(
             raise ArgumentError(f"dwgraph.make_graphed_callables: pass '{name}' or '_{name}', not both")
     if _reuse_graph_input_output_buffers is not None:
         reuse_static_buffers = bool(_reuse_graph_input_output_buffers)
+    if _clone_param_grads_on_return is not None:
+        clone_param_grads_on_return = _clone_param_grads_on_return
+    if not isinstance(clone_param_grads_on_return, bool):
+        raise ArgumentError("dwgraph.make_graphed_callables: argument 'clone_param_grads_on_return' must be a bool, "
+                            f"got {type(clone_param_grads_on_return).__name__}")
     order = order if order is not None else _order
     num_layers_per_chunk = num_layers_per_chunk if num_layers_per_chunk is not None else _num_layers_per_chunk
 
