@@ -200,6 +200,20 @@ def test_clone_param_grads_on_return_is_accepted_and_grads_are_always_the_caller
         dwgraph.make_graphed_callables(copy.deepcopy(eager), (torch.randn(B, H),), clone_param_grads_on_return="no")
 
 
+def test_transformer_engines_fp8_arguments_are_accepted_off_and_refused_on():
+    model = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+    sample = (torch.randn(B, H, requires_grad=True),)
+    off = dict(enabled=False, calibrating=False, recipe=None, amax_reduction_group=None, cache_quantized_params=False,
+               fp8_enabled=False, fp8_weight_caching=False)
+    g = dwgraph.make_graphed_callables(copy.deepcopy(model), sample, **off)
+    assert g(sample[0]).shape == (B, H)
+    for on in (dict(enabled=True), dict(fp8_enabled=True), dict(recipe=object()), dict(cache_quantized_params=True)):
+        with pytest.raises(dwgraph.ArgumentError, match=f"'{next(iter(on))}' ask for FP8"):
+            dwgraph.make_graphed_callables(copy.deepcopy(model), sample, **on)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fp8_mode'"):
+        dwgraph.make_graphed_callables(copy.deepcopy(model), sample, fp8_mode=True)
+
+
 def test_torch_pool_handles_are_accepted_or_refused_clearly():
     with pytest.raises(dwgraph.ArgumentError, match="torch CUDA pool handle"):
         dwgraph.make_graphed_callables(_mlp(), (torch.randn(B, H),), pool=(0, 1))

@@ -223,6 +223,22 @@ def _resolve_pool(pool):
                         f"a torch.cuda.graph_pool_handle() or a torch.cuda.MemPool, got {type(pool).__name__}")
 
 
+# TransformerEngine's FP8 arguments of make_graphed_callables, current and older spellings.
+_TE_FP8_ARGUMENTS = ("enabled", "calibrating", "recipe", "amax_reduction_group", "cache_quantized_params",
+                     "fp8_enabled", "fp8_calibrating", "fp8_recipe", "fp8_group", "fp8_weight_caching")
+
+
+def _refuse_fp8(arguments: Dict[str, Any]) -> None:
+    unknown = sorted(set(arguments) - set(_TE_FP8_ARGUMENTS))
+    if unknown:
+        raise TypeError(f"make_graphed_callables() got an unexpected keyword argument '{unknown[0]}'")
+    asked = sorted(k for k, v in arguments.items() if v is not None and v is not False)
+    if asked:
+        raise ArgumentError(f"dwgraph.make_graphed_callables: {', '.join(repr(k) for k in asked)} ask for FP8 "
+                            "(TransformerEngine's arguments), which dwgraph does not have yet; leave them unset "
+                            "(or False/None) to capture in the modules' own precision")
+
+
 def make_graphed_callables(
     modules,
     sample_args,
@@ -244,6 +260,7 @@ def make_graphed_callables(
     _reuse_graph_input_output_buffers: Optional[bool] = None,
     _clone_param_grads_on_return: Optional[bool] = None,
     _unsafe_capture_with_caller_grad: bool = False,
+    **fp8_arguments,
 ):
     """Graphs ``modules`` (one module or callable, or a tuple, list or ``torch.nn.ModuleList``
     of them; a sequence comes back as a tuple) on the device of
@@ -284,6 +301,12 @@ def make_graphed_callables(
     TransformerEngine skip that copy and hand out buffers the next replay overwrites, a
     lifetime dwgraph does not offer, so it is accepted and changes nothing.
 
+    TransformerEngine's FP8 arguments (``enabled``, ``calibrating``, ``recipe``,
+    ``amax_reduction_group``, ``cache_quantized_params``, and the older ``fp8_enabled``,
+    ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group``, ``fp8_weight_caching``) are accepted
+    when they ask for no FP8 (false or None); asking for FP8 is an ArgumentError: dwgraph
+    has no FP8 recipes yet.
+
     ``_unsafe_capture_with_caller_grad`` is for tests only: it captures backward-dw with
     the caller's ``.grad`` in place and skips the hand-off (the unfixed hazard).
     """
@@ -293,6 +316,7 @@ def make_graphed_callables(
             raise ArgumentError(f"dwgraph.make_graphed_callables: pass '{name}' or '_{name}', not both")
     if _reuse_graph_input_output_buffers is not None:
         reuse_static_buffers = bool(_reuse_graph_input_output_buffers)
+    _refuse_fp8(fp8_arguments)
     if _clone_param_grads_on_return is not None:
         clone_param_grads_on_return = _clone_param_grads_on_return
     if not isinstance(clone_param_grads_on_return, bool):
