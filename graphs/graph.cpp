@@ -6,6 +6,8 @@
 #include "graphs/ledger_check.h"
 #include "graphs/recorder.h"
 
+#include <ATen/record_function.h>
+
 #ifdef DWGRAPH_WITH_CUDA
 #include "graphs/cuda_graph.h"
 #endif
@@ -31,6 +33,7 @@ Graph::~Graph() = default;  // backends call capture_abort()/reset() in their de
 
 void Graph::set_name(std::string name) {
   name_ = std::move(name);
+  profiler_name_ = name_.empty() ? "dwgraph::replay" : "dwgraph::replay " + name_;
   if (order_id_ && pool_) pool_->order().set_name(*order_id_, name_);
 }
 
@@ -95,6 +98,9 @@ void Graph::replay() {
   detail::check_ledger(ledger_, records_, device_.is_cuda() ? "CUDA graph" : "host graph");
   pool_->order().check_replay(*order_id_);
   for (const auto& fn : host_calls_.before) fn();
+  // A profiler range per replay, named after the graph (torch.profiler; an NVTX range under
+  // torch.autograd.profiler.emit_nvtx): the replayed kernels show which graph they belong to.
+  RECORD_USER_SCOPE(profiler_name_.c_str());
   launch();
   pool_->order().replayed(*order_id_);
   for (const auto& fn : host_calls_.after) fn();

@@ -153,6 +153,7 @@ class Graph {
   detail::HostCalls host_calls_;
   std::string refuse_after_;
   std::string name_;
+  std::string profiler_name_ = "dwgraph::replay";  // the replay's profiler range
   std::optional<PoolOrder::GraphId> order_id_;
   bool captured_ = false;
 };

@@ -109,3 +109,23 @@ def test_summary_rejects_what_is_not_a_graphed_callable():
                                           (5 * 2**20, "5.0 MiB"), (3 * 2**30 + 2**29, "3.5 GiB")])
 def test_format_bytes(nbytes, text):
     assert dwgraph._C.format_bytes(nbytes) == text
+
+
+def test_each_replay_is_a_profiler_range_named_after_its_graph():
+    # The replayed kernels show which graph they belong to (issue 23: 445 aten::copy_ calls
+    # of one replay with nothing to say where they came from).
+    lin = dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True)
+    g = dwgraph.make_graphed_callables(lin, (torch.randn(4, 8, requires_grad=True),))
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        g(x).sum().backward()
+        g.backward_dw()
+    names = [e.name for e in prof.events()]
+    for phase in ("forward", "backward", "backward-dw"):
+        wanted = f"dwgraph::replay {phase} graph of graphed callable 0 ('Linear')"
+        assert names.count(wanted) == 1, (wanted, sorted({n for n in names if n.startswith("dwgraph::")}))
+    # Its kernels are inside the range.
+    fwd = next(e for e in prof.events() if e.name.startswith("dwgraph::replay forward"))
+    inner = [e for e in prof.events() if e.name.startswith("dwgraph::") and e.name != fwd.name
+             and fwd.time_range.start <= e.time_range.start and e.time_range.end <= fwd.time_range.end]
+    assert inner, "no kernel of the forward graph inside its range"
