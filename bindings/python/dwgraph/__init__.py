@@ -12,8 +12,9 @@ from . import _C
 from . import ops
 from . import nn
 from . import graphs
+from . import graphed as _graphed
 from .graphed import GraphedCallable, graphed_handle, make_graphed_callables
-from .step import GraphedStep, graphed_step, summary  # summary: of graphed steps too
+from .step import GraphedStep, graphed_step
 
 __version__ = _C.version()
 
@@ -23,6 +24,15 @@ from . import _watch  # noqa: E402
 # Note [Checks paid when state changes]: the graphs hear of every change they check; the
 # RNG watch makes both graph entry points refuse a random draw after a reseed.
 _watch.install()
+
+
+def summary(graphed) -> str:
+    """A table of graphs: of a graphed step, :meth:`GraphedStep.summary`; of what
+    ``make_graphed_callables`` returned, its set's graphs, kernels and memory
+    (dwgraph.graphed.summary). Here, above both, so neither imports the other."""
+    if isinstance(graphed, GraphedStep):
+        return graphed.summary()
+    return _graphed.summary(graphed)
 
 
 def cuda_built() -> bool:

@@ -43,7 +43,6 @@ from torch.utils import _pytree as pytree
 
 from . import _C, _optim, _spec
 from . import _watch as _state_watch
-from . import graphed as _graphed
 from .errors import ArgumentError, GraphStateError, _CreatesState, _FoundMore
 from .graphs import compiled_code_as_captured as _compiled_code_as_captured
 from .graphs import refuse_host_read
@@ -1012,11 +1011,3 @@ def graphed_step(fn: Optional[Callable] = None, *, warmup_iters: int = 3, pool=N
                            max_captures=max_captures)
 
     return wrap(fn) if fn is not None else wrap
-
-
-def summary(graphed) -> str:
-    """``dwgraph.summary``: of a graphed step, :meth:`GraphedStep.summary`; of what
-    ``make_graphed_callables`` returned, its table of graphs (dwgraph.graphed.summary)."""
-    if isinstance(graphed, GraphedStep):
-        return graphed.summary()
-    return _graphed.summary(graphed)
