@@ -14,6 +14,7 @@ from . import nn
 from . import graphs
 from .graphed import GraphedCallable, graphed_handle, make_graphed_callables
 from .step import GraphedStep, graphed_step, summary  # summary: of graphed steps too
+from .memory import EagerMemory, eager_memory
 
 __version__ = _C.version()
 
@@ -46,6 +47,8 @@ __all__ = [
     "GraphedCallable",
     "graphed_handle",
     "summary",
+    "eager_memory",
+    "EagerMemory",
     "graphed_step",
     "GraphedStep",
     "DwgraphError",
