@@ -42,7 +42,7 @@ c10::DataPtr HostPool::allocate(size_t nbytes) {
   char* p = nullptr;
   {
     const std::lock_guard<std::mutex> lock(mu_);
-    auto it = free_.lower_bound({n, nullptr});
+    auto it = free_.lower_bound({n, 0, nullptr});
     if (it == free_.end()) {
       const size_t chunk_size = std::max(kMinChunkBytes, n);
       auto* base = static_cast<char*>(std::aligned_alloc(kAlign, chunk_size));
@@ -51,15 +51,15 @@ c10::DataPtr HostPool::allocate(size_t nbytes) {
       chunks_.emplace_back(base, chunk_size);
       chunk_index_[base] = chunk_size;
       blocks_[base] = Block{chunk_size, chunks_.size() - 1, true, 0};
-      it = free_.insert({chunk_size, base}).first;
+      it = free_.insert({chunk_size, chunks_.size() - 1, base}).first;
       stats_.reserved_bytes += static_cast<int64_t>(chunk_size);
     }
-    p = it->second;
+    p = std::get<2>(*it);
     Block& b = blocks_.at(p);
     free_.erase(it);
     if (b.size - n >= kAlign) {  // split: the tail stays free
       blocks_[p + n] = Block{b.size - n, b.chunk, true, 0};
-      free_.insert({b.size - n, p + n});
+      free_.insert({b.size - n, b.chunk, p + n});
       b.size = n;
     }
     b.free = false;
@@ -107,20 +107,20 @@ void HostPool::free_block(char* p) {
   auto next = std::next(it);
   if (next != blocks_.end() && next->second.free && next->second.chunk == b.chunk &&
       it->first + b.size == next->first) {
-    free_.erase({next->second.size, next->first});
+    free_.erase({next->second.size, next->second.chunk, next->first});
     b.size += next->second.size;
     blocks_.erase(next);
   }
   if (it != blocks_.begin()) {
     auto prev = std::prev(it);
     if (prev->second.free && prev->second.chunk == b.chunk && prev->first + prev->second.size == it->first) {
-      free_.erase({prev->second.size, prev->first});
+      free_.erase({prev->second.size, prev->second.chunk, prev->first});
       prev->second.size += b.size;
       blocks_.erase(it);
       it = prev;
     }
   }
-  free_.insert({it->second.size, it->first});
+  free_.insert({it->second.size, it->second.chunk, it->first});
 }
 
 bool HostPool::owns(const void* p) const {

@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <vector>
 
 namespace dwgraph::allocator {
@@ -68,7 +69,10 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   std::vector<std::pair<char*, size_t>> chunks_;  // base, size
   std::map<char*, size_t> chunk_index_;            // base -> size, for owns()
   std::map<char*, Block> blocks_;                 // every block, by address
-  std::set<std::pair<size_t, char*>> free_;       // free blocks, best fit by size
+  // Free blocks, best fit by size; ties go to the oldest chunk, then the lowest offset, so
+  // the layout (which blocks later captures reuse) does not depend on where the system
+  // put the chunks: the same program shares the same memory in every run.
+  std::set<std::tuple<size_t, size_t, char*>> free_;  // size, chunk, address
   PoolStats stats_;
   bool poison_ = false;
 };

@@ -2,6 +2,7 @@
 // the capture context manager is bindings/python/dwgraph/graphs.py.
 #include "bindings/bindings.h"
 
+#include "common/check.h"
 #include "graphs/graph.h"
 #include "graphs/host_calls.h"
 
@@ -28,9 +29,33 @@ void init_graphs(py::module_& parent) {
   using graphs::Graph;
   using graphs::GraphPool;
 
+  // `with pool._allocation_scope():` routes this thread's (CUDA: this stream's) allocations
+  // on the pool's device to the pool outside any capture, from __enter__ to __exit__ (the
+  // host routing is thread-local, so it starts and ends on the thread of the with block).
+  // Internal (dwgraph.eager_memory, on a fresh pool): on a pool with graphs, such a block
+  // could alias memory their replays write.
+  struct AllocationScopeHandle {
+    std::shared_ptr<GraphPool> pool;
+    std::unique_ptr<GraphPool::AllocationScope> scope;
+  };
+  py::class_<AllocationScopeHandle>(m, "AllocationScope")
+      .def("__enter__",
+           [](AllocationScopeHandle& h) -> AllocationScopeHandle& {
+             DWGRAPH_CHECK_STATE(!h.scope, "dwgraph GraphPool._allocation_scope(): the scope is already entered; "
+                                 "expected one `with` per scope");
+             h.scope = h.pool->allocation_scope();
+             return h;
+           }, py::return_value_policy::reference)
+      .def("__exit__", [](AllocationScopeHandle& h, const py::args&) {
+        h.scope.reset();
+        return false;
+      });
+
   py::class_<GraphPool, std::shared_ptr<GraphPool>>(m, "GraphPool")
       .def_property_readonly("device", &GraphPool::device)
       .def("stats", [](const GraphPool& p) { return pool_stats_dict(p.stats(), ""); })
+      .def("_allocation_scope",
+           [](const std::shared_ptr<GraphPool>& p) { return AllocationScopeHandle{p, nullptr}; })
       // Test-only negative control: replays in any order, corrupting as CUDA would.
       .def("_set_order_checks", [](GraphPool& p, bool on) { p.order().set_enforced(on); }, py::arg("on"));
 

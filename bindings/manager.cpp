@@ -59,6 +59,7 @@ py::dict stats_dict(const GraphedStats& s) {
   d["static_bytes"] = s.static_bytes;
   d["num_graphs"] = s.num_graphs;
   d["num_kernels"] = s.num_kernels;
+  d["eager_peak_bytes"] = s.eager_peak_bytes ? py::object(py::int_(*s.eager_peak_bytes)) : py::none();
   py::list graphs;
   for (const auto& g : s.graphs) {
     py::dict info;
@@ -224,6 +225,10 @@ void init_manager(py::module_& parent) {
       .def("reset", &GraphedCallable::reset, py::call_guard<py::gil_scoped_release>())
       .def("contribution_bytes", &GraphedCallable::contribution_bytes)
       .def("stats", [](const GraphedCallable& g) { return stats_dict(g.stats()); })
+      .def("record_eager_peak", &GraphedCallable::record_eager_peak, py::arg("nbytes"))
+      .def_property_readonly("device", &GraphedCallable::device)
+      // Test-only: the negative controls turn the pool's replay-order checks off.
+      .def_property_readonly("_pool", &GraphedCallable::pool)
       .def_property_readonly("index", &GraphedCallable::index)
       .def_property_readonly("callable_index", &GraphedCallable::callable_index)
       .def_property_readonly("name", &GraphedCallable::name);
@@ -304,6 +309,7 @@ void init_manager(py::module_& parent) {
              d["max_idle_keys"] = g.max_idle_keys();
              d["pool_reserved_bytes"] = s.pool_reserved_bytes;
              d["pool_allocated_bytes"] = s.pool_allocated_bytes;
+             d["pool_peak_allocated_bytes"] = s.pool_peak_allocated_bytes;
              return d;
            })
       .def("reset", &GraphedStep::reset);

@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <mutex>
 #include <optional>
 
 namespace dwgraph::graphs {
@@ -36,27 +37,58 @@ class CudaGraphPool final : public GraphPool {
     const c10::cuda::CUDAGuard guard(device);
     id_ = id ? *id : at::cuda::graph_pool_handle();
   }
+  ~CudaGraphPool() override {
+    if (!holds_use_) return;
+    try {
+      c10::cuda::CUDACachingAllocator::releasePool(device_.index(), id_);
+    } catch (const std::exception& e) {
+      TORCH_WARN("dwgraph CUDA pool: releasing the private pool failed: ", e.what());
+    }
+  }
+  CudaGraphPool(const CudaGraphPool&) = delete;
+  CudaGraphPool& operator=(const CudaGraphPool&) = delete;
   c10::Device device() const override { return device_; }
   const c10::MempoolId_t& id() const { return id_; }
 
   // Allocations of the calling thread's current stream on this device go to the private
   // pool while the scope lives (the caching allocator's own routing, as a capture uses it).
   std::unique_ptr<AllocationScope> allocation_scope() override {
+    // From the first scope on, this pool holds a use of the allocator's private pool until
+    // it is destroyed, as torch.cuda.MemPool does: each scope's own use (taken by
+    // beginAllocateToPool, given back at its end) then never drops the count to zero
+    // between captures, where the next capture's incref would assert. Taken here, not at
+    // construction, because the allocator is initialized by then (the manager calls this
+    // with device tensors in hand).
+    std::call_once(use_taken_, [this] {
+      c10::cuda::CUDACachingAllocator::createOrIncrefPool(device_.index(), id_);
+      holds_use_ = true;
+    });
     struct Scope final : AllocationScope {
-      Scope(c10::Device d, c10::MempoolId_t pool) : device(d), id(pool) {
+      Scope(const CudaGraphPool& o, c10::Device d, c10::MempoolId_t pool) : owner(o), device(d), id(pool) {
         const cudaStream_t mine = c10::cuda::getCurrentCUDAStream(device.index()).stream();
         c10::cuda::CUDACachingAllocator::beginAllocateToPool(device.index(), id,
                                                              [mine](cudaStream_t s) { return s == mine; });
       }
-      ~Scope() override { c10::cuda::CUDACachingAllocator::endAllocateToPool(device.index(), id); }
+      ~Scope() override {
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(device.index(), id);
+        // beginAllocateToPool took a use of the pool (as a capture does); give it back, as
+        // torch.cuda.use_mem_pool does, or the pool's memory is never freeable.
+        c10::cuda::CUDACachingAllocator::releasePool(device.index(), id);
+        owner.note_peak();
+      }
+      const CudaGraphPool& owner;
       c10::Device device;
       c10::MempoolId_t id;
     };
-    return std::make_unique<Scope>(device_, id_);
+    return std::make_unique<Scope>(*this, device_, id_);
   }
 
   c10::cuda::CUDAStream capture_stream() const { return stream_; }
-  // From the caching allocator's snapshot: the segments this private pool owns.
+  // From the caching allocator's snapshot: the segments this private pool owns. The
+  // allocator keeps no per-pool high-water mark, so peak_allocated_bytes is the highest
+  // live byte count seen here: at every stats() call, capture end and allocation scope end
+  // (note_peak), where this pool's live bytes settle; a temporary freed inside one capture
+  // can push the true peak above it (reserved_bytes bounds it).
   allocator::PoolStats stats() const override {
     allocator::PoolStats s;
     const auto snap = c10::cuda::CUDACachingAllocator::snapshot();
@@ -69,12 +101,23 @@ class CudaGraphPool final : public GraphPool {
     s.peak_allocated_bytes = peak_;
     return s;
   }
+  // Samples the live bytes for peak_allocated_bytes; a failure to read them only warns
+  // (it ends a capture or a scope, which must not fail for it).
+  void note_peak() const noexcept {
+    try {
+      (void)stats();
+    } catch (const std::exception& e) {
+      TORCH_WARN("dwgraph CUDA pool: reading the pool's live bytes failed: ", e.what());
+    }
+  }
 
  private:
   c10::Device device_;
   c10::cuda::CUDAStream stream_;
   c10::MempoolId_t id_;
   mutable int64_t peak_ = 0;
+  std::once_flag use_taken_;
+  bool holds_use_ = false;
 };
 
 class CudaGraph final : public Graph {
@@ -126,6 +169,7 @@ class CudaGraph final : public Graph {
   void end_backend() override {
     graph_->capture_end();
     restore_stream();
+    static_cast<const CudaGraphPool&>(*pool_).note_peak();
   }
 
   void abort_backend() noexcept override {

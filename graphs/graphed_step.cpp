@@ -186,6 +186,7 @@ GraphedStepStats GraphedStep::stats() const {
     const auto p = pool_->stats();
     s.pool_reserved_bytes = static_cast<int64_t>(p.reserved_bytes);
     s.pool_allocated_bytes = static_cast<int64_t>(p.allocated_bytes);
+    s.pool_peak_allocated_bytes = static_cast<int64_t>(p.peak_allocated_bytes);
   }
   return s;
 }

@@ -94,6 +94,7 @@ struct GraphedStepStats {
   int64_t max_captures = 0;
   int64_t pool_reserved_bytes = 0;
   int64_t pool_allocated_bytes = 0;
+  int64_t pool_peak_allocated_bytes = 0;
 };
 
 class GraphedStep {

@@ -110,6 +110,9 @@ struct GraphedStats {
   size_t num_graphs = 0;
   size_t num_kernels = 0;
   std::vector<GraphInfo> graphs;  // per slot: forward, backward, backward-dw
+  // The peak live bytes of the same schedule run eagerly, when one was recorded
+  // (GraphedCallable::record_eager_peak): what `pool` is compared with.
+  std::optional<int64_t> eager_peak_bytes;
 };
 
 // One graphed (callable, microbatch) slot. operator() replays its forward graph and
@@ -136,6 +139,14 @@ class GraphedCallable {
   size_t callable_index() const;       // which of the callables this slot runs
   const std::string& name() const;
   GraphedStats stats() const;          // of the whole set
+  c10::Device device() const;          // where the set's graphs run
+  // The set's pool (null after reset()); for tests' negative controls, which turn its
+  // replay-order checks off. Capturing other graphs on it breaks the set's liveness plan.
+  std::shared_ptr<GraphPool> pool() const;
+  // Records the peak live bytes of the same schedule run eagerly (measured by the caller,
+  // e.g. dwgraph.eager_memory), reported by stats() next to the pool's: the graphs cannot
+  // measure what eager code would have held. ArgumentError unless nbytes > 0.
+  void record_eager_peak(int64_t nbytes);
 
  private:
   friend std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(

@@ -228,6 +228,9 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   void reset();
   int64_t contribution_bytes(size_t s) const;
   GraphedStats stats() const;
+  void record_eager_peak(int64_t nbytes);
+  c10::Device device() const { return device_; }
+  std::shared_ptr<GraphPool> pool() const { return pool_; }
   const std::string& name(size_t s) const { return callables_.at(slots_.at(s).info.callable).name; }
   const std::string& where(size_t s) const { return slots_.at(s).where; }
   size_t callable_index(size_t s) const { return slots_.at(s).info.callable; }
@@ -284,6 +287,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   std::vector<CapturedParameters> buffers_;    // per callable
   std::vector<std::unique_ptr<CallableChecks>> checks_;  // per callable
   bool pooled_buffers_ = false;  // Note [Slots share the pool by liveness]
+  std::atomic<int64_t> eager_peak_bytes_{0};  // 0: none recorded
   // Note [Contributions are shared across microbatches]: (callable, module, unit of one
   // backward) -> parameter -> buffer.
   std::map<std::tuple<size_t, size_t, size_t>, std::map<const void*, at::Tensor>> shared_contributions_;

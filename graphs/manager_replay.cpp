@@ -693,7 +693,14 @@ GraphedStats GraphManager::stats() const {
     }
   }
   st.num_graphs = st.graphs.size();
+  if (const int64_t e = eager_peak_bytes_.load(); e > 0) st.eager_peak_bytes = e;
   return st;
+}
+
+void GraphManager::record_eager_peak(int64_t nbytes) {
+  DWGRAPH_CHECK_ARG(nbytes > 0, "dwgraph GraphedCallable.record_eager_peak: argument 'nbytes' must be the positive peak live bytes "
+                    "of the eager schedule, got ", nbytes);
+  eager_peak_bytes_.store(nbytes);
 }
 
 // ---- GraphedCallable ------------------------------------------------------------------
@@ -713,5 +720,8 @@ int64_t GraphedCallable::contribution_bytes() const { return manager_->contribut
 size_t GraphedCallable::callable_index() const { return manager_->callable_index(index_); }
 const std::string& GraphedCallable::name() const { return manager_->name(index_); }
 GraphedStats GraphedCallable::stats() const { return manager_->stats(); }
+void GraphedCallable::record_eager_peak(int64_t nbytes) { manager_->record_eager_peak(nbytes); }
+c10::Device GraphedCallable::device() const { return manager_->device(); }
+std::shared_ptr<GraphPool> GraphedCallable::pool() const { return manager_->pool(); }
 
 }  // namespace dwgraph::graphs

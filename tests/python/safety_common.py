@@ -80,6 +80,30 @@ def gradient(p: torch.Tensor) -> Optional[torch.Tensor]:
     return p.main_grad if hasattr(p, "main_grad") else p.grad
 
 
+def zero_grads(modules, mode: str) -> None:
+    """optimizer.zero_grad over `modules`: ``"none"`` sets .grad to None, ``"zero"`` zeroes it
+    in place; main_grad is zeroed in place either way."""
+    for mod in modules:
+        for p in mod.parameters():
+            if hasattr(p, "main_grad"):
+                p.main_grad.zero_()
+            if p.grad is not None:
+                if mode == "none":
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+
+def cloned_grads(modules):
+    """Every parameter's gradient (main_grad where fused), cloned, or None."""
+    return [None if gradient(p) is None else gradient(p).clone() for mod in modules for p in mod.parameters()]
+
+
+def same_grads(a, b) -> bool:
+    """Bitwise equal, None where the other is None."""
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
+
+
 def assert_same_as_eager(graphed: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
     for (n, pg), pe in zip(graphed.named_parameters(), eager.parameters()):
         ge, gg = gradient(pe), gradient(pg)

@@ -1,6 +1,7 @@
 """The log (docs/logging.md): C++ lines reach logging.getLogger("dwgraph") at their level,
 one INFO line per make_graphed_callables capture and one DEBUG line per graph, with the
-numbers of GraphedCallable.stats(); and dwgraph.summary's table of the same numbers."""
+numbers of GraphedCallable.stats(); and dwgraph.summary's table of the same numbers, the
+eager peak they are compared with once recorded."""
 
 import logging
 import re
@@ -93,9 +94,15 @@ def test_summary_tabulates_the_sets_stats():
     assert [(r.rsplit(None, 2)[0].strip(), r.split()[-2], int(r.split()[-1])) for r in rows] == [
         (g["callable"], g["kind"], g["num_kernels"]) for g in st["graphs"]]
     fmt = dwgraph._C.format_bytes
-    assert lines[8:] == [f"  {name:<15} {fmt(st[key])}" for name, key in (
+    assert lines[8:13] == [f"  {name:<15} {fmt(st[key])}" for name, key in (
         ("pool reserved", "pool_reserved_bytes"), ("pool live", "pool_allocated_bytes"),
-        ("contributions", "contribution_bytes"), ("static buffers", "static_bytes"))]
+        ("pool peak", "pool_peak_allocated_bytes"), ("contributions", "contribution_bytes"),
+        ("static buffers", "static_bytes"))]
+    assert lines[13:] == ["  eager peak      unknown (dwgraph.eager_memory records it)"]
+    dwgraph.graphed_handle(ga).record_eager_peak(st["pool_reserved_bytes"] // 2)
+    assert dwgraph.summary(gb).splitlines()[13:] == [
+        f"  eager peak      {fmt(st['pool_reserved_bytes'] // 2)} (pool reserved "
+        f"{st['pool_reserved_bytes'] / (st['pool_reserved_bytes'] // 2):.2f}x)"]
 
 
 def test_summary_rejects_what_is_not_a_graphed_callable():

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import dwgraph
-from safety_common import gradient
+from safety_common import cloned_grads as _grads, same_grads as _same, zero_grads as _zero
 
 settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -125,26 +125,6 @@ def _build(case: Case) -> List[torch.nn.Module]:
         other = next(m for j, m in linears if j != first[0])
         other.weight = first[1].weight
     return mods
-
-
-def _zero(mods, mode: str) -> None:
-    for seq in mods:
-        for p in seq.parameters():
-            if hasattr(p, "main_grad"):
-                p.main_grad.zero_()
-            if p.grad is not None:
-                if mode == "none":
-                    p.grad = None
-                else:
-                    p.grad.zero_()
-
-
-def _grads(mods):
-    return [None if gradient(p) is None else gradient(p).clone() for seq in mods for p in seq.parameters()]
-
-
-def _same(a, b) -> bool:
-    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
 
 
 @given(cases())

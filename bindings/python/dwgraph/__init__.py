@@ -15,6 +15,7 @@ from . import graphs
 from . import graphed as _graphed
 from .graphed import GraphedCallable, graphed_handle, make_graphed_callables
 from .step import GraphedStep, graphed_step
+from .memory import EagerMemory, eager_memory
 
 __version__ = _C.version()
 
@@ -56,6 +57,8 @@ __all__ = [
     "GraphedCallable",
     "graphed_handle",
     "summary",
+    "eager_memory",
+    "EagerMemory",
     "graphed_step",
     "GraphedStep",
     "DwgraphError",

@@ -137,10 +137,22 @@ class GraphedCallable:
 
     def stats(self) -> Dict[str, Any]:
         """Of the whole set: ``pool_reserved_bytes``, ``pool_allocated_bytes`` (live),
-        ``pool_peak_allocated_bytes``, ``contribution_bytes``, ``static_bytes``,
-        ``num_graphs``, ``num_kernels`` and ``graphs`` (one dict per graph: ``callable``, ``kind``,
-        ``num_kernels``)."""
+        ``pool_peak_allocated_bytes`` (the pool's high-water mark of live bytes),
+        ``eager_peak_bytes`` (the peak of the same schedule run eagerly, once recorded by
+        :func:`dwgraph.eager_memory` or :meth:`record_eager_peak`; else ``None``),
+        ``contribution_bytes``, ``static_bytes``, ``num_graphs``, ``num_kernels`` and
+        ``graphs`` (one dict per graph: ``callable``, ``kind``, ``num_kernels``). The pool's
+        bytes are the pool's: a pool passed to several sets counts all of them."""
         return self._native.stats()
+
+    def record_eager_peak(self, nbytes: int) -> None:
+        """Records the peak live bytes of the same schedule run eagerly, measured by other
+        means than :func:`dwgraph.eager_memory` (a profiler, another run), for ``stats()``
+        and ``dwgraph.summary`` to compare the pool with. ``nbytes`` must be positive."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise ArgumentError(f"GraphedCallable.record_eager_peak: argument 'nbytes' must be an int, "
+                                f"got {type(nbytes).__name__}")
+        self._native.record_eager_peak(nbytes)
 
     @property
     def slot(self) -> int:
@@ -491,7 +503,8 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
 
 def summary(graphed) -> str:
     """A small table of a set of graphed callables: each graph with its kernel count, then
-    the pool's reserved and live bytes, the contribution and static-buffer bytes.
+    the pool's reserved, live and peak bytes, the contribution and static-buffer bytes, and
+    the eager peak the pool is compared with when one was recorded.
 
     ``graphed`` is what :func:`make_graphed_callables` returned (a graphed module, a
     ``GraphedCallable`` or their tuple): the table covers the whole set it belongs to. ``print(dwgraph.summary(g))``.
@@ -512,5 +525,9 @@ def summary(graphed) -> str:
     out += [line(r) for r in rows]
     out += [f"  {name:<15} {fmt(st[key])}" for name, key in (
         ("pool reserved", "pool_reserved_bytes"), ("pool live", "pool_allocated_bytes"),
-        ("contributions", "contribution_bytes"), ("static buffers", "static_bytes"))]
+        ("pool peak", "pool_peak_allocated_bytes"), ("contributions", "contribution_bytes"),
+        ("static buffers", "static_bytes"))]
+    eager = st["eager_peak_bytes"]
+    out.append(f"  {'eager peak':<15} " + ("unknown (dwgraph.eager_memory records it)" if eager is None else
+                                          f"{fmt(eager)} (pool reserved {st['pool_reserved_bytes'] / eager:.2f}x)"))
     return "\n".join(out)

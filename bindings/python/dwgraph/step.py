@@ -48,7 +48,7 @@ from .graphs import compiled_code_as_captured as _compiled_code_as_captured
 from .graphs import refuse_host_read
 from .nn import _step_context
 
-__all__ = ["graphed_step", "GraphedStep", "summary"]
+__all__ = ["graphed_step", "GraphedStep"]
 
 
 # -- what a step touches, seen from its own thread ----------------------------------------------
@@ -949,7 +949,8 @@ class GraphedStep:
         ``max_captures`` counts), ``num_variants``, ``num_keys``, ``replays``, ``eager_calls``
         (warmup calls, abandoned captures and ``capture_limited_calls``, the calls run eagerly
         past ``max_captures``), ``released`` (graphs released for room), ``dropped_keys``,
-        ``max_graphs``, ``max_captures``, ``max_idle_keys``, the pool's bytes, and
+        ``max_graphs``, ``max_captures``, ``max_idle_keys``, the pool's bytes (reserved, live and
+        peak: ``pool_reserved_bytes``, ``pool_allocated_bytes``, ``pool_peak_allocated_bytes``), and
         ``optimizers``: per optimizer the step runs, whether its hyperparameters are read at
         replay (``"read at replay"``) or select a graph by value (``"in the key"``)."""
         st = self._native.stats()
@@ -972,7 +973,8 @@ class GraphedStep:
                f"({st['capture_limited_calls']} past max_captures)",
                f"  released        {st['released']} graphs",
                f"  pool reserved   {fmt(st['pool_reserved_bytes'])}",
-               f"  pool live       {fmt(st['pool_allocated_bytes'])}"]
+               f"  pool live       {fmt(st['pool_allocated_bytes'])}",
+               f"  pool peak       {fmt(st['pool_peak_allocated_bytes'])}"]
         out += [f"  optimizer       {name}: hyperparameters {how}" for name, how in st["optimizers"].items()]
         return "\n".join(out)
 

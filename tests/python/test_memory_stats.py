@@ -1,0 +1,168 @@
+"""Memory of a graph set (docs/memory-contract.md, "Memory of a graph set"): stats() and
+dwgraph.summary report the pool's reserved, live and peak bytes and, once recorded, the
+eager peak they are compared with; dwgraph.eager_memory measures that peak on the
+allocator the graphs' pool uses. And the pipeline schedule's pool, whose slots share it by
+liveness (issue 21), stays at eager's peak whatever the microbatch count."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dwgraph
+
+H = 128
+B = 64
+
+
+def _pipeline(m: int, in_flight: int = 2):
+    """1F1B of one callable (two deferred layers), `in_flight` forwards of warmup."""
+    order, f = [], 0
+    for _ in range(min(in_flight, m)):
+        order.append(1)
+        f += 1
+    for _ in range(m):
+        order += [-1, -1.5]
+        if f < m:
+            order.append(1)
+            f += 1
+    return order
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(dwgraph.nn.LayerNormMLP(H, 4 * H, delay_wgrad_compute=True),
+                               dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+
+
+def _run(order, call, dw, xs):
+    outs, f, b = {}, 0, 0
+    for o in order:
+        if o == 1:
+            outs[f] = call(f, xs[f])
+            f += 1
+        elif o == -1:
+            outs.pop(b).square().mean().backward()
+            b += 1
+        else:
+            dw(b - 1)
+
+
+def _graphed_and_eager(m: int):
+    model = _model()
+    eager = copy.deepcopy(model)
+    order = _pipeline(m)
+    slots = dwgraph.make_graphed_callables((model,), tuple((torch.randn(B, H),) for _ in range(m)), order=order,
+                                           num_warmup_iters=1)
+    xs = [torch.randn(B, H) for _ in range(m)]
+    _run(order, lambda i, x: slots[i](x), lambda i: slots[i].backward_dw(), xs)
+    with dwgraph.eager_memory(slots) as e:
+        _run(order, lambda i, x: eager(x), lambda i: (eager[0].backward_dw(), eager[1].backward_dw()), xs)
+    for pg, pe in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(pg.grad, pe.grad)
+    return slots[0].stats(), e
+
+
+def test_stats_report_reserved_live_peak_and_the_recorded_eager_peak():
+    st, e = _graphed_and_eager(4)
+    assert 0 < st["pool_allocated_bytes"] <= st["pool_peak_allocated_bytes"] <= st["pool_reserved_bytes"]
+    assert st["eager_peak_bytes"] == e.peak_bytes > 0
+    assert e.reserved_bytes >= e.peak_bytes and e.device == torch.device("cpu")
+
+
+def test_pipeline_pool_is_flat_in_the_microbatches_and_at_eagers_peak():
+    # Note [Slots share the pool by liveness]: the later microbatches reuse the blocks the
+    # earlier ones' eager run would have freed. (The host pool's layout is deterministic.)
+    four, e4 = _graphed_and_eager(4)
+    eight, e8 = _graphed_and_eager(8)
+    assert e8.peak_bytes == e4.peak_bytes  # 1F1B with 2 in flight: eager is flat too
+    assert eight["pool_reserved_bytes"] == four["pool_reserved_bytes"]
+    assert eight["pool_peak_allocated_bytes"] <= 1.1 * e8.peak_bytes
+    # Reserved against reserved: the host pool's fragmentation is the same on both sides
+    # (docs/benchmarks.md).
+    assert eight["pool_reserved_bytes"] <= 1.05 * e8.reserved_bytes
+
+
+def test_eager_memory_measures_the_high_water_mark_of_the_block():
+    with dwgraph.eager_memory() as e:
+        a = torch.empty(1000)  # 4000 bytes, a 4032-byte block (64-byte rounding)
+        del a
+        b = torch.empty(400)  # 1600 bytes each: both fit in a's block once it is free
+        c = torch.empty(400)
+    assert e.peak_bytes == 4032 and e.reserved_bytes == 4032
+    # What the block left alive stays usable, apart from what is allocated after it.
+    b.fill_(2.0), c.fill_(3.0)
+    outside = torch.zeros(1000)
+    assert bool((b == 2).all()) and bool((c == 3).all()) and bool((outside == 0).all())
+    del b, c, outside
+    with dwgraph.eager_memory(device="cpu") as nothing:
+        pass
+    assert nothing.peak_bytes == 0
+
+
+def test_eager_memory_records_nothing_when_its_block_raises_or_allocates_nothing():
+    lin = dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True)
+    g = dwgraph.make_graphed_callables(lin, (torch.randn(4, 8, requires_grad=True),), num_warmup_iters=1)
+    with pytest.raises(RuntimeError, match="boom"):
+        with dwgraph.eager_memory(g):
+            torch.empty(100)
+            raise RuntimeError("boom")
+    with dwgraph.eager_memory(g):
+        pass
+    assert dwgraph.graphed_handle(g).stats()["eager_peak_bytes"] is None
+    with dwgraph.eager_memory(g) as e:
+        torch.empty(100)
+    assert dwgraph.graphed_handle(g).stats()["eager_peak_bytes"] == e.peak_bytes == 448
+
+
+def test_record_eager_peak_and_eager_memory_refuse_bad_arguments():
+    lin = dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True)
+    g = dwgraph.make_graphed_callables(lin, (torch.randn(4, 8, requires_grad=True),), num_warmup_iters=1)
+    handle = dwgraph.graphed_handle(g)
+    with pytest.raises(dwgraph.ArgumentError, match=r"argument 'nbytes' must be the positive .* got 0"):
+        handle.record_eager_peak(0)
+    with pytest.raises(dwgraph.ArgumentError, match=r"argument 'nbytes' must be an int, got float"):
+        handle.record_eager_peak(1.5)
+    with pytest.raises(dwgraph.ArgumentError, match=r"argument 'nbytes' must be an int, got bool"):
+        handle.record_eager_peak(True)
+    assert handle.stats()["eager_peak_bytes"] is None
+    handle.record_eager_peak(12345)
+    assert handle.stats()["eager_peak_bytes"] == 12345
+    with pytest.raises(dwgraph.ArgumentError, match=r"argument 'device' is cuda:0 but the graphs of 'graphed' run on cpu"):
+        with dwgraph.eager_memory(g, device="cuda:0"):
+            pass
+    with pytest.raises(dwgraph.ArgumentError, match=r"argument 'graphed' must be .* got int"):
+        with dwgraph.eager_memory(3):
+            pass
+    with pytest.raises(dwgraph.ArgumentError, match=r"argument 'device' must be a CPU or CUDA device, got meta"):
+        with dwgraph.eager_memory(device="meta"):
+            pass
+
+
+def test_allocation_scope_is_entered_once():
+    pool = dwgraph.graphs.graph_pool_handle("cpu")
+    scope = pool._allocation_scope()
+    with scope:
+        with pytest.raises(dwgraph.GraphStateError, match=r"already entered; expected one `with` per scope"):
+            scope.__enter__()
+        t = torch.empty(16)
+    assert pool.stats()["allocated_bytes"] == 64
+    del t
+    assert pool.stats()["allocated_bytes"] == 0 and pool.stats()["peak_allocated_bytes"] == 64
+
+
+def test_graphed_step_reports_its_pools_peak():
+    lin = torch.nn.Linear(8, 8)
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        lin(x).sum().backward()
+
+    for _ in range(3):
+        step(torch.randn(4, 8))
+    st = step.stats()
+    assert st["pool_allocated_bytes"] <= st["pool_peak_allocated_bytes"] <= st["pool_reserved_bytes"]
+    assert st["pool_peak_allocated_bytes"] > 0
+    assert "pool peak" in step.summary()
