@@ -5,7 +5,12 @@
 // tp_setattro slot; for parameter types that use Python's generic attribute setter this
 // replaces the slot with one that moves the state epoch when such an assignment changes
 // something, then sets the attribute as before. Every other attribute (`param.grad = None`,
-// zero_grad's hot path) costs one pointer comparison more.
+// zero_grad's hot path) costs a few pointer comparisons more.
+//
+// The same slot watches single tensors (watch_tensor_setters): the buffers and main_grads
+// graphs captured are plain tensors, whose type (torch.Tensor) every tensor shares, so only
+// the instances registered move the epoch (`buffer.data = t`, `main_grad.data = t`,
+// `buffer.requires_grad = True`); other tensors pay a set lookup for those four names only.
 #include "bindings/bindings.h"
 
 #include "graphs/state_epoch.h"
@@ -13,6 +18,7 @@
 #include <Python.h>
 
 #include <array>
+#include <unordered_set>
 
 namespace py = pybind11;
 
@@ -22,12 +28,17 @@ namespace {
 std::array<PyObject*, 4> g_names{};  // interned: data, requires_grad, grad_dtype, main_grad
 constexpr size_t kData = 0;
 
+// Guarded by the GIL (every caller holds it).
+std::unordered_set<PyTypeObject*> g_every_instance;  // parameter types: all their instances
+std::unordered_set<PyObject*> g_tensors;             // single tensors (removed when they die)
+
 int name_index(PyObject* name) {
   for (size_t i = 0; i < g_names.size(); ++i) {
     if (name == g_names[i]) return static_cast<int>(i);
   }
-  // Not interned (built at run time): compare the text.
-  if (!PyUnicode_CheckExact(name)) return -1;
+  // Not interned (built at run time): compare the text. An interned name is one of ours by
+  // identity or none of them.
+  if (!PyUnicode_CheckExact(name) || PyUnicode_CHECK_INTERNED(name)) return -1;
   for (size_t i = 0; i < g_names.size(); ++i) {
     if (PyUnicode_Compare(name, g_names[i]) == 0) return static_cast<int>(i);
   }
@@ -55,9 +66,13 @@ bool changes(PyObject* obj, PyObject* name, PyObject* value, bool identity) {
   return changed;
 }
 
+bool watched(PyObject* obj) {
+  return g_every_instance.count(Py_TYPE(obj)) > 0 || (!g_tensors.empty() && g_tensors.count(obj) > 0);
+}
+
 int watched_setattro(PyObject* obj, PyObject* name, PyObject* value) {
   const int which = PyUnicode_Check(name) ? name_index(name) : -1;
-  if (which >= 0) {
+  if (which >= 0 && watched(obj)) {
     // main_grad by identity (a new buffer with equal values is another buffer).
     if (which == static_cast<int>(kData) || changes(obj, name, value, /*identity=*/which == 3)) {
       graphs::bump_state_epoch();
@@ -75,17 +90,39 @@ void init_watch(py::module_& parent) {
   // True when assignments on instances of `type` are watched now (or already were); false
   // for a type with its own __setattr__, whose parameters the caller must then check at
   // every call.
+  // Gives `type` the watching slot; false for a type with its own __setattr__.
+  auto install = [](PyTypeObject* t) {
+    if (t->tp_setattro == &watched_setattro) return true;
+    if (t->tp_setattro != &PyObject_GenericSetAttr || !(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return false;
+    t->tp_setattro = &watched_setattro;
+    PyType_Modified(t);
+    return true;
+  };
   m.def(
       "watch_parameter_setters",
-      [](py::type type) {
+      [install](py::type type) {
         auto* t = reinterpret_cast<PyTypeObject*>(type.ptr());
-        if (t->tp_setattro == &watched_setattro) return true;
-        if (t->tp_setattro != &PyObject_GenericSetAttr || !(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return false;
-        t->tp_setattro = &watched_setattro;
-        PyType_Modified(t);
+        if (!install(t)) return false;
+        g_every_instance.insert(t);
         return true;
       },
       py::arg("type"));
+  // One tensor (a captured buffer or main_grad); the caller removes it when it dies
+  // (unwatch_tensor from a weakref callback). False when its type cannot be watched.
+  m.def(
+      "watch_tensor_setters",
+      [install](py::object tensor) {
+        if (!install(Py_TYPE(tensor.ptr()))) return false;
+        g_tensors.insert(tensor.ptr());
+        return true;
+      },
+      py::arg("tensor"));
+  m.def(
+      "unwatch_tensor", [](uintptr_t address) { g_tensors.erase(reinterpret_cast<PyObject*>(address)); },
+      py::arg("address"));
+  // Whether a change of `tensor` (set_(), requires_grad_()) moves the state epoch: a
+  // parameter of a watched type, or a tensor watched by itself.
+  m.def("is_watched_tensor", [](py::handle tensor) { return watched(tensor.ptr()); }, py::arg("tensor"));
   // Note [What selects a graph, watched] (dwgraph/_optim.py): whether two lists hold the
   // same objects, in order, by identity; one pointer comparison per element, no __eq__.
   m.def(

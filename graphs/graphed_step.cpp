@@ -123,6 +123,7 @@ struct GraphedStep::Entry {
   int calls = 0;
   bool known = false;  // params and modules asked
   NamedTensors params;
+  std::vector<at::Tensor> buffers;  // the modules' buffers, asked with params
   std::vector<ModuleSpec> modules;
   std::map<std::string, std::unique_ptr<Variant>> variants;
 };
@@ -308,18 +309,26 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
 namespace {
 
 // The variant of a call: the front end's variant state, then per parameter whether its
-// .grad exists, whether it requires grad and where its memory is, the memory of the state
+// .grad exists, whether it requires grad and where its memory is, the same of the module
+// buffers (moved by `.data = ...` or set_(), which no watch sees), the memory of the state
 // tensors (the optimizers'), and which tensor arguments that require grad have a .grad.
 // Binary (a few bytes per parameter, no formatting): it is built at every call.
-std::string pattern_of(const NamedTensors& params, const std::vector<at::Tensor>& tensors,
-                       const std::function<std::string()>& state, const std::vector<at::Tensor>& state_tensors) {
+std::string pattern_of(const NamedTensors& params, const std::vector<at::Tensor>& buffers,
+                       const std::vector<at::Tensor>& tensors, const std::function<std::string()>& state,
+                       const std::vector<at::Tensor>& state_tensors) {
   std::string s = state ? state() : std::string();
-  s.reserve(s.size() + 2 + params.size() * (1 + sizeof(void*)) + state_tensors.size() * sizeof(void*) + tensors.size());
+  s.reserve(s.size() + 3 + (params.size() + buffers.size()) * (1 + sizeof(void*)) +
+            state_tensors.size() * sizeof(void*) + tensors.size());
   s.push_back('\0');
   auto append = [&s](const void* ptr) { s.append(reinterpret_cast<const char*>(&ptr), sizeof(ptr)); };
   for (const auto& [name, p] : params) {
     s.push_back(static_cast<char>((p.grad().defined() ? 1 : 0) | (p.requires_grad() ? 2 : 0)));
     append(p.data_ptr());
+  }
+  s.push_back('\0');
+  for (const auto& b : buffers) {
+    s.push_back(b.defined() && b.requires_grad() ? 'R' : '-');
+    append(b.defined() && b.has_storage() ? b.data_ptr() : nullptr);
   }
   s.push_back('\0');
   for (const auto& t : state_tensors) append(t.defined() && t.has_storage() ? t.data_ptr() : nullptr);
@@ -347,16 +356,18 @@ std::string gradients_in_words(const NamedTensors& params, const std::vector<at:
 GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::string& key, const std::vector<at::Tensor>& tensors) {
   if (!e.known) {
     e.params = opts_.params ? opts_.params() : NamedTensors{};
+    e.buffers = opts_.buffers ? opts_.buffers() : std::vector<at::Tensor>{};
     e.modules = opts_.modules ? opts_.modules() : std::vector<ModuleSpec>{};
     e.known = true;
   }
-  std::string pattern = pattern_of(e.params, tensors, opts_.variant_state, state_tensors_);
+  std::string pattern = pattern_of(e.params, e.buffers, tensors, opts_.variant_state, state_tensors_);
   auto it = e.variants.find(pattern);
   if (it == e.variants.end() || !it->second->graph) {
     // About to capture: what the step trains may have grown since (a parameter unfrozen).
     e.params = opts_.params ? opts_.params() : NamedTensors{};
+    e.buffers = opts_.buffers ? opts_.buffers() : std::vector<at::Tensor>{};
     e.modules = opts_.modules ? opts_.modules() : std::vector<ModuleSpec>{};
-    pattern = pattern_of(e.params, tensors, opts_.variant_state, state_tensors_);
+    pattern = pattern_of(e.params, e.buffers, tensors, opts_.variant_state, state_tensors_);
     it = e.variants.find(pattern);
   }
   if (it == e.variants.end()) {

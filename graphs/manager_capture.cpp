@@ -508,6 +508,34 @@ void GraphManager::capture_dw(size_t s) {
   }
 }
 
+void GraphManager::refuse_deferring_modules_shared_across_callables() const {
+  // One deferring module in two callables (a shared layer, ALBERT style): its queued units
+  // are one FIFO, so each callable's backward-dw graph would be captured on whichever unit
+  // was oldest, another callable's as often as its own. Calls in another order than the
+  // capture's land them in another order (other rounding), and one callable alone reads the
+  // other's saved tensors. Ties of parameters across callables (separate modules) are exact.
+  std::unordered_map<const ops::WgradStore*, std::pair<size_t, std::string>> owner;
+  for (size_t ci = 0; ci < callables_.size(); ++ci) {
+    auto claim = [&](const std::shared_ptr<ops::WgradStore>& store, const std::string& name) {
+      if (!store) return;
+      auto [it, added] = owner.emplace(store.get(), std::make_pair(ci, name));
+      DWGRAPH_CHECK_ARG(added || it->second.first == ci, kApi, ": module '", it->second.second, "' of callable ",
+                        it->second.first, " ('", callables_[it->second.first].name, "') is also module '", name,
+                        "' of callable ", ci, " ('", callables_[ci].name, "') and defers its weight gradients: its "
+                        "queued units are one FIFO, which the backward-dw graphs of two callables cannot share. Graph "
+                        "the layers that share it as one callable, or give each callable its own module and tie "
+                        "their parameters (ties across callables are exact)");
+    };
+    for (const auto& m : callables_[ci].modules) {
+      if (!module_defers(m)) continue;
+      claim(m.store, m.name);
+      for (const auto& inner : m.inner) {
+        if (inner.defers) claim(inner.store, m.name);
+      }
+    }
+  }
+}
+
 void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args) {
   DWGRAPH_CHECK_ARG(!callables_.empty(), kApi, ": argument 'modules' must hold at least one callable, got none");
   DWGRAPH_CHECK_ARG(opts_.num_warmup_iters >= 0, kApi, ": argument 'num_warmup_iters' must be >= 0, got ",
@@ -532,6 +560,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     }
     defers_.push_back(defers);
   }
+  refuse_deferring_modules_shared_across_callables();
   schedule_.check_deferred(defers_);
   schedule_.check_per_slot(sample_args.size(), "sample_args");
   bool device_set = false;

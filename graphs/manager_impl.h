@@ -261,6 +261,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   // state epoch has not moved since they last passed.
   // `front_end`: also GraphableCallable::check_state (at calls; a backward does not ask).
   void verify(size_t c, const std::string& where, bool front_end);
+  void refuse_deferring_modules_shared_across_callables() const;
   void run_eager_backward_dw(size_t s);
   void share_static_buffers();
   bool busy(const Slot& slot) const;  // with mu_ held

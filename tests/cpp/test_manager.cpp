@@ -168,6 +168,26 @@ TEST_CASE("make_graphed_callables (C++): a module used twice lands both units, a
   }
 }
 
+TEST_CASE("make_graphed_callables (C++): a deferred module shared by two callables is refused", "[manager][cpu]") {
+  // Its units are one FIFO: each callable's backward-dw graph would be captured on the
+  // other's unit (the Python API asks the same core check).
+  DeferredOptions o;
+  o.delay_wgrad_compute = true;
+  auto lin = std::make_shared<dwgraph::nn::Linear>(8, 8, o);
+  auto fwd = [m = lin.get()](const std::vector<at::Tensor>& x) { return std::vector<at::Tensor>{at::tanh(m->forward(x[0]))}; };
+  try {
+    (void)dwgraph::make_graphed_callables(
+        {dwgraph::nn::graphable("first", lin, fwd), dwgraph::nn::graphable("second", lin, fwd)},
+        {{at::randn({4, 8})}, {at::randn({4, 8}, at::requires_grad())}});
+    FAIL("no error");
+  } catch (const dwgraph::ArgumentError& e) {
+    CHECK_THAT(e.what_without_backtrace(), Catch::Contains("of callable 0 ('first') is also module"));
+    CHECK_THAT(e.what_without_backtrace(), Catch::Contains("one FIFO"));
+  }
+  CHECK(lin->num_queued_wgrad_units() == 0);
+  CHECK(!lin->weight.grad().defined());
+}
+
 TEST_CASE("make_graphed_callables (C++): the same checks as Python at the call", "[manager][cpu]") {
   // The core decides, so the C++ API refuses what Python refuses: arguments in another
   // layout, arguments sharing memory where the forward writes one in place, another

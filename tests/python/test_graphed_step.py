@@ -438,6 +438,65 @@ def test_parameter_changes_after_capture_recapture(change):
     assert step.num_captures == 2
 
 
+class _Scaled(torch.nn.Module):
+    """A deferred Linear times a module buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+        self.register_buffer("scale", torch.full((H,), 2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("change", ["data", "set_", "requires_grad"])
+def test_a_buffer_changed_under_its_module_after_capture_recaptures(change):
+    # `buffer.data = t`, `buffer.set_(t)` (the old memory still alive elsewhere, so no
+    # storage dangles) and `buffer.requires_grad_()` move no module dict and no watched
+    # setter: the variant state does not see them. Where the buffer's memory is and whether
+    # it requires grad are part of the variant pattern (as for parameters), so the next
+    # call captures again and equals eager, bitwise.
+    torch.manual_seed(5)
+    m = _Scaled()
+    eager = copy.deepcopy(m)
+
+    def body(model, x):
+        loss = model(x).square().sum()
+        loss.backward()
+        model.lin.backward_dw()
+        return loss
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        return body(m, x)
+
+    for _ in range(3):  # .grad None before every call: one variant of the gradients
+        m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(eager, x))
+    assert step.num_captures == 1
+    kept = m.scale.detach()
+    for model in (m, eager):
+        if change == "data":
+            model.scale.data = torch.full((H,), 3.0)
+        elif change == "set_":
+            with torch.no_grad():
+                model.scale.set_(torch.full((H,), 3.0))
+        else:
+            model.scale.requires_grad_(True)
+    for s in range(3):
+        m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(eager, x)), f"call {s} after {change}"
+        assert_grads_equal(eager, m, f"call {s} after {change}")
+        ge, gg = eager.scale.grad, m.scale.grad
+        assert (ge is None) == (gg is None) and (ge is None or torch.equal(ge, gg)), f"call {s}: the buffer's .grad"
+        m.scale.grad = eager.scale.grad = None
+    assert step.num_captures == 2
+    assert torch.equal(kept, torch.full((H,), 2.0)), "the old memory was written"
+
+
 def test_returning_item_is_refused():
     m = _small()
 

@@ -101,12 +101,15 @@ def _fused_parameter(name: str, p: torch.Tensor) -> "_C.graphs.FusedParameter":
     return f
 
 
-def _foreign_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
+def _foreign_module_spec(name: str, module) -> List["_C.graphs.ModuleSpec"]:
     # Another library's module with backward_dw()/need_backward_dw() (TransformerEngine's,
     # a Megatron layer): its backward_dw runs its own hooks; every trainable parameter may
     # land in .grad in backward_dw, except weights with main_grad under
     # fuse_wgrad_accumulation, which accumulate there. dwgraph modules inside it keep their
-    # own rule for their parameters, and their stores and hooks go with the spec.
+    # own rule for their parameters, and their stores and hooks go with the spec. The fused
+    # weights of dwgraph modules inside it that do not defer accumulate in the main
+    # backward, not in its backward_dw(): they get a spec of their own that does not defer
+    # (a partial backward that skips one is refused as it is outside such a layer).
     spec = _C.graphs.ModuleSpec()
     spec.name = name or type(module).__name__
     spec.defers = bool(module.need_backward_dw())
@@ -123,7 +126,7 @@ def _foreign_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
         sub_ref = weak(sub)
         spec.add_inner(sub._wgrad_store, lambda sub_ref=sub_ref: sub_ref()._run_wgrad_hooks(),
                        bool(sub.delay_wgrad_compute))
-    deferred, fused = [], []
+    deferred, fused, undeferred_fused = [], [], []
     for n, p in module.named_parameters():
         qualified = prefix + n
         inner = owned.get(id(p))
@@ -131,7 +134,7 @@ def _foreign_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
             role = _C.nn.classify_parameter(n.rsplit(".", 1)[-1], inner.delay_wgrad_compute,
                                             inner.fuse_wgrad_accumulation)
             if role == "fused":
-                fused.append(_fused_parameter(qualified, p))
+                (fused if inner.delay_wgrad_compute else undeferred_fused).append(_fused_parameter(qualified, p))
             elif role == "deferred":
                 deferred.append((qualified, p))
         elif fusing and hasattr(p, "main_grad"):
@@ -141,7 +144,13 @@ def _foreign_module_spec(name: str, module) -> "_C.graphs.ModuleSpec":
     spec.deferred_names = [n for n, _ in deferred]
     spec.deferred = [p for _, p in deferred]
     spec.fused = fused
-    return spec
+    if not undeferred_fused:
+        return [spec]
+    main = _C.graphs.ModuleSpec()
+    main.name = f"{spec.name} (main backward)"
+    main.defers = False
+    main.fused = undeferred_fused
+    return [spec, main]
 
 
 def _is_foreign_deferring(m) -> bool:
@@ -158,9 +167,9 @@ def module_specs(module: torch.nn.Module) -> list:
         if is_dwgraph_module(sub):
             specs.append(dwgraph_module_spec(name, sub))
         elif _is_foreign_deferring(sub):
-            spec = _foreign_module_spec(name, sub)
-            if spec.defers:
-                specs.append(spec)
+            foreign = _foreign_module_spec(name, sub)
+            if foreign[0].defers:
+                specs.extend(foreign)
                 covered.append(name)
     return specs
 

@@ -9,9 +9,11 @@ those checks can see:
 
 * torch's global registration hooks: a parameter, buffer or submodule registered anywhere;
 * ``torch.nn.Module.__setattr__``: a module's ``training`` flag changing (``train()``,
-  ``eval()``, a direct assignment) and dwgraph's module flags;
+  ``eval()``, a direct assignment), dwgraph's module flags, and one of the dicts below
+  assigned anew;
 * ``Module._apply`` (``.to()``, ``.half()``, ...), ``torch.utils.swap_tensors``, and
-  ``Parameter.requires_grad_`` / ``set_``;
+  ``torch.Tensor.requires_grad_`` / ``set_`` on a watched parameter or tensor (as a method or
+  unbound);
 * torch's global module hook dicts, replaced by watching dicts;
 * torch's reseeding functions (manual_seed, set_rng_state, ...): on a capturing thread
   they tell the core, which refuses a random draw after them (the RNG watch);
@@ -19,11 +21,15 @@ those checks can see:
   buffer, child and hook dicts become watching dicts (a direct ``_parameters[name] = t``,
   as FSDP2 and ``torch.func.functional_call`` do, is seen too), and the parameters' types
   get the setter watch of ``dwgraph._C`` (``.data``, ``.requires_grad``, ``.grad_dtype``,
-  ``.main_grad`` assignments).
+  ``.main_grad`` assignments), and so do the tree's buffers and the parameters' main_grads,
+  one tensor at a time (:func:`watch_tensor`: their type is every tensor's).
 
 A tree that cannot be watched (a parameter type with its own ``__setattr__``) is checked
-at every call instead. What is not seen: writes into a module's ``__dict__`` by hand and
-changes made from C++; docs/memory-contract.md lists them.
+at every call instead. What is not seen: writes into a module's ``__dict__`` by hand, the
+attribute descriptors called directly (``torch.Tensor.data.__set__(p, t)``,
+``object.__setattr__``), torch's C methods called on their base class
+(``torch._C.TensorBase.set_(p, t)``) and changes made from C++; docs/memory-contract.md lists
+them.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import torch.random
 
 from . import _C
 
-__all__ = ["install", "watch_module_tree", "changed", "was_displaced"]
+__all__ = ["install", "watch_module_tree", "watch_tensor", "changed", "was_displaced"]
 
 changed = _C.graphs.bump_state_epoch  # the one way anything here says "state moved"
 
@@ -119,6 +125,11 @@ _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_hooks_with_kwarg
                       "_global_backward_hooks", "_global_backward_pre_hooks")
 # Module attributes whose change changes what a graph would have captured.
 _MODE_ATTRIBUTES = frozenset(("training", "delay_wgrad_compute", "fuse_wgrad_accumulation"))
+# The module's dicts themselves, assigned anew (``module._parameters = {...}``,
+# ``module._forward_hooks = OrderedDict()``): the change is one, and the new dict of a module
+# that was watched keeps watching (watch_module_tree's rule: hook dicts only when empty).
+_DICT_ATTRIBUTES = frozenset(_STATE_DICTS + _HOOK_DICTS)
+_WATCHED_ATTRIBUTES = _MODE_ATTRIBUTES | _DICT_ATTRIBUTES
 
 _lock = threading.Lock()
 _installed = False
@@ -161,6 +172,54 @@ def _after(fn, what=None):
 
     wrapper._dwgraph_watch = True
     return wrapper
+
+
+def _on_watched_tensors(fn):
+    """`fn` (a tensor method that moves memory or requires_grad: set_, requires_grad_) moves
+    the state epoch when it changes a parameter of a watched type or a tensor watched by
+    itself, called as a method or unbound (``torch.Tensor.set_(p, t)``). Inside dynamo's
+    trace it is left alone: compiled code changes tensors inside its graph, never here."""
+    is_watched = _C.graphs.is_watched_tensor
+    compiling = torch.compiler.is_compiling
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if compiling() or not is_watched(self):
+            return fn(self, *args, **kwargs)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            changed()
+
+    wrapper._dwgraph_watch = True
+    return wrapper
+
+
+# Single tensors watched (captured buffers and main_grads): id -> weak reference whose
+# callback stops the watch when the tensor dies.
+_watched_tensors: "dict[int, weakref.ref]" = {}
+
+
+def _unwatch(key: int) -> None:
+    _watched_tensors.pop(key, None)
+    try:
+        _C.graphs.unwatch_tensor(key)
+    except Exception:  # at interpreter shutdown the extension may be gone first
+        pass
+
+
+def watch_tensor(t: torch.Tensor) -> bool:
+    """Makes `.data`, `.requires_grad`, `set_()` and `requires_grad_()` of `t` move the state
+    epoch (a buffer or main_grad the graphs read: its type is every tensor's). False when
+    its type has its own __setattr__."""
+    key = id(t)
+    r = _watched_tensors.get(key)
+    if r is not None and r() is t:
+        return True
+    if not _C.graphs.watch_tensor_setters(t):
+        return False
+    _watched_tensors[key] = weakref.ref(t, lambda _r, key=key: _unwatch(key))
+    return True
 
 
 def _on_parameters(fn):
@@ -226,8 +285,14 @@ def install() -> None:
         setattr_ = Module.__setattr__
 
         def __setattr__(self, name, value):
-            if name in _MODE_ATTRIBUTES and self.__dict__.get(name, value) is not value:
-                changed()
+            if name in _WATCHED_ATTRIBUTES:
+                old = self.__dict__.get(name, value)
+                if old is not value:
+                    changed()
+                    # Only plain dicts: another library's dict type keeps its own behaviour.
+                    if (name in _DICT_ATTRIBUTES and isinstance(old, (WatchedDict, WatchedOrderedDict))
+                            and type(value) in (dict, collections.OrderedDict) and (name in _STATE_DICTS or not value)):
+                        value = _watched_copy(value)
             setattr_(self, name, value)
 
         __setattr__._dwgraph_watch = True
@@ -235,8 +300,12 @@ def install() -> None:
         Module.__setattr__ = __setattr__
         Module._apply = _after(Module._apply)
         torch.utils.swap_tensors = _after(torch.utils.swap_tensors)
+        # On torch.Tensor, not Parameter: unbound calls (torch.Tensor.set_(p, t)), parameters
+        # of tensor subclasses (whose type is not Parameter) and watched buffers go through it.
         for name in ("requires_grad_", "set_"):
-            setattr(torch.nn.Parameter, name, _after(getattr(torch.Tensor, name)))
+            fn = getattr(torch.Tensor, name)
+            if not getattr(fn, "_dwgraph_watch", False):
+                setattr(torch.Tensor, name, _on_watched_tensors(fn))
         # A tensor hook on a parameter (its AccumulateGrad runs it): graphed callables
         # whose graphs hold the parameter look at their hooks again.
         for name in ("register_hook", "register_post_accumulate_grad_hook"):
@@ -263,4 +332,9 @@ def watch_module_tree(module: torch.nn.Module) -> bool:
                 ok = _replace_if_safe(d, name) and ok
     for p in module.parameters():
         ok = bool(_C.graphs.watch_parameter_setters(type(p))) and ok
+        main_grad = p.__dict__.get("main_grad")
+        if isinstance(main_grad, torch.Tensor):
+            ok = watch_tensor(main_grad) and ok
+    for b in module.buffers():
+        ok = watch_tensor(b) and ok
     return ok
