@@ -173,3 +173,33 @@ def assert_same_grads_and_params(a: torch.nn.Module, b: torch.nn.Module, what: s
         if p.grad is not None:
             assert torch.equal(p.grad, q.grad), f"{what}: {n}.grad differs"
         assert torch.equal(p, q), f"{what}: parameter {n} differs"
+
+
+def one_f_one_b(m: int, in_flight: int = 2):
+    """A 1F1B `order` of one callable over `m` microbatches: `in_flight` forwards of warmup,
+    then per microbatch its backward, its backward-dw and the next forward."""
+    order, f = [], 0
+    for _ in range(min(in_flight, m)):
+        order.append(1)
+        f += 1
+    for _ in range(m):
+        order += [-1, -1.5]
+        if f < m:
+            order.append(1)
+            f += 1
+    return order
+
+
+def run_order(order, call, dw, xs, loss=lambda y: y.square().sum()):
+    """Runs a one-callable `order`: call(i, x) for microbatch i's forward, the backward of
+    loss(output), dw(i) for its backward-dw."""
+    outs, f, b = {}, 0, 0
+    for o in order:
+        if o == 1:
+            outs[f] = call(f, xs[f])
+            f += 1
+        elif o == -1:
+            loss(outs.pop(b)).backward()
+            b += 1
+        else:
+            dw(b - 1)

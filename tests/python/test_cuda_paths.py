@@ -20,38 +20,11 @@ import torch
 
 import dwgraph
 from conftest import requires_cuda
-from safety_common import assert_same_as_eager
+from safety_common import assert_same_as_eager, one_f_one_b, run_order
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
 H, B = 64, 16
-
-
-def _one_f_one_b(m: int, warm: int = 2):
-    order, f, b = [], 0, 0
-    for _ in range(min(warm, m)):
-        order.append(1)
-        f += 1
-    while b < m:
-        order += [-1, -1.5]
-        b += 1
-        if f < m:
-            order.append(1)
-            f += 1
-    return order
-
-
-def _run_order(order, slots, xs, dw):
-    outs, f, b = {}, 0, 0
-    for o in order:
-        if o == 1:
-            outs[f] = slots[f](xs[f])
-            f += 1
-        elif o == -1:
-            outs.pop(b).square().sum().backward()
-            b += 1
-        else:
-            dw(b - 1)
 
 
 def _layer():
@@ -63,7 +36,7 @@ def _layer():
 def _graphed_pipeline(m: int):
     layer = _layer()
     eager = copy.deepcopy(layer)
-    order = _one_f_one_b(m)
+    order = one_f_one_b(m)
     samples = tuple((torch.randn(B, H, device="cuda", requires_grad=True),) for _ in range(m))
     slots = dwgraph.make_graphed_callables((layer,), samples, order=order)
     return layer, eager, order, slots
@@ -74,10 +47,9 @@ def test_pipeline_slots_sharing_the_private_pool_replay_bitwise(set_to_none):
     layer, eager, order, slots = _graphed_pipeline(4)
     for step in range(3):
         xs = [torch.randn(B, H, device="cuda", requires_grad=True) for _ in range(4)]
-        _run_order(order, slots, xs, lambda mb: slots[mb].backward_dw())
+        run_order(order, lambda mb, x: slots[mb](x), lambda mb: slots[mb].backward_dw(), xs)
         eager_xs = [x.detach().clone().requires_grad_() for x in xs]
-        _run_order(order, [eager] * 4, eager_xs, lambda mb: [m.backward_dw() for m in eager
-                                                              if hasattr(m, "backward_dw")])
+        run_order(order, lambda mb, x: eager(x), lambda mb: [m.backward_dw() for m in eager], eager_xs)
         torch.cuda.synchronize()
         for x, xe in zip(xs, eager_xs):
             assert torch.equal(x.grad, xe.grad), f"step {step}: input gradient"

@@ -12,23 +12,14 @@ import pytest
 import torch
 
 import dwgraph
+from safety_common import one_f_one_b, run_order
 
 H = 128
 B = 64
 
 
-def _pipeline(m: int, in_flight: int = 2):
-    """1F1B of one callable (two deferred layers), `in_flight` forwards of warmup."""
-    order, f = [], 0
-    for _ in range(min(in_flight, m)):
-        order.append(1)
-        f += 1
-    for _ in range(m):
-        order += [-1, -1.5]
-        if f < m:
-            order.append(1)
-            f += 1
-    return order
+def _mean_square(y):
+    return y.square().mean()
 
 
 def _model():
@@ -37,29 +28,16 @@ def _model():
                                dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
 
 
-def _run(order, call, dw, xs):
-    outs, f, b = {}, 0, 0
-    for o in order:
-        if o == 1:
-            outs[f] = call(f, xs[f])
-            f += 1
-        elif o == -1:
-            outs.pop(b).square().mean().backward()
-            b += 1
-        else:
-            dw(b - 1)
-
-
 def _graphed_and_eager(m: int):
     model = _model()
     eager = copy.deepcopy(model)
-    order = _pipeline(m)
+    order = one_f_one_b(m)
     slots = dwgraph.make_graphed_callables((model,), tuple((torch.randn(B, H),) for _ in range(m)), order=order,
                                            num_warmup_iters=1)
     xs = [torch.randn(B, H) for _ in range(m)]
-    _run(order, lambda i, x: slots[i](x), lambda i: slots[i].backward_dw(), xs)
+    run_order(order, lambda i, x: slots[i](x), lambda i: slots[i].backward_dw(), xs, loss=_mean_square)
     with dwgraph.eager_memory(slots) as e:
-        _run(order, lambda i, x: eager(x), lambda i: (eager[0].backward_dw(), eager[1].backward_dw()), xs)
+        run_order(order, lambda i, x: eager(x), lambda i: (eager[0].backward_dw(), eager[1].backward_dw()), xs, loss=_mean_square)
     for pg, pe in zip(model.parameters(), eager.parameters()):
         assert torch.equal(pg.grad, pe.grad)
     return slots[0].stats(), e
