@@ -344,6 +344,24 @@ def test_a_tensor_lr_with_fused_is_read_by_torch_itself():
     assert step.num_captures == 1 and step.stats()["optimizers"] == {"Adam#1": "in the key"}
 
 
+def test_betas_switched_to_tensors_after_replays_are_seen():
+    # (0.9, 0.999) == (tensor(0.9), tensor(0.999)) is true, so the change went unseen and
+    # the captured step (reading number betas) kept replaying: parameters drifted from
+    # eager's silently. Now it is a change of the groups: torch's fused Adam with tensor
+    # betas reads them on the host, which a capture refuses with the ways out.
+    eager, graphed, opt_e, opt_g, _ = twins(Small, lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True))
+    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
+    for s in range(3):
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), small_body(eager, opt_e, x))
+        assert_same(eager, graphed, opt_e, opt_g, f"step {s}")
+    for o in (opt_e, opt_g):
+        o.param_groups[0]["betas"] = (torch.tensor(0.9), torch.tensor(0.999))
+    with pytest.raises(dwgraph.GraphStateError, match="fused=True|capturable=True"):
+        for _ in range(3):  # warmup calls of the new variant run eagerly, then its capture is refused
+            step(torch.randn(B, H))
+
+
 def test_an_optimizer_that_reads_the_host_is_refused_naming_the_ways_out():
     m = Small()
     opt = torch.optim.Adagrad(m.parameters(), lr=1e-2)

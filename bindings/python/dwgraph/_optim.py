@@ -295,6 +295,12 @@ def _same(a: tuple, b: tuple) -> bool:
         if type(x) is not type(y) or isinstance(x, torch.Tensor) or not isinstance(x, (int, float, str, bool, tuple,
                                                                                       type(None))):
             return False
+        if isinstance(x, tuple):
+            # Element by element too: (0.9, 0.999) == (tensor(0.9), tensor(0.999)) is true,
+            # but tensor betas run other code than numbers.
+            if not _same(x, y):
+                return False
+            continue
         try:
             if not (x == y):
                 return False
@@ -303,9 +309,13 @@ def _same(a: tuple, b: tuple) -> bool:
     return True
 
 
-def _value_text(v) -> str:
+def value_text(v) -> str:
+    """A group value as a variant key sees it, never reading a tensor's data (tensors
+    nested in tuples too: tensor betas)."""
     if isinstance(v, torch.Tensor):  # read by the graph: which tensor it is, not its value
         return f"tensor@{id(v):x}:{v.data_ptr():x}"
+    if isinstance(v, tuple):
+        return "(" + ", ".join(value_text(x) for x in v) + ")"
     return repr(v)
 
 
@@ -390,10 +400,10 @@ class OptimizerWatch:
                     v = _read(g, n)
                     hyper.append(float(v))
                     dyn.append(f"{n}:{type(v).__name__}{'=0' if n in _BRANCHES[fam] and v == 0 else ''}")
-                fixed = sorted((k, _value_text(v)) for k, v in g.items() if k != "params" and k not in skip)
+                fixed = sorted((k, value_text(v)) for k, v in g.items() if k != "params" and k not in skip)
                 parts.append(f"read at replay {','.join(dyn)} {fixed}")
             else:
-                parts.append(repr(sorted((k, _value_text(v)) for k, v in g.items() if k != "params")))
+                parts.append(repr(sorted((k, value_text(v)) for k, v in g.items() if k != "params")))
         self.hyper = hyper
         return "|".join(parts)
 

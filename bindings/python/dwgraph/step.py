@@ -379,7 +379,7 @@ def _hyperparameters(optimizers) -> str:
     parts = []
     for opt in optimizers:
         for g in opt.param_groups:
-            parts.append(repr(sorted((k, v) for k, v in g.items()
+            parts.append(repr(sorted((k, _optim.value_text(v)) for k, v in g.items()
                                      if k != "params" and not isinstance(v, torch.Tensor))))
             parts.append(",".join(str(id(p)) for p in g["params"]))
     return ";".join(parts)
