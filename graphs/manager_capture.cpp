@@ -123,6 +123,7 @@ CallerState GraphManager::caller_state() const {
   st.device = device_;
   // The host backend runs the captured kernels: undo even writes a kernel does not declare.
   st.parameter_contents = device_.is_cpu();
+  st.suspend_tensor_hooks = true;  // Note [Parameter tensor hooks at replay]
   for (const auto& c : callables_) {
     st.parameters.insert(st.parameters.end(), c.parameters.begin(), c.parameters.end());
     st.buffers.insert(st.buffers.end(), c.buffers.begin(), c.buffers.end());

@@ -63,6 +63,18 @@
 // at capture. The backward stashes the parameters' gradients for it, and it hands them to
 // the parameters' AccumulateGrad nodes (which also run the parameters' tensor hooks).
 //
+// Note [Parameter tensor hooks at replay]: so a hook registered on a parameter
+// (param.register_hook, register_post_accumulate_grad_hook), before capture or after it,
+// runs at each graphed backward exactly as at an eager one: AccumulateGrad runs it on the
+// gradient the backward hands over, a fresh tensor the caller owns (a hook may change it in
+// place or return another, as in eager). A deferred parameter's AccumulateGrad gets no
+// gradient from the backward, in eager dwgraph as in the graphs, so its hooks see None
+// there, and backward_dw() lands the weight gradient in .grad without running them
+// (register_wgrad_hook is the hook for that landing). Warmup and capture run none of them:
+// the CallerStateGuard takes them off the parameters while it lives, or the captured
+// backward would apply the hook once more than eager inside every replay, and a Python
+// hook's side effects would happen at capture only.
+//
 // Note [Autocast in the backward]: the autograd engine runs a backward in the autocast
 // state of the thread that started it, so an op that the forward ran in FP32 (an
 // autocast(enabled=False) region, an FP32 input) has its backward run in BF16 when

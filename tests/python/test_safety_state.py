@@ -202,8 +202,6 @@ LATE_CHANGES.update({
                                 r"'2\.bias' no longer requires grad"),
     "submodule_hook": (lambda m: m[0].register_forward_hook(lambda *a: None),
                        r"forward hooks registered on '0' after capture would not run"),
-    "parameter_hook": (lambda m: m[2].weight.register_hook(lambda g: g),
-                       r"tensor hooks \(register_hook\) registered on parameter '2\.weight'"),
     "global_hook": (lambda m: torch.nn.modules.module.register_module_forward_hook(lambda *a: None),
                     r"global\) after capture would not run|forward hooks registered on every submodule"),
     "submodule_added": (lambda m: m.append(torch.nn.Identity()), r"a submodule was added, removed or replaced"),
