@@ -643,6 +643,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     checks_.push_back(std::make_unique<CallableChecks>());
   }
   forward_autocast_ = ops::AutocastState::current();
+  grad_at_capture_ = at::GradMode::is_enabled();  // Note [Calls eager autograd would differentiate further]
   backward_autocast_ = backward_state(forward_autocast_, opts_.backward_under_autocast);
   if (opts_.reuse_static_buffers) share_static_buffers();
   // Note [Slots share the pool by liveness]: the pipeline schedule's slots follow an

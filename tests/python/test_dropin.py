@@ -444,3 +444,72 @@ def test_warmup_runs_in_the_capture_order(schedule):
                           [p for mod in eager for p in mod.parameters()]):
             assert torch.equal(pg.grad, pe.grad), f"step {step}: gradients differ from eager"
     assert events == [], "capture-time hooks ran at replay"
+
+
+class _Gather(torch.nn.Module):
+    """PyTorch's parameterless module: a dict in, a dict out; counts its eager forwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.eager_calls = 0
+
+    def forward(self, inputs: dict):
+        self.eager_calls += 1
+        x = inputs["x"]
+        idx = torch.arange(x.size(0)).view(-1, 1).repeat(1, x.size(1))
+        return {"output": torch.gather(x, 0, idx.flip(0)), "argmax": x.argmax(1)}
+
+
+def test_parameterless_module_captured_without_grad_called_with_grad():
+    # PyTorch's test: captured with inputs that need no grad, called with ones that do. The
+    # call succeeds and gives eager's outputs exactly, requires_grad included, and a backward
+    # gives eager's input gradient (Note [Calls eager autograd would differentiate further]:
+    # such calls run eagerly); calls like the sample still replay.
+    mod = _Gather()
+    g = dwgraph.make_graphed_callables(mod, ({"x": torch.randn(B, H), "unused": torch.randn(B, 2)},),
+                                       allow_unused_input=True)
+    captured = mod.eager_calls
+    for needs in (True, False, True):
+        x = torch.randn(B, H, requires_grad=needs)
+        xe = x.detach().clone().requires_grad_(needs)
+        out, ref = g({"x": x, "unused": torch.randn(B, 2)}), _Gather()({"x": xe, "unused": torch.randn(B, 2)})
+        for k in ("output", "argmax"):
+            assert torch.equal(out[k], ref[k]) and out[k].requires_grad == ref[k].requires_grad, k
+        if needs:
+            out["output"].square().sum().backward()
+            ref["output"].square().sum().backward()
+            assert torch.equal(x.grad, xe.grad)
+    assert mod.eager_calls == captured + 2, "the calls with grad did not run eagerly, or the one without did not replay"
+
+
+class _CountingMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.net = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.GELU(), torch.nn.Linear(H, H))
+        self.eager_calls = 0
+
+    def forward(self, x):
+        self.eager_calls += 1
+        return self.net(x)
+
+
+def test_a_capture_under_no_grad_called_with_grad_runs_eagerly():
+    # Captured under torch.no_grad(), the graphs hold no autograd graph: with grad enabled
+    # eager's output would require grad (trainable weights), so such calls run eagerly and
+    # train exactly as eager; under no_grad they replay.
+    model = _CountingMLP()
+    eager = copy.deepcopy(model)
+    with torch.no_grad():
+        g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
+    captured = model.eager_calls
+    for step in range(2):
+        x = torch.randn(B, H)
+        y, ye = g(x), eager(x)
+        assert y.requires_grad and torch.equal(y, ye)
+        y.square().sum().backward(), ye.square().sum().backward()
+        assert_same_as_eager(model, eager, f"step {step}")
+    assert model.eager_calls == captured + 2
+    with torch.no_grad():
+        x = torch.randn(B, H)
+        assert torch.equal(g(x), eager(x)) and model.eager_calls == captured + 2, "a call under no_grad did not replay"
