@@ -237,7 +237,7 @@ bool GraphManager::runs_eagerly(size_t s, const std::vector<at::Tensor>& inputs)
   if (!warned_eager_autograd_.exchange(true)) {
     log::warning(slot.where, ": ", why, "; such calls run eagerly (eager's results and gradients, nothing "
                  "replayed). Capture with samples that require grad, and with grad enabled, to replay them "
-                 "(Note [Calls eager autograd would differentiate further])");
+                 "(docs/memory-contract.md)");
   }
   return true;
 }
