@@ -402,11 +402,11 @@ void GraphManager::capture_bwd(size_t s) {
       indices.push_back(i);
       if (f.set_flag && f.param.requires_grad()) slot.after_backward.flags.push_back(FlagSetter{[f] { f.set_flag(true); }, i});
     }
-    if (m.run_hooks) slot.after_backward.hooks.push_back(ModuleHooks{m.run_hooks, m.store, module_parameter_indices(c, m)});
+    if (m.run_hooks) slot.after_backward.add_hook(ModuleHooks{m.run_hooks, m.store, module_parameter_indices(c, m)});
   }
   for (const auto& m : c.modules) {
     for (const auto& inner : m.inner) {
-      if (!inner.defers && inner.run_hooks) slot.after_backward.hooks.push_back(ModuleHooks{inner.run_hooks, inner.store, {}});
+      if (!inner.defers && inner.run_hooks) slot.after_backward.add_hook(ModuleHooks{inner.run_hooks, inner.store, {}});
     }
   }
 }
@@ -486,10 +486,10 @@ void GraphManager::capture_dw(size_t s) {
   for (const auto& m : c.modules) {
     if (!module_defers(m)) continue;
     const std::vector<size_t> indices = module_parameter_indices(c, m);
-    if (m.run_hooks) landing.hooks.push_back(ModuleHooks{m.run_hooks, m.store, indices});
+    if (m.run_hooks) landing.add_hook(ModuleHooks{m.run_hooks, m.store, indices});
     // dwgraph modules inside another library's module: their hooks after its hand-off.
     for (const auto& inner : m.inner) {
-      if (inner.defers && inner.run_hooks) landing.hooks.push_back(ModuleHooks{inner.run_hooks, inner.store, indices});
+      if (inner.defers && inner.run_hooks) landing.add_hook(ModuleHooks{inner.run_hooks, inner.store, indices});
     }
   }
   slot.after_dw = std::move(landing);

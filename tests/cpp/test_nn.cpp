@@ -195,3 +195,23 @@ TEST_CASE("C++ Linear under autocast runs its GEMMs in the autocast dtype, as at
   CHECK(a.weight.grad().scalar_type() == at::kFloat);
   CHECK(dwgraph::testing::rel_err(a.weight.grad(), ref) < 2e-6);
 }
+
+TEST_CASE("WgradStore: the process counts the stores with wgrad hooks, so landings skip an empty scan",
+          "[nn][hooks][cpu]") {
+  using dwgraph::ops::num_stores_with_hooks;
+  const size_t before = num_stores_with_hooks();
+  {
+    auto a = std::make_shared<dwgraph::ops::WgradStore>();
+    auto b = std::make_shared<dwgraph::ops::WgradStore>();
+    a->set_num_hooks(2);
+    CHECK(num_stores_with_hooks() == before + 1);
+    a->set_num_hooks(3);  // still one store with hooks
+    CHECK(num_stores_with_hooks() == before + 1);
+    b->set_num_hooks(1);
+    CHECK(num_stores_with_hooks() == before + 2);
+    a->set_num_hooks(0);
+    CHECK(num_stores_with_hooks() == before + 1);
+    // b is destroyed with its hook: the count drops with it.
+  }
+  CHECK(num_stores_with_hooks() == before);
+}
