@@ -283,7 +283,7 @@ void GraphManager::capture_fwd(size_t s) {
     // the call's copy into them takes its place in the pool's replay order, before this
     // forward.
     slot.buffers->inputs.move_into(*pool_);
-    slot.input_write.add(pool_, c10::str("the copy into the static inputs of ", where(s)), slot.buffers->inputs.tensors());
+    slot.input_write.add(pool_, c10::str("copy into the static inputs of ", where(s)), slot.buffers->inputs.tensors());
   }
   std::vector<at::Tensor> outputs;
   capture(slot.fwd, Phase::kForward, s, [&] { outputs = c.forward(slot.buffers->inputs.tensors()); });
@@ -345,7 +345,7 @@ void GraphManager::capture_bwd(size_t s) {
     return;  // nothing to differentiate: no backward graph
   }
   if (pooled_buffers_) {
-    slot.grad_write.add(pool_, c10::str("the copy into the static grad outputs of ", where(s)), slot.static_grad_outputs);
+    slot.grad_write.add(pool_, c10::str("copy into the static grad outputs of ", where(s)), slot.static_grad_outputs);
   }
   DWGRAPH_CHECK_ARG(!targets.empty(), kApi, ": the outputs of ", where(s),
                     " require grad through tensors that are neither its inputs nor its parameters; make them "
@@ -602,12 +602,14 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
   }
   forward_autocast_ = ops::AutocastState::current();
   backward_autocast_ = backward_state(forward_autocast_, opts_.backward_under_autocast);
-  if (opts_.reuse_static_buffers) share_static_buffers();
   // Note [Slots share the pool by liveness]: the pipeline schedule's slots follow an
   // explicit order on a pool of their own. (Graph sets sharing a caller's pool, and the
   // sequential schedule, whose callables may be called again whenever they are idle, keep
-  // their buffers to themselves.)
-  pooled_buffers_ = schedule_.pipelined() && !opts_.reuse_static_buffers && !opts_.pool;
+  // their buffers to themselves.) There, reuse_static_buffers asks for less than the
+  // liveness sharing gives (the static inputs of one callable's slots only), so it is
+  // subsumed; on a caller's pool it shares them explicitly.
+  pooled_buffers_ = schedule_.pipelined() && !opts_.pool;
+  if (opts_.reuse_static_buffers && !pooled_buffers_) share_static_buffers();
   pool_ = opts_.pool ? opts_.pool : make_pool(device_);
   DWGRAPH_CHECK_ARG(pool_->device().type() == device_.type(), kApi, ": argument 'pool' is a pool of ",
                     pool_->device(), " but the sample arguments are on ", device_);
