@@ -30,3 +30,31 @@ class RefMLP(torch.nn.Module):
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(self.ln(x))))
+
+
+class RefLNLinear(torch.nn.Module):
+    """dwgraph.nn.LayerNormLinear in plain torch.nn: LayerNorm, Linear. `slots` maps
+    dwgraph's parameter names to (module, attribute) here."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, eps: float = 1e-5):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(in_features, eps=eps)
+        self.linear = torch.nn.Linear(in_features, out_features, bias=bias)
+        self.slots = {
+            "layer_norm_weight": (self.ln, "weight"), "layer_norm_bias": (self.ln, "bias"),
+            "weight": (self.linear, "weight"), "bias": (self.linear, "bias"),
+        }
+
+    def forward(self, x):
+        return self.linear(self.ln(x))
+
+
+def copy_into_reference(ref: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module:
+    """Copies `module`'s parameters into the reference `ref` (RefMLP / RefLNLinear) through
+    its slots; returns `ref`."""
+    with torch.no_grad():
+        for name, (mod, attr) in ref.slots.items():
+            src = getattr(module, name)
+            if src is not None:
+                getattr(mod, attr).copy_(src)
+    return ref

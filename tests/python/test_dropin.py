@@ -325,6 +325,9 @@ def _compile_cases():
     return {
         "linear": (lambda: dwgraph.nn.Linear(H, 2 * H), False),
         "layernorm_mlp": (lambda: dwgraph.nn.LayerNormMLP(H, 2 * H, activation="gelu_tanh"), False),
+        "layernorm_mlp_checkpoint": (lambda: dwgraph.nn.LayerNormMLP(H, 2 * H, activation="gelu_tanh",
+                                                                     checkpoint=True), False),
+        "layernorm_linear": (lambda: dwgraph.nn.LayerNormLinear(H, 2 * H), False),
         "grouped": (lambda: dwgraph.nn.GroupedLinear(2, H, 2 * H), True),
         "grouped_packed": (lambda: dwgraph.nn.GroupedLinear(2, H, 2 * H, packed_weights=True), True),
     }
