@@ -226,6 +226,7 @@ void init_manager(py::module_& parent) {
       .def("contribution_bytes", &GraphedCallable::contribution_bytes)
       .def("stats", [](const GraphedCallable& g) { return stats_dict(g.stats()); })
       .def("record_eager_peak", &GraphedCallable::record_eager_peak, py::arg("nbytes"))
+      .def("same_set", &GraphedCallable::same_set, py::arg("other"))
       .def_property_readonly("device", &GraphedCallable::device)
       // Test-only: the negative controls turn the pool's replay-order checks off.
       .def_property_readonly("_pool", &GraphedCallable::pool)

@@ -5,6 +5,7 @@
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <unordered_set>
 
@@ -66,6 +67,17 @@ CallerStateGuard::CallerStateGuard(CallerState state) : state_(std::move(state))
     stashes_.push_back(s->take_queued());
     s->suppress_hooks(true);
   }
+  if (state_.suspend_tensor_hooks) {
+    // Note [Parameter tensor hooks at replay]: taken off the parameters (AccumulateGrad
+    // reads them from the tensor when it runs), so warmup and capture run none.
+    for (const auto& p : state_.parameters) {
+      if (torch::autograd::impl::get_autograd_meta(p) == nullptr) continue;
+      auto& hooks = torch::autograd::impl::hooks(p);
+      if (hooks.empty()) continue;
+      tensor_hooks_.emplace_back(p, std::move(hooks));
+      hooks.clear();
+    }
+  }
 }
 
 CallerStateGuard::~CallerStateGuard() {
@@ -74,6 +86,14 @@ CallerStateGuard::~CallerStateGuard() {
   });
   restore_step("the wgrad hooks", [&] {
     for (const auto& s : state_.stores) s->suppress_hooks(false);
+  });
+  restore_step("the parameters' tensor hooks", [&] {
+    for (auto& [p, saved] : tensor_hooks_) {
+      // Ahead of any a capture registered anew (a hook dict assigned during it).
+      auto& hooks = torch::autograd::impl::hooks(p);
+      for (auto& h : hooks) saved.push_back(std::move(h));
+      hooks = std::move(saved);
+    }
   });
   restore_step(".grad", [&] { restore_grads(); });
   restore_step("parameter, buffer and main_grad contents", [&] {

@@ -13,11 +13,13 @@
 //  - the wgrad units queued in dwgraph modules (taken out, so capture neither runs nor
 //    loses the caller's; whatever the capture queued or retained is dropped);
 //  - the default generators' states (CPU, and the capture device's);
-// and for its lifetime it suppresses the wgrad hooks of the dwgraph modules.
+// and for its lifetime it suppresses the wgrad hooks of the dwgraph modules and, when
+// asked, the parameters' tensor hooks (Note [Parameter tensor hooks at replay]).
 
 #include "graphs/module_spec.h"
 
 #include <ATen/core/Generator.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
@@ -34,6 +36,7 @@ struct CallerState {
   std::vector<FusedParameter> fused;
   std::vector<std::shared_ptr<ops::WgradStore>> stores;
   c10::Device device = c10::Device(c10::kCPU);
+  bool suspend_tensor_hooks = false;  // the parameters' register_hook hooks, while the guard lives
 };
 
 class CallerStateGuard {
@@ -61,6 +64,7 @@ class CallerStateGuard {
   std::vector<std::optional<bool>> flags_;
   std::vector<std::unique_ptr<ops::WgradStore::Stash>> stashes_;
   std::vector<std::pair<at::Generator, at::Tensor>> rng_;
+  std::vector<std::pair<at::Tensor, std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>>>> tensor_hooks_;
 };
 
 // Sets the .grad of `params` to None while alive, so captured kernels write only fresh

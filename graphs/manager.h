@@ -139,6 +139,9 @@ class GraphedCallable {
   size_t callable_index() const;       // which of the callables this slot runs
   const std::string& name() const;
   GraphedStats stats() const;          // of the whole set
+  // Whether `other` came from the same make_graphed_callables call (one set: one pool,
+  // one stats()).
+  bool same_set(const GraphedCallable& other) const { return manager_ == other.manager_; }
   c10::Device device() const;          // where the set's graphs run
   // The set's pool (null after reset()); for tests' negative controls, which turn its
   // replay-order checks off. Capturing other graphs on it breaks the set's liveness plan.

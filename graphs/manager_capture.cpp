@@ -123,6 +123,7 @@ CallerState GraphManager::caller_state() const {
   st.device = device_;
   // The host backend runs the captured kernels: undo even writes a kernel does not declare.
   st.parameter_contents = device_.is_cpu();
+  st.suspend_tensor_hooks = true;  // Note [Parameter tensor hooks at replay]
   for (const auto& c : callables_) {
     st.parameters.insert(st.parameters.end(), c.parameters.begin(), c.parameters.end());
     st.buffers.insert(st.buffers.end(), c.buffers.begin(), c.buffers.end());
@@ -228,43 +229,84 @@ std::vector<at::Tensor> GraphManager::backward_targets(size_t s, bool for_captur
 
 void GraphManager::warmup() {
   // Inside the CallerStateGuard of build(): everything it changes is put back.
+  // In the captures' order (schedule_.capture_steps), as TransformerEngine warms up, so
+  // capture-time hooks see the sequence the captures will show them (sequential: every
+  // forward, then the backwards in reverse, then the backward-dw steps; pipeline: the
+  // order's sequence). A forward's outputs are kept until its backward step, and each
+  // backward-dw step runs the units its own backward queued (a module used twice in the
+  // forward queues two), as the capture does.
+  const auto steps = schedule_.capture_steps(defers_);
   for (int it = 0; it < opts_.num_warmup_iters; ++it) {
-    for (size_t s = 0; s < slots_.size(); ++s) {
-      Slot& slot = slots_[s];
-      const auto& c = callables_[slot.info.callable];
-      if (c.capture_time_hook) c.capture_time_hook("forward", false);
-      const auto outputs = c.forward(slot.buffers->inputs.tensors());
-      if (c.capture_time_hook) c.capture_time_hook("forward", true);
-      std::vector<at::Tensor> outs, grads_out;
-      for (const auto& o : outputs) {
-        if (o.defined() && o.requires_grad()) {
-          outs.push_back(o);
-          grads_out.push_back(at::ones_like(o));
+    std::vector<std::vector<at::Tensor>> kept(slots_.size());  // per slot: its outputs that require grad
+    std::vector<std::vector<size_t>> queued(slots_.size());    // per slot, per module: units its backward queued
+    for (const auto& step : steps) {
+      const size_t s = step.slot;
+      const auto& c = callables_[slots_[s].info.callable];
+      const auto hook = [&](const char* phase, bool after) {
+        if (c.capture_time_hook) c.capture_time_hook(phase, after);
+      };
+      switch (step.phase) {
+        case Phase::kForward: {
+          hook("forward", false);
+          const auto outputs = c.forward(slots_[s].buffers->inputs.tensors());
+          hook("forward", true);
+          kept[s].clear();
+          for (const auto& o : outputs) {
+            if (o.defined() && o.requires_grad()) kept[s].push_back(o);
+          }
+          break;
+        }
+        case Phase::kBackward: {
+          const std::vector<at::Tensor> outs = std::move(kept[s]);
+          kept[s].clear();
+          queued[s].assign(c.modules.size(), 0);
+          if (outs.empty()) break;  // as the capture: no backward graph, no hooks
+          const auto targets = backward_targets(s, /*for_capture=*/false);
+          DWGRAPH_CHECK_ARG(!targets.empty(), kApi, ": the outputs of ", where(s),
+                            " require grad through tensors that are neither its inputs nor its parameters; "
+                            "make them parameters of the module or inputs of the callable");
+          std::vector<at::Tensor> grads_out;
+          for (const auto& o : outs) grads_out.push_back(at::ones_like(o));
+          std::vector<size_t> before;
+          for (const auto& m : c.modules) before.push_back(m.store ? m.store->num_units() : 0);
+          hook("backward", false);
+          {
+            const ops::AutocastStateGuard autocast(backward_autocast_);  // Note [Autocast in the backward]
+            run_autograd_engine([&] {
+              return torch::autograd::grad(outs, targets, grads_out, /*retain_graph=*/false, /*create_graph=*/false,
+                                           /*allow_unused=*/true);
+            });
+          }
+          hook("backward", true);
+          for (size_t k = 0; k < c.modules.size(); ++k) {
+            const auto& m = c.modules[k];
+            // Another library's module keeps its own queue: one backward_dw() per backward.
+            queued[s][k] = m.store ? m.store->num_units() - std::min(before[k], m.store->num_units()) : 1;
+          }
+          break;
+        }
+        case Phase::kBackwardDw: {
+          for (size_t k = 0; k < c.modules.size(); ++k) {
+            const auto& m = c.modules[k];
+            if (!module_defers(m)) continue;
+            if (!m.store) {
+              m.backward_dw();
+              continue;
+            }
+            const size_t n = k < queued[s].size() ? queued[s][k] : 0;
+            for (size_t r = 0; r < n && !m.store->empty(); ++r) m.backward_dw();
+          }
+          break;
         }
       }
-      const auto targets = backward_targets(s, /*for_capture=*/false);
-      if (!outs.empty()) {
-        DWGRAPH_CHECK_ARG(!targets.empty(), kApi, ": the outputs of ", where(s),
-                          " require grad through tensors that are neither its inputs nor its parameters; "
-                          "make them parameters of the module or inputs of the callable");
-        if (c.capture_time_hook) c.capture_time_hook("backward", false);
-        {
-          const ops::AutocastStateGuard autocast(backward_autocast_);  // Note [Autocast in the backward]
-          run_autograd_engine([&] {
-            return torch::autograd::grad(outs, targets, grads_out, /*retain_graph=*/false, /*create_graph=*/false,
-                                         /*allow_unused=*/true);
-          });
-        }
-        if (c.capture_time_hook) c.capture_time_hook("backward", true);
-      }
+    }
+    // Nothing may be left for the captures' backward-dw steps to pop (a unit queued by
+    // another callable's backward would otherwise be landed by the wrong graph).
+    for (const auto& c : callables_) {
       for (const auto& m : c.modules) {
-        if (!module_defers(m)) continue;
-        if (!m.store) {
-          m.backward_dw();
-          continue;
+        if (m.store && module_defers(m)) {
+          while (!m.store->empty()) m.backward_dw();
         }
-        // Every unit its backward queued (a module used twice queues two).
-        while (!m.store->empty()) m.backward_dw();
       }
     }
   }
@@ -601,6 +643,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     checks_.push_back(std::make_unique<CallableChecks>());
   }
   forward_autocast_ = ops::AutocastState::current();
+  grad_at_capture_ = at::GradMode::is_enabled();  // Note [Calls eager autograd would differentiate further]
   backward_autocast_ = backward_state(forward_autocast_, opts_.backward_under_autocast);
   // Note [Slots share the pool by liveness]: the pipeline schedule's slots follow an
   // explicit order on a pool of their own. (Graph sets sharing a caller's pool, and the

@@ -63,6 +63,31 @@
 // at capture. The backward stashes the parameters' gradients for it, and it hands them to
 // the parameters' AccumulateGrad nodes (which also run the parameters' tensor hooks).
 //
+// Note [Parameter tensor hooks at replay]: so a hook registered on a parameter
+// (param.register_hook, register_post_accumulate_grad_hook), before capture or after it,
+// runs at each graphed backward exactly as at an eager one: AccumulateGrad runs it on the
+// gradient the backward hands over, a fresh tensor the caller owns (a hook may change it in
+// place or return another, as in eager). A deferred parameter's AccumulateGrad gets no
+// gradient from the backward, in eager dwgraph as in the graphs, so its hooks see None
+// there, and backward_dw() lands the weight gradient in .grad without running them
+// (register_wgrad_hook is the hook for that landing). Warmup and capture run none of them:
+// the CallerStateGuard takes them off the parameters while it lives, or the captured
+// backward would apply the hook once more than eager inside every replay, and a Python
+// hook's side effects would happen at capture only.
+//
+// Note [Calls eager autograd would differentiate further]: a graph replays the forward
+// and backward autograd saw at capture. A call with an input that requires grad where its
+// sample did not (PyTorch's parameterless no-grad module test: an input captured without
+// grad, later the output of a layer that requires it), or with grad enabled when the
+// capture ran under torch.no_grad() (with something trainable), would make eager autograd
+// build a graph the capture did not: an output the captured forward left without
+// autograd history would require grad, and the backward would owe a gradient the backward
+// graph does not compute (and eager kernels may even choose other paths for inputs that
+// require grad: matmul's folding). Such a call runs eagerly, as the call in a training
+// mode the graphs were not captured in does: its result, its backward and (deferred
+// modules) its backward_dw() are eager's exactly. A warning says so once per set, since
+// the graphs save nothing there; capturing with samples that require grad replays them.
+//
 // Note [Autocast in the backward]: the autograd engine runs a backward in the autocast
 // state of the thread that started it, so an op that the forward ran in FP32 (an
 // autocast(enabled=False) region, an FP32 input) has its backward run in BF16 when
@@ -215,6 +240,8 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
 
   // Replay half.
   std::vector<at::Tensor> call(size_t s, const std::vector<at::Tensor>& inputs);
+  // The replay half of call(), once replays(s) and !runs_eagerly(s, inputs) are known.
+  std::vector<at::Tensor> replay_call(size_t s, const std::vector<at::Tensor>& inputs);
   // The backward of slot s's call `generation`, with the gradients of the outputs that
   // require grad (undefined: unused), `asked` per target (inputs, then parameters) from the
   // engine; returns the input gradients and stashes the parameters' for param_node.
@@ -226,6 +253,9 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   void backward_dw(size_t s);
   bool need_backward_dw(size_t s) const { return defers_[slots_.at(s).info.callable]; }
   bool replays(size_t s);
+  // Note [Calls eager autograd would differentiate further]: true when this call must run
+  // eagerly (said once per set in a warning).
+  bool runs_eagerly(size_t s, const std::vector<at::Tensor>& inputs);
   void reset();
   int64_t contribution_bytes(size_t s) const;
   GraphedStats stats() const;
@@ -284,6 +314,8 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   c10::Device device_ = c10::Device(c10::kCPU);
   ops::AutocastState forward_autocast_;   // the capture's, what every call must match
   ops::AutocastState backward_autocast_;  // Note [Autocast in the backward]
+  bool grad_at_capture_ = true;  // grad mode at capture (Note [Calls eager autograd would differentiate further])
+  std::atomic<bool> warned_eager_autograd_{false};
   std::vector<CapturedParameters> params_;    // per callable
   std::vector<CapturedMainGrads> main_grads_;  // per callable
   std::vector<CapturedParameters> buffers_;    // per callable

@@ -4,6 +4,7 @@
 
 #include "common/autograd_node.h"
 #include "common/check.h"
+#include "common/log.h"
 #include "graphs/state_epoch.h"
 
 #include <ATen/core/grad_mode.h>
@@ -218,12 +219,40 @@ void GraphManager::verify(size_t ci, const std::string& where, bool front_end) {
   if (c.state_watched) checks.tensors.store(epoch, std::memory_order_release);
 }
 
+bool GraphManager::runs_eagerly(size_t s, const std::vector<at::Tensor>& inputs) {
+  if (!at::GradMode::is_enabled()) return false;
+  const Slot& slot = slots_.at(s);
+  const int64_t gaining = slot.buffers->inputs.first_gaining_grad(inputs);
+  std::string why;
+  if (gaining >= 0) {
+    why = c10::str("argument ", gaining, " requires grad but its sample did not, so the graphs hold no gradient for it");
+  } else if (!grad_at_capture_) {
+    // Rare (captured under no_grad, called with grad): the parameters are read here only.
+    bool trainable = false;
+    for (const auto& t : inputs) trainable = trainable || (t.defined() && t.requires_grad());
+    for (const auto& p : callables_[slot.info.callable].parameters) trainable = trainable || p.requires_grad();
+    if (trainable) why = "it was captured under torch.no_grad() and is called with grad enabled";
+  }
+  if (why.empty()) return false;
+  if (!warned_eager_autograd_.exchange(true)) {
+    log::warning(slot.where, ": ", why, "; such calls run eagerly (eager's results and gradients, nothing "
+                 "replayed). Capture with samples that require grad, and with grad enabled, to replay them "
+                 "(Note [Calls eager autograd would differentiate further])");
+  }
+  return true;
+}
+
 std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tensor>& inputs) {
+  check_live("calling a graphed callable");
+  // A mode the graphs were not captured in, or an autograd graph they did not capture: run eagerly.
+  if (!replays(s) || runs_eagerly(s, inputs)) return callables_[slots_.at(s).info.callable].forward(inputs);
+  return replay_call(s, inputs);
+}
+
+std::vector<at::Tensor> GraphManager::replay_call(size_t s, const std::vector<at::Tensor>& inputs) {
   check_live("calling a graphed callable");
   Slot& slot = slots_.at(s);
   const size_t ci = slot.info.callable;
-  const auto& c = callables_[ci];
-  if (!replays(s)) return c.forward(inputs);  // a mode the graphs were not captured in: run eagerly
   const std::string& w = slot.where;
   const ops::AutocastState now = ops::AutocastState::current();
   DWGRAPH_CHECK_ARG(now == forward_autocast_, w, ": called with autocast ", now.describe(), ", captured with ",
@@ -709,8 +738,8 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
   return manager_->call(index_, inputs);
 }
 std::optional<std::vector<at::Tensor>> GraphedCallable::replay_or_nothing(const std::vector<at::Tensor>& inputs) {
-  if (!manager_->replays(index_)) return std::nullopt;
-  return manager_->call(index_, inputs);
+  if (!manager_->replays(index_) || manager_->runs_eagerly(index_, inputs)) return std::nullopt;
+  return manager_->replay_call(index_, inputs);
 }
 bool GraphedCallable::replays() const { return manager_->replays(index_); }
 void GraphedCallable::backward_dw() { manager_->backward_dw(index_); }

@@ -229,6 +229,13 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
   if (!written_.empty()) check_distinct_memory(inputs, written_, where);
 }
 
+int64_t StaticInputs::first_gaining_grad(const std::vector<at::Tensor>& inputs) const {
+  for (size_t i = 0; i < inputs.size() && i < requires_grad_.size(); ++i) {
+    if (inputs[i].defined() && inputs[i].requires_grad() && !requires_grad_[i]) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
 void StaticInputs::copy_in(const std::vector<at::Tensor>& inputs) const {
   const at::NoGradGuard no_grad;
   for (size_t i = 0; i < inputs.size(); ++i) {

@@ -87,6 +87,8 @@ class StaticInputs {
   void release();
   bool released() const { return released_; }
   bool sample_requires_grad(size_t i) const { return requires_grad_.at(i); }
+  // The first of `inputs` that requires grad where its sample did not, or -1.
+  int64_t first_gaining_grad(const std::vector<at::Tensor>& inputs) const;
   // Marks the static inputs `graph` writes (in-place ops on an argument): eager code would
   // have changed the caller's tensor, so copy_back() does after each replay.
   void note_writes(const class Graph& graph);

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import dwgraph
-from safety_common import assert_same_as_eager, eager_backward_dw
+from safety_common import assert_same_as_eager, eager_backward_dw, one_f_one_b, run_order
 
 H = 8
 B = 4
@@ -404,3 +404,140 @@ def test_a_compiled_module_graphed_on_the_host_replays_its_kernels(kind):
             assert _within_ulps(a, b, 16), f"step {step}: beyond 16 ulps of the compiled module"
         for m in (model, twin, plain):
             m.zero_grad(set_to_none=True)
+
+
+# -- TransformerEngine's make_graphed_callables, round 2 (issue 23) -----------------------------
+_HOOK_KINDS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+
+
+def _recording_hooks(n, events):
+    """capture_time_hooks for n callables that append (callable, kind) to `events`."""
+    return [{kind: {0: (lambda m, i=i, kind=kind: events.append((i, kind)))} for kind in _HOOK_KINDS}
+            for i in range(n)]
+
+
+def _expected_capture_sequence(order, layers):
+    """The (layer, hook kind) sequence of a capture in `order` (None: sequential) of one
+    chunk of `layers` layers: forwards layer by layer, backwards in reverse, backward-dw
+    steps run no hooks."""
+    order = order if order is not None else [1, -1]
+    seq = []
+    for o in order:
+        if o == 1:
+            seq += [(l, k) for l in range(layers) for k in ("forward_pre_hooks", "forward_hooks")]
+        elif o == -1:
+            seq += [(l, k) for l in reversed(range(layers)) for k in ("backward_pre_hooks", "backward_hooks")]
+    return seq
+
+
+def _round2_layers():
+    torch.manual_seed(11)
+    return (dwgraph.nn.Linear(H, H, delay_wgrad_compute=True),
+            dwgraph.nn.LayerNormMLP(H, 2 * H, delay_wgrad_compute=True), torch.nn.Linear(H, H))
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "1f1b"])
+def test_warmup_runs_in_the_capture_order(schedule):
+    # TransformerEngine warms up in the order it captures (all forwards, then the backwards in
+    # reverse; or exactly _order), so capture_time_hooks see one sequence, warmup and capture
+    # alike. Then the graphs train exactly as the same layers eagerly.
+    layers = _round2_layers()
+    eager = copy.deepcopy(layers)
+    n, m, warmups = len(layers), 3, 2
+    order = None if schedule == "sequential" else one_f_one_b(m)
+    mbs = 1 if order is None else m
+    samples = tuple((torch.randn(B, H, requires_grad=l > 0),) for _ in range(mbs) for l in range(n))
+    events = []
+    kwargs = {} if order is None else {"order": order, "num_layers_per_chunk": [n]}
+    graphed = dwgraph.make_graphed_callables(layers, samples, num_warmup_iters=warmups,
+                                             capture_time_hooks=_recording_hooks(n, events), **kwargs)
+    assert events == _expected_capture_sequence(order, n) * (warmups + 1), \
+        "warmup and capture saw different sequences"
+    events.clear()
+    # Microbatch mb's layers: its slots (pipeline) or the graphed modules (sequential).
+    slots = [graphed[mb * n:(mb + 1) * n] if order else graphed for mb in range(mbs)]
+
+    def chain(mods, x):
+        for mod in mods:
+            x = mod(x)
+        return x
+
+    for step in range(2):
+        xs = [torch.randn(B, H) for _ in range(mbs)]
+        run_order(order or [1, -1, -1.5], lambda mb, x: chain(slots[mb], x),
+                  lambda mb: (slots[mb][0].backward_dw(), slots[mb][1].backward_dw()), xs)
+        run_order(order or [1, -1, -1.5], lambda mb, x: chain(eager, x),
+                  lambda mb: (eager[0].backward_dw(), eager[1].backward_dw()), xs)
+        for pg, pe in zip([p for mod in layers for p in mod.parameters()],
+                          [p for mod in eager for p in mod.parameters()]):
+            assert torch.equal(pg.grad, pe.grad), f"step {step}: gradients differ from eager"
+    assert events == [], "capture-time hooks ran at replay"
+
+
+class _Gather(torch.nn.Module):
+    """PyTorch's parameterless module: a dict in, a dict out; counts its eager forwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.eager_calls = 0
+
+    def forward(self, inputs: dict):
+        self.eager_calls += 1
+        x = inputs["x"]
+        idx = torch.arange(x.size(0)).view(-1, 1).repeat(1, x.size(1))
+        return {"output": torch.gather(x, 0, idx.flip(0)), "argmax": x.argmax(1)}
+
+
+def test_parameterless_module_captured_without_grad_called_with_grad():
+    # PyTorch's test: captured with inputs that need no grad, called with ones that do. The
+    # call succeeds and gives eager's outputs exactly, requires_grad included, and a backward
+    # gives eager's input gradient (Note [Calls eager autograd would differentiate further]:
+    # such calls run eagerly); calls like the sample still replay.
+    mod = _Gather()
+    g = dwgraph.make_graphed_callables(mod, ({"x": torch.randn(B, H), "unused": torch.randn(B, 2)},),
+                                       allow_unused_input=True)
+    captured = mod.eager_calls
+    for needs in (True, False, True):
+        x = torch.randn(B, H, requires_grad=needs)
+        xe = x.detach().clone().requires_grad_(needs)
+        out, ref = g({"x": x, "unused": torch.randn(B, 2)}), _Gather()({"x": xe, "unused": torch.randn(B, 2)})
+        for k in ("output", "argmax"):
+            assert torch.equal(out[k], ref[k]) and out[k].requires_grad == ref[k].requires_grad, k
+        if needs:
+            out["output"].square().sum().backward()
+            ref["output"].square().sum().backward()
+            assert torch.equal(x.grad, xe.grad)
+    assert mod.eager_calls == captured + 2, "the calls with grad did not run eagerly, or the one without did not replay"
+
+
+class _CountingMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.net = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.GELU(), torch.nn.Linear(H, H))
+        self.eager_calls = 0
+
+    def forward(self, x):
+        self.eager_calls += 1
+        return self.net(x)
+
+
+def test_a_capture_under_no_grad_called_with_grad_runs_eagerly():
+    # Captured under torch.no_grad(), the graphs hold no autograd graph: with grad enabled
+    # eager's output would require grad (trainable weights), so such calls run eagerly and
+    # train exactly as eager; under no_grad they replay.
+    model = _CountingMLP()
+    eager = copy.deepcopy(model)
+    with torch.no_grad():
+        g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
+    captured = model.eager_calls
+    for step in range(2):
+        x = torch.randn(B, H)
+        y, ye = g(x), eager(x)
+        assert y.requires_grad and torch.equal(y, ye)
+        y.square().sum().backward(), ye.square().sum().backward()
+        assert_same_as_eager(model, eager, f"step {step}")
+    assert model.eager_calls == captured + 2
+    with torch.no_grad():
+        x = torch.randn(B, H)
+        assert torch.equal(g(x), eager(x)) and model.eager_calls == captured + 2, "a call under no_grad did not replay"

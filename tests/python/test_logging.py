@@ -105,6 +105,25 @@ def test_summary_tabulates_the_sets_stats():
         f"{st['pool_reserved_bytes'] / (st['pool_reserved_bytes'] // 2):.2f}x)"]
 
 
+def test_summary_of_several_sets_shows_each():
+    # Modules of two separate make_graphed_callables calls: one table per set, in the order
+    # their callables come, never only the first set's.
+    ga, gb = _capture()
+    lone = dwgraph.make_graphed_callables(dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True), (torch.randn(2, 8),))
+    text = dwgraph.summary((ga, lone, gb))
+    assert text == "\n".join(["set 1 of 2", dwgraph.summary((ga, gb)), "set 2 of 2", dwgraph.summary(lone)])
+    assert dwgraph.summary([lone, ga]).startswith("set 1 of 2\n" + dwgraph.summary(lone) + "\nset 2 of 2\n")
+    assert dwgraph.summary(torch.nn.ModuleList([ga, gb])) == dwgraph.summary(ga)
+    assert dwgraph.graphed_handle(ga).same_set(gb) and not dwgraph.graphed_handle(lone).same_set(ga)
+    with pytest.raises(dwgraph.ArgumentError, match=r"element 1 of argument 'graphed' must be .* got int"):
+        dwgraph.summary((ga, 3))
+    with pytest.raises(dwgraph.ArgumentError, match=r"got an empty tuple"):
+        dwgraph.summary(())
+    step = dwgraph.graphed_step(lambda x: x * 2)
+    with pytest.raises(dwgraph.ArgumentError, match=r"pass a GraphedStep on its own"):
+        dwgraph.summary((ga, step))
+
+
 def test_summary_rejects_what_is_not_a_graphed_callable():
     with pytest.raises(dwgraph.ArgumentError, match=r"Linear was not returned by make_graphed_callables"):
         dwgraph.summary(dwgraph.nn.Linear(2, 2))

@@ -4,7 +4,9 @@
     replay: refused (on the module and on every submodule, and torch's global module
     hooks), unless given as capture-time hooks (TransformerEngine's ``capture_time_hooks``,
     run around warmup and capture, outside the graphs, never replayed);
-  * parameter tensor hooks (``register_hook``) present at capture are refused too;
+  * parameter tensor hooks (``register_hook``, ``register_post_accumulate_grad_hook``),
+    registered before capture or after, run at each graphed backward as in eager (the
+    deferred weight's with None, as in eager dwgraph), never during warmup or capture;
   * hooks registered after make_graphed_callables run around every replay, as eager; those
     registered on a submodule, or global ones, are refused at the call (fine again once
     removed);
@@ -124,12 +126,86 @@ def test_errors_from_replays_keep_their_type():
         y.sum().backward()  # raised inside the graphed backward node, through autograd
 
 
-# tensor hooks at capture, submodule and global hooks after it, reset() inside a wgrad hook -------
-def test_parameter_tensor_hooks_at_capture_and_submodule_hooks_after_are_refused():
-    m = deferred_bn_linear()
-    m[2].weight.register_hook(lambda gr: gr * 2)
-    with pytest.raises(dwgraph.ArgumentError, match="tensor hooks"):
-        dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H),))
+# parameter tensor hooks, submodule and global hooks after capture, reset() inside a wgrad hook ---
+def _tensor_hook_model():
+    torch.manual_seed(13)
+    # torch's Linear, a deferred dwgraph Linear, an undeferred one: three ways a weight's
+    # gradient reaches its AccumulateGrad (or, deferred, does not).
+    return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.GELU(),
+                               dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.Tanh(),
+                               dwgraph.nn.Linear(H, H))
+
+
+TENSOR_HOOKS = {
+    # what the hook does with the gradient (None for a deferred weight, in eager as graphed)
+    "observes": lambda g: None,
+    "changes_it_in_place": lambda g: None if g is None else g.mul_(2),
+    "returns_another": lambda g: None if g is None else g * 3 + 1,
+}
+
+
+def _register_tensor_hooks(model, action, log):
+    handles = []
+    for name, p in model.named_parameters():
+        def hook(g, name=name):
+            log.setdefault(name, []).append(None if g is None else g.clone())
+            return TENSOR_HOOKS[action](g)
+
+        handles.append(p.register_hook(hook))
+        handles.append(p.register_post_accumulate_grad_hook(
+            lambda p, name=name: log.setdefault(name + " after", []).append(None if p.grad is None else p.grad.clone())))
+    return handles
+
+
+def _same_logs(a, b):
+    return a.keys() == b.keys() and all(
+        len(a[k]) == len(b[k]) and all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+                                       for x, y in zip(a[k], b[k])) for k in a)
+
+
+@pytest.mark.parametrize("when", ["before_capture", "after_capture", "after_calls"])
+@pytest.mark.parametrize("action", list(TENSOR_HOOKS))
+def test_parameter_tensor_hooks_run_as_in_eager(action, when):
+    # Note [Parameter tensor hooks at replay]: the graphed backward hands every parameter's
+    # gradient to its AccumulateGrad, which runs the parameter's hooks on a tensor the caller
+    # owns: each hook sees eager's gradient (None for the deferred weight, whose gradient
+    # backward_dw() lands without hooks, in eager dwgraph as graphed), may change it as in
+    # eager, and stops when removed. Warmup and capture run none of them.
+    model = _tensor_hook_model()
+    eager = copy.deepcopy(model)
+    logs = {"graphed": {}, "eager": {}}
+    handles = []
+    if when == "before_capture":
+        handles += _register_tensor_hooks(model, action, logs["graphed"])
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),), num_warmup_iters=2)
+    assert logs["graphed"] == {}, "a tensor hook ran during warmup or capture"
+    if when == "after_capture":
+        handles += _register_tensor_hooks(model, action, logs["graphed"])
+    if when != "after_calls":
+        handles += _register_tensor_hooks(eager, action, logs["eager"])
+    for step in range(5):
+        if step == 1 and when == "after_calls":  # after calls that replayed (contract C10)
+            handles += _register_tensor_hooks(model, action, logs["graphed"])
+            handles += _register_tensor_hooks(eager, action, logs["eager"])
+        if step == 4:
+            for h in handles:
+                h.remove()
+        x = torch.randn(B, H)
+        g(x).square().sum().backward()
+        g.backward_dw()
+        eager(x).square().sum().backward()
+        eager_backward_dw(eager)
+        assert _same_logs(logs["graphed"], logs["eager"]), f"step {step}: the hooks saw other gradients than eager's"
+        assert_same_as_eager(model, eager, f"step {step}")
+        if step == 2:  # a step that accumulates into the gradients of the one before
+            continue
+        model.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
+    ran = 3 if when == "after_calls" else 4
+    assert logs["eager"]["2.weight"] == [None] * ran, "the deferred weight's hook saw a gradient in eager"
+    assert all(len(v) == ran for v in logs["graphed"].values()), "a removed hook still ran"
+
+
+def test_submodule_hooks_after_capture_are_refused():
     m = deferred_bn_linear()
     g = dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H),))
     handle = g[1].register_forward_hook(lambda mod, i, o: o * 2)

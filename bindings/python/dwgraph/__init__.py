@@ -29,10 +29,14 @@ _watch.install()
 
 def summary(graphed) -> str:
     """A table of graphs: of a graphed step, :meth:`GraphedStep.summary`; of what
-    ``make_graphed_callables`` returned, its set's graphs, kernels and memory
-    (dwgraph.graphed.summary). Here, above both, so neither imports the other."""
+    ``make_graphed_callables`` returned, its set's graphs, kernels and memory, one table
+    per set when the callables come from several (dwgraph.graphed.summary). Here, above
+    both, so neither imports the other."""
     if isinstance(graphed, GraphedStep):
         return graphed.summary()
+    if isinstance(graphed, (tuple, list)) and any(isinstance(g, GraphedStep) for g in graphed):
+        raise ArgumentError("dwgraph.summary: pass a GraphedStep on its own, or what make_graphed_callables "
+                            "returned; a sequence holding a GraphedStep is neither")
     return _graphed.summary(graphed)
 
 

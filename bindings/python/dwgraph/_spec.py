@@ -192,7 +192,10 @@ def _runs_around_calls(hook) -> bool:
 
 
 def first_hook(module: torch.nn.Module, include_self: bool):
-    """(where, what) of the first module or parameter hook inside `module`, or None."""
+    """(where, what) of the first module hook inside `module`, or None. Parameters' tensor
+    hooks are not among them: the graphed backward hands each parameter's gradient to its
+    AccumulateGrad, which runs them as in eager (Note [Parameter tensor hooks at replay] in
+    graphs/manager_impl.h)."""
     for name, sub in module.named_modules():
         if not name and not include_self:
             continue
@@ -200,9 +203,6 @@ def first_hook(module: torch.nn.Module, include_self: bool):
             hooks = getattr(sub, kind, None) or {}
             if any(name or not _runs_around_calls(h) for h in hooks.values()):
                 return ("itself" if not name else repr(name)), kind[1:].replace("_", " ")
-    for name, p in module.named_parameters():
-        if getattr(p, "_backward_hooks", None):
-            return f"parameter {name!r}", "tensor hooks (register_hook)"
     return None
 
 

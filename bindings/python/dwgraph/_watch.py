@@ -222,17 +222,6 @@ def watch_tensor(t: torch.Tensor) -> bool:
     return True
 
 
-def _on_parameters(fn):
-    @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
-        if isinstance(self, torch.nn.Parameter):
-            changed()
-        return fn(self, *args, **kwargs)
-
-    wrapper._dwgraph_watch = True
-    return wrapper
-
-
 def _install_rng_watch() -> None:
     """torch's reseeding functions tell the core when they run on a capturing thread
     (graphs/recorder.h, note_reseed), which then refuses a random draw after them; inert
@@ -306,12 +295,6 @@ def install() -> None:
             fn = getattr(torch.Tensor, name)
             if not getattr(fn, "_dwgraph_watch", False):
                 setattr(torch.Tensor, name, _on_watched_tensors(fn))
-        # A tensor hook on a parameter (its AccumulateGrad runs it): graphed callables
-        # whose graphs hold the parameter look at their hooks again.
-        for name in ("register_hook", "register_post_accumulate_grad_hook"):
-            fn = getattr(torch.Tensor, name, None)
-            if fn is not None:
-                setattr(torch.Tensor, name, _on_parameters(fn))
         _global_hooks_watched = all(_replace_if_safe(vars(module_mod), n) for n in _GLOBAL_HOOK_DICTS
                                     if n in vars(module_mod))
         _install_rng_watch()

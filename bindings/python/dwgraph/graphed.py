@@ -154,6 +154,11 @@ class GraphedCallable:
                                 f"got {type(nbytes).__name__}")
         self._native.record_eager_peak(nbytes)
 
+    def same_set(self, other) -> bool:
+        """Whether `other` (a GraphedCallable or a graphed module) came from the same
+        make_graphed_callables call: one pool, one stats()."""
+        return self._native.same_set(graphed_handle(other)._native)
+
     @property
     def slot(self) -> int:
         return self._native.index
@@ -509,14 +514,35 @@ def summary(graphed) -> str:
     the eager peak the pool is compared with when one was recorded.
 
     ``graphed`` is what :func:`make_graphed_callables` returned (a graphed module, a
-    ``GraphedCallable`` or their tuple): the table covers the whole set it belongs to. ``print(dwgraph.summary(g))``.
+    ``GraphedCallable`` or their tuple): the table covers the whole set it belongs to. A
+    tuple or list holding callables of several sets (separate ``make_graphed_callables``
+    calls) gets one table per set, in the order their first callable appears, each under
+    a ``set i of n`` line. ``print(dwgraph.summary(g))``.
     """
-    first = graphed[0] if isinstance(graphed, (tuple, list)) and graphed else graphed
-    first = graphed_handle(first) if isinstance(first, torch.nn.Module) else first
-    if not isinstance(first, GraphedCallable):
-        raise ArgumentError(f"dwgraph.summary: argument 'graphed' must be what make_graphed_callables returned "
-                            f"(a graphed module, a GraphedCallable or their tuple), got {type(graphed).__name__}")
-    st = first.stats()
+    items = list(graphed) if isinstance(graphed, (tuple, list, torch.nn.ModuleList)) else [graphed]
+    handles = []
+    for i, item in enumerate(items):
+        handle = graphed_handle(item) if isinstance(item, torch.nn.Module) else item
+        if not isinstance(handle, GraphedCallable):
+            where = f"element {i} of argument 'graphed'" if item is not graphed else "argument 'graphed'"
+            raise ArgumentError(f"dwgraph.summary: {where} must be what make_graphed_callables returned "
+                                f"(a graphed module, a GraphedCallable or their tuple), got {type(item).__name__}")
+        handles.append(handle)
+    if not handles:
+        raise ArgumentError("dwgraph.summary: argument 'graphed' must be what make_graphed_callables returned "
+                            "(a graphed module, a GraphedCallable or their tuple), got an empty "
+                            f"{type(graphed).__name__}")
+    sets: List[GraphedCallable] = []
+    for h in handles:
+        if not any(h.same_set(s) for s in sets):
+            sets.append(h)
+    if len(sets) == 1:
+        return _set_table(sets[0])
+    return "\n".join(f"set {i + 1} of {len(sets)}\n{_set_table(s)}" for i, s in enumerate(sets))
+
+
+def _set_table(handle: GraphedCallable) -> str:
+    st = handle.stats()
     fmt = _C.format_bytes
     kernels = sum(g["num_kernels"] for g in st["graphs"])
     rows = [(g["callable"], g["kind"], str(g["num_kernels"])) for g in st["graphs"]]
