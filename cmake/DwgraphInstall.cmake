@@ -52,6 +52,12 @@ function(dwgraph_install)
   install(FILES "${PROJECT_BINARY_DIR}/dwgraphConfig.cmake" "${PROJECT_BINARY_DIR}/dwgraphConfigVersion.cmake"
                 "${PROJECT_SOURCE_DIR}/cmake/dwgraphTorchTarget.cmake"
     DESTINATION "${_cmake_dir}" COMPONENT dev)
+  # The build tree is a package too: dwgraphConfig.cmake above sits in the build directory
+  # next to what it includes, so find_package(dwgraph) with dwgraph_DIR (or
+  # CMAKE_PREFIX_PATH) at the build directory gives this build's library and headers.
+  export(EXPORT dwgraphTargets NAMESPACE dwgraph:: FILE "${PROJECT_BINARY_DIR}/dwgraphTargets.cmake")
+  configure_file("${PROJECT_SOURCE_DIR}/cmake/dwgraphTorchTarget.cmake" "${PROJECT_BINARY_DIR}/dwgraphTorchTarget.cmake"
+    COPYONLY)
 
   if(DWGRAPH_BUILD_PYTHON)
     set_target_properties(dwgraph_python PROPERTIES INSTALL_RPATH "${_rpath}")

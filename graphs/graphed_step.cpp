@@ -41,9 +41,49 @@ void check_none_queued_before(const std::vector<ModuleSpec>& modules, const char
   }
 }
 
+// A field of a key or of a variant's state (describe_call()) by what it is, for the log.
+std::string field_in_words(const std::string& name) {
+  static const std::pair<const char*, const char*> kWords[] = {
+      {"args", "positional arguments"},
+      {"kwargs", "keyword arguments"},
+      {"aliases", "which tensor arguments are the same tensor"},
+      {"grad", "grad mode"},
+      {"tensors", "tensor arguments"},
+      {"training", "training flags"},
+      {"grad_dtype", "parameters' grad_dtype"},
+      {"hooks", "module hooks"},
+      {"global", "global module hooks"},
+      {"unwatched", "modules the step cannot watch"},
+      {"gradients", "parameters' gradients"},
+  };
+  for (const auto& [key, words] : kWords) {
+    if (name == key) return words;
+  }
+  return name;
+}
+
+// Tensor arguments as a reader names them: "float32[4, 8] on cpu, float32[4] on cpu
+// requiring grad" (strides only when not contiguous).
+std::string tensors_in_words(const std::vector<at::Tensor>& tensors) {
+  if (tensors.empty()) return "none";
+  std::ostringstream os;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (i > 0) os << ", ";
+    if (!t.defined()) {
+      os << "None";
+      continue;
+    }
+    os << c10::getDtypeNames(t.scalar_type()).first << t.sizes();
+    if (!t.is_contiguous()) os << " strides " << t.strides();
+    os << " on " << t.device() << (t.requires_grad() ? " requiring grad" : "");
+  }
+  return os.str();
+}
+
 // The '|'-separated fields ("name rest") in which two descriptions differ, each with the
-// part that differs (Note [A step that keeps capturing]): "hyperparameters: ...'lr', 0.1)...
-// -> ...'lr', 0.09)...". At most three fields.
+// part that differs, the field named in words (Note [A step that keeps capturing]):
+// "hyperparameters(SGD#1): ...'lr', 0.1)... -> ...'lr', 0.09)...". At most three fields.
 std::string what_changed(const std::string& before, const std::string& after) {
   auto split = [](const std::string& s) {
     std::vector<std::string> out;
@@ -67,15 +107,20 @@ std::string what_changed(const std::string& before, const std::string& after) {
   const auto a = split(before), b = split(after);
   std::vector<std::string> parts;
   for (size_t i = 0; i < std::max(a.size(), b.size()) && parts.size() < 3; ++i) {
-    const std::string x = i < a.size() ? a[i] : "", y = i < b.size() ? b[i] : "";
-    if (x == y) continue;
-    const std::string& named = y.empty() ? x : y;
+    if ((i < a.size() ? a[i] : "") == (i < b.size() ? b[i] : "")) continue;
+    const std::string& named = i < b.size() && !b[i].empty() ? b[i] : a[i];
     const std::string name = named.substr(0, named.find(' '));
+    // The values without the field's name, which field_in_words says.
+    auto value = [&](const std::vector<std::string>& v) {
+      if (i >= v.size()) return std::string();
+      return v[i].compare(0, name.size() + 1, name + " ") == 0 ? v[i].substr(name.size() + 1) : v[i];
+    };
+    const std::string x = value(a), y = value(b);
     size_t p = 0;
     while (p < x.size() && p < y.size() && x[p] == y[p]) ++p;
     size_t q = 0;
     while (q < x.size() - p && q < y.size() - p && x[x.size() - 1 - q] == y[y.size() - 1 - q]) ++q;
-    parts.push_back(c10::str(name, ": ", excerpt(x, p, x.size() - q), " -> ", excerpt(y, p, y.size() - q)));
+    parts.push_back(c10::str(field_in_words(name), ": ", excerpt(x, p, x.size() - q), " -> ", excerpt(y, p, y.size() - q)));
   }
   if (parts.empty()) return "nothing it can name";
   std::string out;
@@ -107,6 +152,7 @@ struct GradSlot {
 struct GraphedStep::Variant {
   std::string pattern;  // which gradients exist, which parameters require grad, where they live
   std::string id;       // short and unique for the step's lifetime (last_variant)
+  std::string words;    // its tensor arguments in words (tensors_in_words), for the log
   std::unique_ptr<Graph> graph;
   StaticInputs inputs;
   std::vector<at::Tensor> static_outputs;
@@ -231,8 +277,8 @@ void GraphedStep::evict_until_room() {
     auto& e = *entries_.at(key);
     auto it = e.variants.find(pattern);
     if (it == e.variants.end()) continue;
-    log::info("graphed_step ", name_, ": released the graph of key ", key, " (max_graphs=", opts_.max_graphs,
-              " reached)");
+    log::info("graphed_step ", name_, ": released graph #", it->second->id, " (tensor arguments ", it->second->words,
+              "), the least recently used: max_graphs=", opts_.max_graphs, " reached");
     if (it->second->graph) it->second->graph->reset();
     e.variants.erase(it);
     ++released_;
@@ -338,15 +384,17 @@ std::string pattern_of(const NamedTensors& params, const std::vector<at::Tensor>
   return s;
 }
 
-// The same in words, for the log: "gradients G R 0x...;".
+// The same in words, for the log: "gradients 0.weight (.grad set, trainable, at 0x...); ...".
 std::string gradients_in_words(const NamedTensors& params, const std::vector<at::Tensor>& tensors) {
   std::ostringstream os;
   os << "gradients ";
   for (const auto& [name, p] : params) {
-    os << name << (p.grad().defined() ? ":G" : ":-") << (p.requires_grad() ? "R" : "-") << '@' << p.data_ptr() << ';';
+    os << name << " (.grad " << (p.grad().defined() ? "set" : "None") << ", " << (p.requires_grad() ? "trainable" : "frozen")
+       << ", at " << p.data_ptr() << "); ";
   }
-  for (const auto& t : tensors) {
-    if (t.defined() && t.requires_grad()) os << (t.grad().defined() ? 'G' : '-');
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.defined() && t.requires_grad()) os << "tensor argument " << i << " (.grad " << (t.grad().defined() ? "set" : "None") << "); ";
   }
   return os.str();
 }
@@ -380,7 +428,10 @@ GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::string& key,
 
 std::string GraphedStep::describe_call(const std::string& key, const Entry& e, const std::vector<at::Tensor>& tensors) const {
   std::string state = opts_.describe_state ? opts_.describe_state() : (opts_.variant_state ? opts_.variant_state() : "");
-  return c10::str(key, '|', state, '|', gradients_in_words(e.params, tensors));
+  // The key's own tensor field (append_tensor_key's compact text) in words.
+  const size_t at = key.rfind("|tensors ");
+  const std::string front = at == std::string::npos ? key : key.substr(0, at);
+  return c10::str(front, "|tensors ", tensors_in_words(tensors), '|', state, '|', gradients_in_words(e.params, tensors));
 }
 
 std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::string& key,
@@ -538,9 +589,14 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
   ++captures_;
   ++captures_since_reset_;
   lru_.emplace_front(key, v.pattern);
+  v.words = tensors_in_words(tensors);
+  std::string change;  // for the INFO line: which graph this is, in words
   {
     // Note [A step that keeps capturing].
     std::string words = describe_call(key, e, tensors);
+    change = last_capture_.empty()
+                 ? c10::str(captures_ == 1 ? "its first" : "its first since reset()", "; tensor arguments ", v.words)
+                 : c10::str("what changed from the previous capture: ", what_changed(last_capture_, words));
     if (!warned_storm_ && static_cast<int64_t>(captures_since_reset_) > opts_.max_graphs) {
       warned_storm_ = true;
       log::warning("graphed_step ", name_, ": captured ", captures_since_reset_, " graphs, more than it holds (max_graphs=",
@@ -556,8 +612,8 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
     char time[32];
     std::snprintf(time, sizeof(time), "%.3f s",
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    log::info("graphed_step ", name_, ": captured key ", key, " in ", time, ": ", v.graph->num_kernels(),
-              " kernels; pool ", log::format_bytes(pool_stats.reserved_bytes), " reserved, ",
+    log::info("graphed_step ", name_, ": captured graph #", v.id, " (", change, ") in ", time, ": ",
+              v.graph->num_kernels(), " kernels; pool ", log::format_bytes(pool_stats.reserved_bytes), " reserved, ",
               log::format_bytes(pool_stats.allocated_bytes), " live");
   }
   // The capture changed nothing the caller sees; this call's step happens by replaying.

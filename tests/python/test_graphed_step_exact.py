@@ -373,8 +373,8 @@ def test_captures_and_evictions_are_logged(caplog):
     with caplog.at_level(logging.INFO, logger="dwgraph"):
         for rows in (4, 4, 5, 5):
             step(torch.randn(rows, H))
-    captures = [r for r in caplog.records if "captured key" in r.getMessage()]
-    evictions = [r for r in caplog.records if "released the graph" in r.getMessage()]
+    captures = [r for r in caplog.records if "captured graph #" in r.getMessage()]
+    evictions = [r for r in caplog.records if "released graph #" in r.getMessage()]
     assert len(captures) == 2 and len(evictions) == 1
     assert "kernels" in captures[0].getMessage() and "pool" in captures[0].getMessage()
 

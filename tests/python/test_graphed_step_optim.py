@@ -454,7 +454,7 @@ def test_a_key_that_changes_every_call_is_bounded(caplog):
     st = step.stats()
     assert st["num_keys"] <= limit and st["dropped_keys"] == 20 and st["num_captures"] == 0, st
     keys = [r.getMessage() for r in caplog.records if "key changed at every call" in r.getMessage()]
-    assert len(keys) == 1 and "args: " in keys[0] and "int:" in keys[0], keys
+    assert len(keys) == 1 and "positional arguments: " in keys[0] and "int:" in keys[0], keys
 
 
 # --------------------------------------------------------------------------------------

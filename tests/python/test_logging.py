@@ -155,3 +155,40 @@ def test_each_replay_is_a_profiler_range_named_after_its_graph():
     inner = [e for e in prof.events() if e.name.startswith("dwgraph::") and e.name != fwd.name
              and fwd.time_range.start <= e.time_range.start and e.time_range.end <= fwd.time_range.end]
     assert inner, "no kernel of the forward graph inside its range"
+
+
+def test_graphed_step_lines_say_which_graph_and_what_changed_in_words(records):
+    # Not the internal key text: which graph, its tensor arguments, and what changed from
+    # the previous capture, each field named as the user knows it.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), dwgraph.nn.Linear(16, 16, delay_wgrad_compute=True))
+
+    def body(x, scale=1.0):
+        loss = (model(x) * scale).square().mean()
+        loss.backward()
+        model[1].backward_dw()
+        return loss
+
+    step = dwgraph.graphed_step(body, warmup_iters=1, max_graphs=2)
+    for rows, scale, train in ((4, 1.0, True), (4, 1.0, True), (5, 1.0, True), (5, 1.0, True), (5, 2.0, True),
+                               (5, 2.0, True), (5, 2.0, False)):
+        model.train(train)
+        step(torch.randn(rows, 16), scale=scale)
+    infos = [r.getMessage() for r in records if r.levelno == logging.INFO and "graphed_step" in r.getMessage()]
+    tail = r" in \d+\.\d{3} s: \d+ kernels; pool .+ reserved, .+ live"
+    expected = [
+        r"graphed_step body: captured graph #1 \(its first; tensor arguments float32\[4, 16\] on cpu\)" + tail,
+        r"graphed_step body: captured graph #2 \(what changed from the previous capture: tensor arguments: "
+        r"float32\[4, 16\] on cpu -> float32\[5, 16\] on cpu\)" + tail,
+        r"graphed_step body: released graph #1 \(tensor arguments float32\[4, 16\] on cpu\), the least recently "
+        r"used: max_graphs=2 reached",
+        r"graphed_step body: captured graph #3 \(what changed from the previous capture: keyword arguments: "
+        r"dict\['scale'\]\[float:1\.0\] -> dict\['scale'\]\[float:2\.0\]\)" + tail,
+        r"graphed_step body: released graph #2 .*",
+        r"graphed_step body: captured graph #4 \(what changed from the previous capture: training flags: 111 -> "
+        r"000\)" + tail,
+    ]
+    assert len(infos) == len(expected), infos
+    for line, pattern in zip(infos, expected):
+        assert re.fullmatch(pattern, line), line
+        assert "|" not in line and "tupleNone" not in line, f"internal key text in the log: {line}"
