@@ -11,6 +11,7 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/relu.h>
+#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/sum.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -454,40 +455,55 @@ void check_activation(const std::string& module, const std::string& activation) 
 }
 
 void check_normalization(const std::string& module, const std::string& normalization) {
-  DWGRAPH_CHECK_ARG(normalization == "LayerNorm", module, ": normalization must be 'LayerNorm' (the only one "
-                    "dwgraph implements; TransformerEngine's 'RMSNorm' is not supported), got '", normalization, "'");
+  DWGRAPH_CHECK_ARG(normalization == "LayerNorm" || normalization == "RMSNorm", module,
+                    ": normalization must be 'LayerNorm' or 'RMSNorm', got '", normalization, "'");
 }
 
 namespace {
 
+// The normalisation in front of a module's first GEMM: an ordinary autograd op, its weight
+// (and LayerNorm's bias) plain references (Note [Weights are plain references]).
+struct Norm {
+  at::Tensor weight, bias;  // bias: undefined for RMSNorm
+  double eps = 1e-5;
+  bool rms = false;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    return rms ? at::rms_norm(x, {weight.size(0)}, weight, eps) : at::layer_norm(x, {weight.size(0)}, weight, bias, eps);
+  }
+};
+
 // `width`: what the module calls the normalised width ("in_features", "hidden_size").
-void check_normalized_input(const std::string& module, const at::Tensor& x, const at::Tensor& ln_weight,
-                            const char* width) {
+Norm make_norm(const std::string& module, const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
+               double eps, const std::string& normalization, const char* width) {
+  check_normalization(module, normalization);
   DWGRAPH_CHECK_ARG(ln_weight.defined() && ln_weight.dim() == 1, module,
                     ": layer_norm_weight must be a 1-D parameter, got ",
                     ln_weight.defined() ? ln_weight.sizes() : at::IntArrayRef{});
+  DWGRAPH_CHECK_ARG(normalization == "LayerNorm" || !ln_bias.defined(), module,
+                    ": RMSNorm has no bias, got a layer_norm_bias of shape ", ln_bias.defined() ? ln_bias.sizes()
+                                                                                                : at::IntArrayRef{});
   DWGRAPH_CHECK_ARG(x.defined() && x.dim() >= 1 && x.size(-1) == ln_weight.size(0), module, ": input must have ",
                     width, " = ", ln_weight.size(0), " as its last dimension, got shape ",
                     x.defined() ? x.sizes() : at::IntArrayRef{});
+  return Norm{ln_weight, ln_bias, eps, normalization == "RMSNorm"};
 }
 
-// LayerNorm (an ordinary autograd op) then the deferred-wgrad linear: (output, LayerNorm output).
-std::pair<at::Tensor, at::Tensor> norm_then_linear(const at::Tensor& x, const at::Tensor& ln_weight,
-                                                   const at::Tensor& ln_bias, double eps, const WeightRefPtr& weight,
+// The normalisation then the deferred-wgrad linear: (output, normalised input).
+std::pair<at::Tensor, at::Tensor> norm_then_linear(const at::Tensor& x, const Norm& norm, const WeightRefPtr& weight,
                                                    const WeightRefPtr& bias, const WgradConfig& cfg) {
-  at::Tensor h = at::layer_norm(x, {ln_weight.size(0)}, ln_weight, ln_bias, eps);
+  at::Tensor h = norm(x);
   at::Tensor y = linear(h, weight, bias, cfg);
   return {std::move(y), std::move(h)};
 }
 
-// LayerNorm, fc1, activation, fc2: fc1 queues its work under `fc1_cfg`, fc2 under `fc2_cfg`
-// (one config, outside a checkpoint's recomputation: fc2 shares fc1's unit, so one backward
-// queues one unit for the module).
-at::Tensor mlp_forward(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
-                       const WeightRefPtr& fc1_weight, const WeightRefPtr& fc1_bias, const std::string& activation,
-                       const WeightRefPtr& fc2_weight, const WeightRefPtr& fc2_bias, const WgradConfig& fc1_cfg,
-                       const WgradConfig& fc2_cfg) {
-  const at::Tensor a = norm_then_linear(x, ln_weight, ln_bias, eps, fc1_weight, fc1_bias, fc1_cfg).first;
+// Normalisation, fc1, activation, fc2: fc1 queues its work under `fc1_cfg`, fc2 under
+// `fc2_cfg` (one config, outside a checkpoint's recomputation: fc2 shares fc1's unit, so one
+// backward queues one unit for the module).
+at::Tensor mlp_forward(const at::Tensor& x, const Norm& norm, const WeightRefPtr& fc1_weight,
+                       const WeightRefPtr& fc1_bias, const std::string& activation, const WeightRefPtr& fc2_weight,
+                       const WeightRefPtr& fc2_bias, const WgradConfig& fc1_cfg, const WgradConfig& fc2_cfg) {
+  const at::Tensor a = norm_then_linear(x, norm, fc1_weight, fc1_bias, fc1_cfg).first;
   const at::Tensor act = activation == "relu" ? at::relu(a) : at::gelu(a, activation == "gelu_tanh" ? "tanh" : "none");
   return linear(act, fc2_weight, fc2_bias, fc2_cfg);
 }
@@ -523,8 +539,7 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
   // fc2 bias (invalid where absent or not requiring grad).
   static constexpr size_t kInputs = 7;
   struct Parts {
-    at::Tensor ln_weight, ln_bias;  // plain references (Note [Weights are plain references])
-    double eps = 0.0;
+    Norm norm;
     WeightRefPtr fc1_weight, fc1_bias, fc2_weight, fc2_bias;
     std::string activation;
     WgradConfig cfg;
@@ -533,7 +548,7 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
   CheckpointedMLPBackward(Parts parts, const at::Tensor& x)
       : parts_(std::move(parts)), x_(x, /*is_output=*/false), autocast_(AutocastState::current()) {
     for (size_t i = 0; i < 2; ++i) {
-      const at::Tensor& p = i == 0 ? parts_.ln_weight : parts_.ln_bias;
+      const at::Tensor& p = i == 0 ? parts_.norm.weight : parts_.norm.bias;
       ln_versions_[i] = p.defined() ? p._version() : 0;
     }
   }
@@ -543,7 +558,7 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
   // The tensors autograd differentiates with respect to, in edge order (undefined: absent).
   std::array<at::Tensor, kInputs> inputs(const at::Tensor& x) const {
     auto p = [](const WeightRefPtr& r) { return r ? r->param : at::Tensor(); };
-    return {x, parts_.ln_weight, parts_.ln_bias, p(parts_.fc1_weight), p(parts_.fc1_bias), p(parts_.fc2_weight),
+    return {x, parts_.norm.weight, parts_.norm.bias, p(parts_.fc1_weight), p(parts_.fc1_bias), p(parts_.fc2_weight),
             p(parts_.fc2_bias)};
   }
 
@@ -576,8 +591,9 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
     {
       const at::AutoGradMode grad_on(true);
       const AutocastStateGuard forward_precision(autocast_);
-      y = mlp_forward(alias[0], alias[1], alias[2], parts_.eps, ref(parts_.fc1_weight, 3), ref(parts_.fc1_bias, 4),
-                      parts_.activation, ref(parts_.fc2_weight, 5), ref(parts_.fc2_bias, 6), fc1_cfg, fc2_cfg);
+      const Norm norm{alias[1], alias[2], parts_.norm.eps, parts_.norm.rms};
+      y = mlp_forward(alias[0], norm, ref(parts_.fc1_weight, 3), ref(parts_.fc1_bias, 4), parts_.activation,
+                      ref(parts_.fc2_weight, 5), ref(parts_.fc2_bias, 6), fc1_cfg, fc2_cfg);
     }
     variable_list wrt;
     std::vector<size_t> where;
@@ -600,7 +616,7 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
   void check_layer_norm_versions() const {
     const char* names[2] = {"layer_norm_weight", "layer_norm_bias"};
     for (size_t i = 0; i < 2; ++i) {
-      const at::Tensor& p = i == 0 ? parts_.ln_weight : parts_.ln_bias;
+      const at::Tensor& p = i == 0 ? parts_.norm.weight : parts_.norm.bias;
       if (!p.defined()) continue;
       DWGRAPH_CHECK_STATE(p._version() == ln_versions_[i], parts_.cfg.module_name, ": parameter '", names[i],
                           "' was modified in place after the forward (version ", ln_versions_[i], ", now ",
@@ -620,29 +636,30 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
 
 std::pair<at::Tensor, at::Tensor> layernorm_linear(const at::Tensor& x, const at::Tensor& ln_weight,
                                                    const at::Tensor& ln_bias, double eps, const WeightRefPtr& weight,
-                                                   const WeightRefPtr& bias, const WgradConfig& cfg) {
-  check_normalized_input(cfg.module_name, x, ln_weight, "in_features");
-  return norm_then_linear(x, ln_weight, ln_bias, eps, weight, bias, cfg);
+                                                   const WeightRefPtr& bias, const WgradConfig& cfg,
+                                                   const std::string& normalization) {
+  const Norm norm = make_norm(cfg.module_name, x, ln_weight, ln_bias, eps, normalization, "in_features");
+  return norm_then_linear(x, norm, weight, bias, cfg);
 }
 
 at::Tensor layernorm_mlp(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
                          double eps, const WeightRefPtr& fc1_weight, const WeightRefPtr& fc1_bias,
                          const std::string& activation, const WeightRefPtr& fc2_weight,
-                         const WeightRefPtr& fc2_bias, const WgradConfig& cfg, bool checkpoint) {
+                         const WeightRefPtr& fc2_bias, const WgradConfig& cfg, bool checkpoint,
+                         const std::string& normalization) {
   check_activation(cfg.module_name, activation);
-  check_normalized_input(cfg.module_name, x, ln_weight, "hidden_size");
+  const Norm norm = make_norm(cfg.module_name, x, ln_weight, ln_bias, eps, normalization, "hidden_size");
   if (!checkpoint || !at::GradMode::is_enabled()) {
-    return mlp_forward(x, ln_weight, ln_bias, eps, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg);
+    return mlp_forward(x, norm, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg);
   }
-  CheckpointedMLPBackward::Parts parts{ln_weight, ln_bias, eps, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-                                       activation, cfg};
+  CheckpointedMLPBackward::Parts parts{norm, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, cfg};
   // Checked here what the recomputation would refuse only in the backward.
   check_config(cfg);
   check_leaf_parameters(cfg, {fc1_weight, fc2_weight}, non_null({fc1_bias, fc2_bias}));
   at::Tensor y;
   {
     const at::NoGradGuard no_grad;  // nothing saved: the backward recomputes it
-    y = mlp_forward(x, ln_weight, ln_bias, eps, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg);
+    y = mlp_forward(x, norm, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg);
   }
   auto node = dwgraph::detail::make_node<CheckpointedMLPBackward>(std::move(parts), x);
   const auto inputs = node->inputs(x);

@@ -10,6 +10,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/matmul.h>
 
 using dwgraph::nn::DeferredOptions;
@@ -218,23 +219,28 @@ TEST_CASE("WgradStore: the process counts the stores with wgrad hooks, so landin
   CHECK(num_stores_with_hooks() == before);
 }
 
-TEST_CASE("C++ LayerNormLinear equals at::layer_norm + at::linear autograd", "[nn][cpu]") {
+TEST_CASE("C++ LayerNormLinear equals at::layer_norm (at::rms_norm) + at::linear autograd", "[nn][cpu]") {
   DeferredOptions opts;
   opts.delay_wgrad_compute = GENERATE(false, true);
   opts.fuse_wgrad_accumulation = GENERATE(false, true);
   opts.bias = GENERATE(false, true);
-  CAPTURE(opts.delay_wgrad_compute, opts.fuse_wgrad_accumulation, opts.bias);
+  const std::string norm = GENERATE("LayerNorm", "RMSNorm");
+  const bool rms = norm == "RMSNorm";
+  CAPTURE(opts.delay_wgrad_compute, opts.fuse_wgrad_accumulation, opts.bias, norm);
   at::manual_seed(14);
-  dwgraph::nn::LayerNormLinear m(8, 6, opts);
-  CHECK(m.named_parameters().keys() ==
-        (opts.bias ? std::vector<std::string>{"layer_norm_weight", "layer_norm_bias", "weight", "bias"}
-                   : std::vector<std::string>{"layer_norm_weight", "layer_norm_bias", "weight"}));
-  const auto lw = leaf_copy(m.layer_norm_weight), lb = leaf_copy(m.layer_norm_bias), w = leaf_copy(m.weight);
+  dwgraph::nn::LayerNormLinear m(8, 6, opts, 1e-5, norm);
+  std::vector<std::string> names = {"layer_norm_weight"};
+  if (!rms) names.push_back("layer_norm_bias");
+  names.push_back("weight");
+  if (opts.bias) names.push_back("bias");
+  CHECK(m.named_parameters().keys() == names);
+  const auto lw = leaf_copy(m.layer_norm_weight), w = leaf_copy(m.weight);
+  const auto lb = rms ? at::Tensor() : leaf_copy(m.layer_norm_bias);
   const auto b = opts.bias ? leaf_copy(m.bias) : at::Tensor();
   const auto x = at::randn({5, 8}).requires_grad_(true);
   const auto xr = leaf_copy(x);
   const auto [y, ln_out] = m.forward_with_layernorm_output(x);
-  const auto hr = at::layer_norm(xr, {8}, lw, lb, m.eps);
+  const auto hr = rms ? at::rms_norm(xr, {8}, lw, m.eps) : at::layer_norm(xr, {8}, lw, lb, m.eps);
   const auto yr = at::linear(hr, w, b);
   CHECK(at::equal(y, yr));
   CHECK(at::equal(ln_out, hr));
@@ -248,7 +254,7 @@ TEST_CASE("C++ LayerNormLinear equals at::layer_norm + at::linear autograd", "[n
   }
   CHECK(at::equal(x.grad(), xr.grad()));
   CHECK(at::equal(m.layer_norm_weight.grad(), lw.grad()));
-  CHECK(at::equal(m.layer_norm_bias.grad(), lb.grad()));
+  if (!rms) CHECK(at::equal(m.layer_norm_bias.grad(), lb.grad()));
   if (opts.fuse_wgrad_accumulation) {
     CHECK_FALSE(m.weight.grad().defined());
     CHECK(dwgraph::testing::rel_err(m.main_grad("weight"), w.grad().to(at::kDouble)) < 2e-6);
@@ -256,7 +262,7 @@ TEST_CASE("C++ LayerNormLinear equals at::layer_norm + at::linear autograd", "[n
     CHECK(at::equal(m.weight.grad(), w.grad()));
   }
   if (opts.bias) CHECK(at::equal(m.bias.grad(), b.grad()));
-  CHECK_THROWS_AS(dwgraph::nn::LayerNormLinear(8, 6, opts, 1e-5, "RMSNorm"), dwgraph::ArgumentError);
+  CHECK_THROWS_AS(dwgraph::nn::LayerNormLinear(8, 6, opts, 1e-5, "BatchNorm"), dwgraph::ArgumentError);
 }
 
 TEST_CASE("C++ LayerNormMLP with checkpoint: the gradients and units of checkpoint=false, bitwise", "[nn][cpu]") {

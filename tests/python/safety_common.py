@@ -31,9 +31,10 @@ def _reference_module(m: torch.nn.Module) -> Optional[torch.nn.Module]:
                 ref.bias.copy_(m.bias)
         return ref
     if isinstance(m, dwgraph.nn.LayerNormMLP):
-        return copy_into_reference(RefMLP(m.hidden_size, m.ffn_hidden_size, m.use_bias).to(m.fc1_weight.device), m)
+        ref = RefMLP(m.hidden_size, m.ffn_hidden_size, m.use_bias, m.normalization)
+        return copy_into_reference(ref.to(m.fc1_weight.device), m)
     if isinstance(m, dwgraph.nn.LayerNormLinear):
-        ref = RefLNLinear(m.in_features, m.out_features, m.bias is not None, m.eps).to(m.weight.device)
+        ref = RefLNLinear(m.in_features, m.out_features, m.bias is not None, m.eps, m.normalization).to(m.weight.device)
         return copy_into_reference(ref, m)
     return None
 

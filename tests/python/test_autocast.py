@@ -93,12 +93,13 @@ def test_parameters_of_another_low_precision_dtype_than_the_autocast_region(dela
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("kind", ["grouped", "grouped_packed", "layernorm_mlp", "layernorm_mlp_checkpoint",
-                                  "layernorm_linear"])
+                                  "layernorm_linear", "layernorm_linear_rms"])
 def test_other_modules_follow_autocast(cfg, kind):
     torch.manual_seed(1)
     layernorm = kind.startswith("layernorm")
     if layernorm:
-        m = (dwgraph.nn.LayerNormLinear(H, H, **cfg) if kind == "layernorm_linear"
+        norm = "RMSNorm" if kind.endswith("rms") else "LayerNorm"
+        m = (dwgraph.nn.LayerNormLinear(H, H, normalization=norm, **cfg) if kind.startswith("layernorm_linear")
              else dwgraph.nn.LayerNormMLP(H, 2 * H, checkpoint=kind.endswith("checkpoint"), **cfg))
         args = (torch.randn(B, H),)
     else:
@@ -114,12 +115,13 @@ def test_other_modules_follow_autocast(cfg, kind):
     if layernorm:
         # LayerNorm itself runs in FP32 under CPU autocast; only its output is cast.
         with torch.no_grad():
-            h = torch.nn.functional.layer_norm(args[0], (H,), m.layer_norm_weight, m.layer_norm_bias, m.eps)
+            h = (torch.nn.functional.rms_norm(args[0], (H,), m.layer_norm_weight, m.eps) if norm == "RMSNorm"
+                 else torch.nn.functional.layer_norm(args[0], (H,), m.layer_norm_weight, m.layer_norm_bias, m.eps))
         assert y.shape == (B, H) and torch.isfinite(y.float()).all()
         ref_in = h
     else:
         ref_in = args[0]
-    if kind == "layernorm_linear":
+    if kind.startswith("layernorm_linear"):
         # fc in bf16 on the FP32 LayerNorm output, as torch.nn's Linear under autocast.
         assert torch.equal(y, torch.nn.functional.linear(h.bfloat16(), m.weight.bfloat16(), m.bias.bfloat16()))
     if not layernorm:

@@ -328,6 +328,7 @@ def _compile_cases():
         "layernorm_mlp_checkpoint": (lambda: dwgraph.nn.LayerNormMLP(H, 2 * H, activation="gelu_tanh",
                                                                      checkpoint=True), False),
         "layernorm_linear": (lambda: dwgraph.nn.LayerNormLinear(H, 2 * H), False),
+        "layernorm_linear_rms": (lambda: dwgraph.nn.LayerNormLinear(H, 2 * H, normalization="RMSNorm"), False),
         "grouped": (lambda: dwgraph.nn.GroupedLinear(2, H, 2 * H), True),
         "grouped_packed": (lambda: dwgraph.nn.GroupedLinear(2, H, 2 * H, packed_weights=True), True),
     }

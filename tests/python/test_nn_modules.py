@@ -169,7 +169,8 @@ def test_grad_dtype_never_adds_the_buffer_to_itself(delay):
         assert lin.weight.grad.data_ptr() == first.data_ptr()
 
 
-@pytest.mark.parametrize("module", ["linear", "grouped", "mlp", "mlp_checkpoint", "layernorm_linear"])
+@pytest.mark.parametrize("module", ["linear", "grouped", "mlp", "mlp_checkpoint", "mlp_checkpoint_rms",
+                                    "layernorm_linear", "layernorm_linear_rms"])
 @pytest.mark.parametrize("delay", [False, True])
 def test_grad_dtype_accumulation_across_backwards_is_bitwise(module, delay):
     # Large enough that the CPU GEMM rounds a beta = 1 accumulation differently from a
@@ -180,7 +181,11 @@ def test_grad_dtype_accumulation_across_backwards_is_bitwise(module, delay):
              "grouped": lambda: dwgraph.nn.GroupedLinear(2, 64, 64, delay_wgrad_compute=delay),
              "mlp": lambda: dwgraph.nn.LayerNormMLP(64, 96, delay_wgrad_compute=delay),
              "mlp_checkpoint": lambda: dwgraph.nn.LayerNormMLP(64, 96, checkpoint=True, delay_wgrad_compute=delay),
+             "mlp_checkpoint_rms": lambda: dwgraph.nn.LayerNormMLP(64, 96, checkpoint=True, normalization="RMSNorm",
+                                                                   delay_wgrad_compute=delay),
              "layernorm_linear": lambda: dwgraph.nn.LayerNormLinear(64, 64, delay_wgrad_compute=delay),
+             "layernorm_linear_rms": lambda: dwgraph.nn.LayerNormLinear(64, 64, normalization="RMSNorm",
+                                                                         delay_wgrad_compute=delay),
              }[module]().bfloat16()
         for q in m.parameters():
             q.grad_dtype = torch.float32
@@ -744,6 +749,9 @@ def test_layernorm_linear_has_transformer_engines_parameters():
     assert m.eps == 1e-6 and m.need_backward_dw()
     assert [n for n, _ in dwgraph.nn.LayerNormLinear(8, 6, bias=False).named_parameters()] == [
         "layer_norm_weight", "layer_norm_bias", "weight"]
+    rms = dwgraph.nn.LayerNormLinear(8, 6, normalization="RMSNorm")
+    assert [n for n, _ in rms.named_parameters()] == ["layer_norm_weight", "weight", "bias"]
+    assert rms.layer_norm_bias is None and "normalization='RMSNorm'" in repr(rms)
     # Loads the values of a plain LayerNorm + Linear and computes what they compute.
     torch.manual_seed(15)
     ref = RefLNLinear(8, 6, bias=True, eps=1e-6)
@@ -797,8 +805,10 @@ def test_layernorm_linear_returns_the_layernorm_output(graphed):
 
 
 def test_layernorm_linear_refuses_what_it_does_not_implement():
-    with pytest.raises(dwgraph.ArgumentError, match=r"LayerNormLinear: normalization must be 'LayerNorm'.*'RMSNorm'"):
-        dwgraph.nn.LayerNormLinear(8, 4, normalization="RMSNorm")
+    for make in (dwgraph.nn.LayerNormLinear, dwgraph.nn.LayerNormMLP):
+        with pytest.raises(dwgraph.ArgumentError,
+                           match=rf"{make.__name__}: normalization must be 'LayerNorm' or 'RMSNorm', got 'BatchNorm'"):
+            make(8, 4, normalization="BatchNorm")
     # TE's third positional argument is eps, not bias.
     with pytest.raises(dwgraph.ArgumentError, match=r"eps must be a number.*bias is keyword-only.*False"):
         dwgraph.nn.LayerNormLinear(8, 4, False)

@@ -21,6 +21,7 @@ MODULES = {
     "LayerNormMLP": lambda **kw: dwgraph.nn.LayerNormMLP(12, 16, **kw),
     "LayerNormMLP-checkpoint": lambda **kw: dwgraph.nn.LayerNormMLP(12, 16, checkpoint=True, **kw),
     "LayerNormLinear": lambda **kw: dwgraph.nn.LayerNormLinear(12, 8, **kw),
+    "LayerNormLinear-RMSNorm": lambda **kw: dwgraph.nn.LayerNormLinear(12, 8, normalization="RMSNorm", **kw),
 }
 
 

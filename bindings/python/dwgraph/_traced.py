@@ -105,14 +105,21 @@ def grouped_linear(x: torch.Tensor, m_splits: Sequence[int], packed: bool, weigh
     return _GroupedLinear.apply(x, [int(m) for m in m_splits], packed, *weights, *biases)
 
 
+def _norm(module, x: torch.Tensor) -> torch.Tensor:
+    shape = (module.layer_norm_weight.shape[0],)
+    if module.normalization == "RMSNorm":
+        return F.rms_norm(x, shape, module.layer_norm_weight, module.eps)
+    return F.layer_norm(x, shape, module.layer_norm_weight, module.layer_norm_bias, module.eps)
+
+
 def layernorm_linear(module, x: torch.Tensor):
     """(output, LayerNorm output), as ops::layernorm_linear."""
-    h = F.layer_norm(x, (module.in_features,), module.layer_norm_weight, module.layer_norm_bias, module.eps)
+    h = _norm(module, x)
     return linear(h, module.weight, module.bias), h
 
 
 def _mlp(module, x: torch.Tensor) -> torch.Tensor:
-    h = F.layer_norm(x, (module.hidden_size,), module.layer_norm_weight, module.layer_norm_bias, module.eps)
+    h = _norm(module, x)
     a = linear(h, module.fc1_weight, module.fc1_bias)
     if module.activation == "relu":
         act = F.relu(a)

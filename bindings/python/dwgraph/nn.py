@@ -315,6 +315,18 @@ def _linear_parameters(module: torch.nn.Module, in_features: int, out_features: 
     _kaiming_(module.weight, module.bias, in_features)
 
 
+def _norm_parameters(module: torch.nn.Module, name: str, normalization: str, width: int, factory: dict) -> None:
+    """``layer_norm_weight`` (ones) and, for LayerNorm, ``layer_norm_bias`` (zeros; ``None``
+    for RMSNorm), as TransformerEngine names them."""
+    _C.nn.check_normalization(name, normalization)
+    module.normalization = normalization
+    module.layer_norm_weight = torch.nn.Parameter(torch.ones(width, **factory))
+    if normalization == "LayerNorm":
+        module.layer_norm_bias = torch.nn.Parameter(torch.zeros(width, **factory))
+    else:
+        module.register_parameter("layer_norm_bias", None)
+
+
 class Linear(_DeferredWgradModule):
     """``y = x @ weight.T + bias`` with deferred and/or fused weight gradients.
 
@@ -428,11 +440,11 @@ class LayerNormLinear(_DeferredWgradModule):
     QKV projection): ``x [..., in_features] -> [..., out_features]``.
 
     Args as TE's: ``in_features``, ``out_features``, ``eps``; keyword-only ``bias``,
-    ``normalization`` (``"LayerNorm"``, the only one supported), ``return_layernorm_output``
-    (the forward returns ``(out, ln_out)``), ``delay_wgrad_compute``,
-    ``fuse_wgrad_accumulation``, ``device``, ``dtype``. Parameters as TE's:
-    ``layer_norm_weight``, ``layer_norm_bias`` (gradients in the main backward, as in
-    ``LayerNormMLP``), ``weight``, ``bias`` (deferred / fused per the flags).
+    ``normalization`` (``"LayerNorm"`` or ``"RMSNorm"``), ``return_layernorm_output`` (the
+    forward returns ``(out, ln_out)``), ``delay_wgrad_compute``, ``fuse_wgrad_accumulation``,
+    ``device``, ``dtype``. Parameters as TE's: ``layer_norm_weight``, ``layer_norm_bias``
+    (``None`` for RMSNorm; gradients in the main backward, as in ``LayerNormMLP``),
+    ``weight``, ``bias`` (deferred / fused per the flags).
     """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, *, bias: bool = True,
@@ -444,15 +456,12 @@ class LayerNormLinear(_DeferredWgradModule):
             # TE's third positional argument is eps: LayerNormLinear(8, 8, False) is not bias=False.
             raise ArgumentError(f"dwgraph.nn.LayerNormLinear: eps must be a number (the third positional argument, "
                                 f"as in TransformerEngine; bias is keyword-only), got {eps!r}")
-        _C.nn.check_normalization("dwgraph.nn.LayerNormLinear", normalization)
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.eps = float(eps)
-        self.normalization = normalization
         self.return_layernorm_output = bool(return_layernorm_output)
         factory = dict(device=device, dtype=dtype)
-        self.layer_norm_weight = torch.nn.Parameter(torch.ones(in_features, **factory))
-        self.layer_norm_bias = torch.nn.Parameter(torch.zeros(in_features, **factory))
+        _norm_parameters(self, "dwgraph.nn.LayerNormLinear", normalization, in_features, factory)
         _linear_parameters(self, in_features, out_features, bias, factory)
         if self.fuse_wgrad_accumulation:
             self._allocate_main_grads()
@@ -469,12 +478,13 @@ class LayerNormLinear(_DeferredWgradModule):
         out, ln_out = _C.nn.layernorm_linear(
             x, self.layer_norm_weight, self.layer_norm_bias, self.eps,
             self._ref("weight", self.weight, is_weight=True),
-            self._ref("bias", self.bias, is_weight=False), **self._config())
+            self._ref("bias", self.bias, is_weight=False), normalization=self.normalization, **self._config())
         return self._after_forward(out), ln_out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, eps={self.eps}, "
-                f"bias={self.bias is not None}, return_layernorm_output={self.return_layernorm_output}, "
+                f"bias={self.bias is not None}, normalization={self.normalization!r}, "
+                f"return_layernorm_output={self.return_layernorm_output}, "
                 f"delay_wgrad_compute={self.delay_wgrad_compute}, "
                 f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")
 
@@ -488,13 +498,18 @@ class LayerNormMLP(_DeferredWgradModule):
     in the main backward as usual. One forward queues one unit (fc2's and fc1's work).
     ``checkpoint=True`` (TE's): the forward keeps only its input; the backward recomputes
     LayerNorm, fc1 and the activation, giving the same gradients and units bit for bit
-    (Note [Checkpointed LayerNormMLP], ops/linear.cpp).
+    (Note [Checkpointed LayerNormMLP], ops/linear.cpp). ``normalization="RMSNorm"`` (TE's):
+    no ``layer_norm_bias``.
     """
+
+    # Class defaults: a module pickled before these settings existed loads with them.
+    checkpoint = False
+    normalization = "LayerNorm"
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, *,
                  activation: str = "gelu", eps: float = 1e-5, checkpoint: bool = False,
-                 delay_wgrad_compute: bool = False, fuse_wgrad_accumulation: bool = False,
-                 device=None, dtype=None):
+                 normalization: str = "LayerNorm", delay_wgrad_compute: bool = False,
+                 fuse_wgrad_accumulation: bool = False, device=None, dtype=None):
         super().__init__(delay_wgrad_compute, fuse_wgrad_accumulation)
         _C.nn.check_activation(f"dwgraph.nn.LayerNormMLP", activation)
         self.hidden_size = int(hidden_size)
@@ -504,8 +519,7 @@ class LayerNormMLP(_DeferredWgradModule):
         self.checkpoint = bool(checkpoint)
         self.use_bias = bool(bias)
         factory = dict(device=device, dtype=dtype)
-        self.layer_norm_weight = torch.nn.Parameter(torch.ones(hidden_size, **factory))
-        self.layer_norm_bias = torch.nn.Parameter(torch.zeros(hidden_size, **factory))
+        _norm_parameters(self, "dwgraph.nn.LayerNormMLP", normalization, hidden_size, factory)
         self.fc1_weight = torch.nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, **factory))
         self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
         if bias:
@@ -531,12 +545,14 @@ class LayerNormMLP(_DeferredWgradModule):
             self._ref("fc1_weight", self.fc1_weight, is_weight=True),
             self._ref("fc1_bias", self.fc1_bias, is_weight=False), self.activation,
             self._ref("fc2_weight", self.fc2_weight, is_weight=True),
-            self._ref("fc2_bias", self.fc2_bias, is_weight=False), checkpoint=self.checkpoint, **self._config())
+            self._ref("fc2_bias", self.fc2_bias, is_weight=False), checkpoint=self.checkpoint,
+            normalization=self.normalization, **self._config())
         return self._after_forward(out)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"bias={self.use_bias}, activation={self.activation!r}, eps={self.eps}, "
                 + (f"checkpoint=True, " if self.checkpoint else "")
+                + (f"normalization={self.normalization!r}, " if self.normalization != "LayerNorm" else "")
                 + f"delay_wgrad_compute={self.delay_wgrad_compute}, "
                 f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")
