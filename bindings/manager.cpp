@@ -180,11 +180,12 @@ void init_manager(py::module_& parent) {
       .def_static(
           "from_arguments",
           [](const std::optional<py::sequence>& order, std::optional<std::vector<int64_t>> num_layers_per_chunk,
-             size_t num_callables) {
+             size_t num_callables, std::optional<int64_t> layers_each) {
             return Schedule::from_arguments(order ? std::optional<std::vector<double>>(order_values(*order)) : std::nullopt,
-                                            num_layers_per_chunk, num_callables);
+                                            num_layers_per_chunk, num_callables, layers_each);
           },
-          py::arg("order"), py::arg("num_layers_per_chunk"), py::arg("num_callables"))
+          py::arg("order"), py::arg("num_layers_per_chunk"), py::arg("num_callables"),
+          py::arg("layers_each") = py::none())
       .def("check_per_slot", &Schedule::check_per_slot, py::arg("n"), py::arg("what"))
       .def_property_readonly("pipelined", &Schedule::pipelined)
       .def_property_readonly("num_slots", &Schedule::num_slots)
@@ -239,7 +240,8 @@ void init_manager(py::module_& parent) {
       [](std::vector<GraphableCallable> callables, const std::vector<std::vector<at::Tensor>>& sample_args,
          int num_warmup_iters, bool allow_unused_input, std::optional<Schedule> schedule,
          std::shared_ptr<GraphPool> pool, bool retain_graph_in_backward, bool reuse_static_buffers,
-         bool clone_outputs, bool backward_under_autocast, bool unsafe_capture_with_caller_grad) {
+         bool clone_outputs, bool backward_under_autocast, std::function<void()> pre_warmup_hook,
+         std::function<void()> post_warmup_hook, bool unsafe_capture_with_caller_grad) {
         GraphedCallableOptions o;
         o.num_warmup_iters = num_warmup_iters;
         o.allow_unused_input = allow_unused_input;
@@ -249,6 +251,8 @@ void init_manager(py::module_& parent) {
         o.reuse_static_buffers = reuse_static_buffers;
         o.clone_outputs = clone_outputs;
         o.backward_under_autocast = backward_under_autocast;
+        o.pre_warmup_hook = std::move(pre_warmup_hook);
+        o.post_warmup_hook = std::move(post_warmup_hook);
         o.unsafe_capture_with_caller_grad = unsafe_capture_with_caller_grad;
         // Warmup and capture run the autograd engine, which must not hold the GIL; the
         // Python forward functions and hooks take it back when they are called.
@@ -258,6 +262,7 @@ void init_manager(py::module_& parent) {
       py::arg("callables"), py::arg("sample_args"), py::kw_only(), py::arg("num_warmup_iters"),
       py::arg("allow_unused_input"), py::arg("schedule"), py::arg("pool"), py::arg("retain_graph_in_backward"),
       py::arg("reuse_static_buffers"), py::arg("clone_outputs"), py::arg("backward_under_autocast"),
+      py::arg("pre_warmup_hook"), py::arg("post_warmup_hook"),
       py::arg("unsafe_capture_with_caller_grad"));
 
   py::class_<GraphedStep>(m, "GraphedStep")

@@ -88,6 +88,12 @@ struct GraphedCallableOptions {
   // outputs themselves, overwritten by the slot's next call (torch's and
   // TransformerEngine's behaviour; saves a copy per output per call).
   bool clone_outputs = true;
+  // TransformerEngine's: called once before the first warmup iteration and once after the
+  // last (both, one after the other, with no warmup iterations), before any capture. They
+  // run inside the capture's caller-state guard: what it restores after warmup and capture
+  // (.grad, buffers, main_grad, flags, queued units, the RNG) it restores after them too.
+  std::function<void()> pre_warmup_hook;
+  std::function<void()> post_warmup_hook;
   // Test-only: capture backward-dw with the caller's .grad in place and skip the
   // hand-off, i.e. the unfixed behaviour whose hazard the ledger must catch.
   bool unsafe_capture_with_caller_grad = false;

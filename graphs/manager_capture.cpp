@@ -236,6 +236,7 @@ void GraphManager::warmup() {
   // backward-dw step runs the units its own backward queued (a module used twice in the
   // forward queues two), as the capture does.
   const auto steps = schedule_.capture_steps(defers_);
+  if (opts_.pre_warmup_hook) opts_.pre_warmup_hook();
   for (int it = 0; it < opts_.num_warmup_iters; ++it) {
     std::vector<std::vector<at::Tensor>> kept(slots_.size());  // per slot: its outputs that require grad
     std::vector<std::vector<size_t>> queued(slots_.size());    // per slot, per module: units its backward queued
@@ -310,6 +311,7 @@ void GraphManager::warmup() {
       }
     }
   }
+  if (opts_.post_warmup_hook) opts_.post_warmup_hook();
 }
 
 void GraphManager::capture_fwd(size_t s) {
@@ -667,7 +669,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
   // parameter, buffer and main_grad contents, flags, queued units and the RNG, whether
   // they finish or raise.
   CallerStateGuard guard(caller_state());
-  if (opts_.num_warmup_iters > 0) {
+  if (opts_.num_warmup_iters > 0 || opts_.pre_warmup_hook || opts_.post_warmup_hook) {
     guard.clear_grads();
     run_on_capture_stream(pool_, [this] { warmup(); });
     guard.restore_grads();

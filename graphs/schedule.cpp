@@ -33,9 +33,10 @@ Schedule Schedule::sequential(size_t num_callables) {
 }
 
 Schedule Schedule::from_arguments(const std::optional<std::vector<double>>& order,
-                                  const std::optional<std::vector<int64_t>>& layers_per_chunk, size_t num_callables) {
-  if (order.has_value()) return pipeline(*order, layers_per_chunk, num_callables);
-  DWGRAPH_CHECK_ARG(!layers_per_chunk.has_value(), kApi,
+                                  const std::optional<std::vector<int64_t>>& layers_per_chunk, size_t num_callables,
+                                  std::optional<int64_t> layers_each) {
+  if (order.has_value()) return pipeline(*order, layers_per_chunk, num_callables, layers_each);
+  DWGRAPH_CHECK_ARG(!layers_per_chunk.has_value() && !layers_each.has_value(), kApi,
                     ": argument 'num_layers_per_chunk' needs 'order' (the pipeline schedule)");
   return sequential(num_callables);
 }
@@ -45,8 +46,8 @@ void Schedule::check_per_slot(size_t n, const char* what) const {
                     pipelined_ ? "(callable, microbatch) slot (" : "callable (", num_slots(), "), got ", n);
 }
 
-Schedule Schedule::pipeline(const std::vector<double>& order, const std::optional<std::vector<int64_t>>& layers,
-                            size_t num_callables) {
+Schedule Schedule::pipeline(const std::vector<double>& order, const std::optional<std::vector<int64_t>>& given,
+                            size_t num_callables, std::optional<int64_t> layers_each) {
   DWGRAPH_CHECK_ARG(num_callables > 0, kApi, ": argument 'modules' must hold at least one callable, got none");
   DWGRAPH_CHECK_ARG(!order.empty(), kApi, ": argument 'order' must hold at least one forward and one backward, "
                     "got an empty order");
@@ -72,6 +73,10 @@ Schedule Schedule::pipeline(const std::vector<double>& order, const std::optiona
     s.order_.push_back(Entry{o > 0 ? Phase::kForward : (is_dw ? Phase::kBackwardDw : Phase::kBackward), chunk});
     chunks = std::max(chunks, chunk);
   }
+  DWGRAPH_CHECK_ARG(!(given.has_value() && layers_each.has_value()), kApi,
+                    ": argument 'num_layers_per_chunk' is either one int for every chunk or a list, not both");
+  const std::optional<std::vector<int64_t>> layers =
+      layers_each.has_value() ? std::optional<std::vector<int64_t>>(std::vector<int64_t>(chunks, *layers_each)) : given;
   if (layers.has_value()) {
     DWGRAPH_CHECK_ARG(static_cast<int64_t>(layers->size()) == chunks, kApi,
                       ": argument 'num_layers_per_chunk' must have one entry per chunk of 'order' (", chunks,

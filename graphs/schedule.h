@@ -40,13 +40,17 @@ class Schedule {
   // Validates every entry before converting it: finite, +c / -c integers or -(c + 0.5),
   // 1 <= c <= num_callables; counts per chunk consistent. Errors are ArgumentErrors naming
   // the entry.
+  // `layers_each` (TransformerEngine's int form of _num_layers_per_chunk): that many
+  // layers in every chunk, instead of `layers_per_chunk`.
   static Schedule pipeline(const std::vector<double>& order,
-                           const std::optional<std::vector<int64_t>>& layers_per_chunk, size_t num_callables);
+                           const std::optional<std::vector<int64_t>>& layers_per_chunk, size_t num_callables,
+                           std::optional<int64_t> layers_each = std::nullopt);
 
   // The schedule make_graphed_callables' arguments ask for: pipeline with `order`,
   // sequential without (where num_layers_per_chunk, which needs an order, is refused).
   static Schedule from_arguments(const std::optional<std::vector<double>>& order,
-                                 const std::optional<std::vector<int64_t>>& layers_per_chunk, size_t num_callables);
+                                 const std::optional<std::vector<int64_t>>& layers_per_chunk, size_t num_callables,
+                                 std::optional<int64_t> layers_each = std::nullopt);
   // ArgumentError unless `n` entries of argument `what` (sample_args, sample_kwargs) give
   // one per slot (per callable in the sequential schedule).
   void check_per_slot(size_t n, const char* what) const;

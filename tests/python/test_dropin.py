@@ -197,6 +197,31 @@ def test_explicit_buffer_reuse_on_a_callers_pool_refuses_clobbering_calls():
     assert sizes[True] < sizes[False], f"reuse did not save static bytes: {sizes}"
 
 
+def test_num_layers_per_chunk_as_one_int():
+    # TE's other form: one int, that many layers in every chunk.
+    torch.manual_seed(6)
+    layers = tuple(torch.nn.Linear(H, H) for _ in range(4))
+    eager = copy.deepcopy(layers)
+    order = [1, 2, -2, -1]
+    samples = tuple((torch.randn(B, H, requires_grad=True),) for _ in range(4))
+    as_int = dwgraph.make_graphed_callables(layers, samples, _order=order, _num_layers_per_chunk=2)
+    as_list = dwgraph.make_graphed_callables(layers, samples, _order=order, _num_layers_per_chunk=[2, 2])
+    assert [s.module for s in as_int] == [s.module for s in as_list] == list(layers)
+    x = torch.randn(B, H, requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
+    y, ye = x, xe
+    for s, e in zip(as_int, eager):
+        y, ye = s(y), e(ye)
+    y.square().sum().backward(), ye.square().sum().backward()
+    assert torch.equal(x.grad, xe.grad)
+    for p, pe in zip([p for m in layers for p in m.parameters()], [p for m in eager for p in m.parameters()]):
+        assert torch.equal(p.grad, pe.grad)
+    with pytest.raises(dwgraph.ArgumentError, match="sums to 6 but 4 callables"):
+        dwgraph.make_graphed_callables(layers, samples, _order=order, _num_layers_per_chunk=3)
+    with pytest.raises(dwgraph.ArgumentError, match="needs 'order'"):
+        dwgraph.make_graphed_callables(layers, samples, num_layers_per_chunk=2)
+
+
 @pytest.mark.parametrize("spelling", ["clone_param_grads_on_return", "_clone_param_grads_on_return"])
 @pytest.mark.parametrize("value", [True, False])
 def test_clone_param_grads_on_return_is_accepted_and_grads_are_always_the_callers(spelling, value):
@@ -232,7 +257,12 @@ def test_transformer_engines_fp8_arguments_are_accepted_off_and_refused_on():
                fp8_enabled=False, fp8_weight_caching=False)
     g = dwgraph.make_graphed_callables(copy.deepcopy(model), sample, **off)
     assert g(sample[0]).shape == (B, H)
-    for on in (dict(enabled=True), dict(fp8_enabled=True), dict(recipe=object()), dict(cache_quantized_params=True)):
+    # TE's `enabled` may be one bool per module.
+    pair = dwgraph.make_graphed_callables((copy.deepcopy(model), copy.deepcopy(model)), (sample, sample),
+                                          enabled=(False, False))
+    assert pair[1](sample[0]).shape == (B, H)
+    for on in (dict(enabled=True), dict(fp8_enabled=True), dict(recipe=object()), dict(cache_quantized_params=True),
+               dict(enabled=(False, True))):
         with pytest.raises(dwgraph.ArgumentError, match=f"'{next(iter(on))}' ask for FP8"):
             dwgraph.make_graphed_callables(copy.deepcopy(model), sample, **on)
     with pytest.raises(TypeError, match="unexpected keyword argument 'fp8_mode'"):
@@ -542,3 +572,45 @@ def test_a_capture_under_no_grad_called_with_grad_runs_eagerly():
     with torch.no_grad():
         x = torch.randn(B, H)
         assert torch.equal(g(x), eager(x)) and model.eager_calls == captured + 2, "a call under no_grad did not replay"
+
+
+@pytest.mark.parametrize("warmups", [0, 2])
+def test_pre_and_post_warmup_hooks(warmups):
+    # TransformerEngine's: once before all warmup iterations and once after them, before any
+    # capture; what warmup restores is restored after them too (here a buffer they change).
+    layers = _round2_layers()
+    eager = copy.deepcopy(layers)
+    events = []
+
+    def pre():
+        events.append("pre")
+        with torch.no_grad():
+            layers[2].weight.grad = torch.ones_like(layers[2].weight)  # .grad: restored after warmup
+
+    samples = tuple((torch.randn(B, H, requires_grad=l > 0),) for l in range(3))
+    graphed = dwgraph.make_graphed_callables(layers, samples, num_warmup_iters=warmups,
+                                             capture_time_hooks=_recording_hooks(3, events),
+                                             pre_warmup_hook=pre, post_warmup_hook=lambda: events.append("post"))
+    capture = _expected_capture_sequence(None, 3)
+    assert events == ["pre"] + capture * warmups + ["post"] + capture
+    assert layers[2].weight.grad is None, "the hook's .grad outlived warmup"
+    x = torch.randn(B, H)
+    run_order([1, -1, -1.5], lambda mb, x: graphed[2](graphed[1](graphed[0](x))),
+              lambda mb: (graphed[0].backward_dw(), graphed[1].backward_dw()), [x])
+    run_order([1, -1, -1.5], lambda mb, x: eager[2](eager[1](eager[0](x))),
+              lambda mb: (eager[0].backward_dw(), eager[1].backward_dw()), [x])
+    for pg, pe in zip([p for m in layers for p in m.parameters()], [p for m in eager for p in m.parameters()]):
+        assert torch.equal(pg.grad, pe.grad)
+    with pytest.raises(dwgraph.ArgumentError, match="argument 'post_warmup_hook' must be a callable"):
+        dwgraph.make_graphed_callables(_round2_layers()[0], (torch.randn(B, H),), post_warmup_hook=3)
+
+    def failing():
+        raise KeyError("from the hook")
+
+    lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+    with pytest.raises(KeyError, match="from the hook"):
+        dwgraph.make_graphed_callables(lin, (torch.randn(B, H),), pre_warmup_hook=failing)
+    assert lin.num_queued_wgrad_units() == 0
+    g = dwgraph.make_graphed_callables(lin, (torch.randn(B, H),))  # a failed capture can be retried
+    g(torch.randn(B, H)).sum().backward()
+    g.backward_dw()

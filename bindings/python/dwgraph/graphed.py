@@ -249,7 +249,10 @@ def _refuse_fp8(arguments: Dict[str, Any]) -> None:
     unknown = sorted(set(arguments) - set(_TE_FP8_ARGUMENTS))
     if unknown:
         raise TypeError(f"make_graphed_callables() got an unexpected keyword argument '{unknown[0]}'")
-    asked = sorted(k for k, v in arguments.items() if v is not None and v is not False)
+    def off(v) -> bool:  # TE's `enabled` may be one bool per module
+        return v is None or v is False or (isinstance(v, (tuple, list)) and all(x is False for x in v))
+
+    asked = sorted(k for k, v in arguments.items() if not off(v))
     if asked:
         raise ArgumentError(f"dwgraph.make_graphed_callables: {', '.join(repr(k) for k in asked)} ask for FP8 "
                             "(TransformerEngine's arguments), which dwgraph does not have yet; leave them unset "
@@ -272,6 +275,8 @@ def make_graphed_callables(
     clone_outputs: bool = True,
     backward_under_autocast: bool = False,
     clone_param_grads_on_return: bool = True,
+    pre_warmup_hook: Optional[Callable[[], None]] = None,
+    post_warmup_hook: Optional[Callable[[], None]] = None,
     _order: Optional[Sequence[float]] = None,
     _num_layers_per_chunk: Optional[Sequence[int]] = None,
     _reuse_graph_input_output_buffers: Optional[bool] = None,
@@ -292,7 +297,7 @@ def make_graphed_callables(
     Pipeline schedule: ``order`` as TransformerEngine's ``_order`` (``+c`` forward of chunk
     ``c`` for its next microbatch, ``-c`` its backward, ``-(c + 0.5)`` its backward-dw,
     chunks from 1); ``modules`` are the layers of all chunks in order
-    (``num_layers_per_chunk`` each), ``sample_args`` holds one tuple per (chunk,
+    (``num_layers_per_chunk`` each: a list, or one int for every chunk), ``sample_args`` holds one tuple per (chunk,
     microbatch, layer) slot in that nesting, and one :class:`GraphedCallable` per slot is
     returned.
 
@@ -320,6 +325,15 @@ def make_graphed_callables(
     TransformerEngine skip that copy and hand out buffers the next replay overwrites, a
     lifetime dwgraph does not offer, so it is accepted and changes nothing.
 
+    ``pre_warmup_hook`` and ``post_warmup_hook`` (TransformerEngine's): called with no
+    arguments once before the first warmup iteration and once after the last (one after the
+    other when ``num_warmup_iters=0``), before any capture. Warmup runs in the order of the
+    capture (sequential: every forward, then the backwards in reverse, then the
+    backward-dw steps; with ``order``, its sequence), as TransformerEngine's does, so
+    capture-time hooks see one sequence throughout. What warmup and capture leave
+    restored (``.grad``, buffers, ``main_grad``, queued units, the RNG) is restored after
+    these hooks too.
+
     TransformerEngine's FP8 arguments (``enabled``, ``calibrating``, ``recipe``,
     ``amax_reduction_group``, ``cache_quantized_params``, and the older ``fp8_enabled``,
     ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group``, ``fp8_weight_caching``) are accepted
@@ -341,6 +355,10 @@ def make_graphed_callables(
     if not isinstance(clone_param_grads_on_return, bool):
         raise ArgumentError("dwgraph.make_graphed_callables: argument 'clone_param_grads_on_return' must be a bool, "
                             f"got {type(clone_param_grads_on_return).__name__}")
+    for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
+        if hook is not None and not callable(hook):
+            raise ArgumentError(f"dwgraph.make_graphed_callables: argument '{name}' must be a callable taking no "
+                                f"arguments, or None; got {type(hook).__name__}")
     order = order if order is not None else _order
     num_layers_per_chunk = num_layers_per_chunk if num_layers_per_chunk is not None else _num_layers_per_chunk
 
@@ -357,8 +375,10 @@ def make_graphed_callables(
             raise ArgumentError(f"dwgraph.make_graphed_callables: modules[{i}] must be a torch.nn.Module or a "
                                 f"callable, got {type(m).__name__}")
     # The core decides every schedule and slot question (graphs/schedule.h).
+    each = isinstance(num_layers_per_chunk, int) and not isinstance(num_layers_per_chunk, bool)
     schedule = _C.graphs.Schedule.from_arguments(
-        order, None if num_layers_per_chunk is None else [int(n) for n in num_layers_per_chunk], len(modules))
+        order, None if num_layers_per_chunk is None or each else [int(n) for n in num_layers_per_chunk], len(modules),
+        num_layers_per_chunk if each else None)
     if order is None and len({id(m) for m in modules}) != len(modules):
         raise ArgumentError("dwgraph.make_graphed_callables: the same module appears twice; each callable of the "
                             "sequential schedule gets one slot (use 'order' for one slot per microbatch)")
@@ -393,8 +413,8 @@ def make_graphed_callables(
             modules, schedule, in_sigs, flat_args, hooks, num_warmup_iters=num_warmup_iters,
             allow_unused_input=allow_unused_input, pool=pool, retain_graph_in_backward=retain_graph_in_backward,
             reuse_static_buffers=reuse_static_buffers, clone_outputs=clone_outputs,
-            backward_under_autocast=bool(backward_under_autocast),
-            unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
+            backward_under_autocast=bool(backward_under_autocast), pre_warmup_hook=pre_warmup_hook,
+            post_warmup_hook=post_warmup_hook, unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
     except BaseException:
         for m, saved in zip(modules, previous):
             if saved:
