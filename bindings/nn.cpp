@@ -134,20 +134,37 @@ void init_nn(py::module_& parent) {
 
   m.def(
       "layernorm_mlp",
-      [](const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
+      [](const at::Tensor& x, const at::Tensor& ln_weight, const std::optional<at::Tensor>& ln_bias, double eps,
          const RefPtr& fc1_weight, const RefPtr& fc1_bias, const std::string& activation,
          const RefPtr& fc2_weight, const RefPtr& fc2_bias, bool delay, bool fuse,
-         std::shared_ptr<WgradStore> store, uint64_t unit, std::string module) {
-        return ops::layernorm_mlp(x, ln_weight, ln_bias, eps, as_const(fc1_weight), as_const(fc1_bias),
+         std::shared_ptr<WgradStore> store, uint64_t unit, std::string module, bool checkpoint,
+         const std::string& normalization) {
+        return ops::layernorm_mlp(x, ln_weight, ln_bias.value_or(at::Tensor()), eps, as_const(fc1_weight), as_const(fc1_bias),
                                   activation, as_const(fc2_weight), as_const(fc2_bias),
-                                  make_config(delay, fuse, std::move(store), unit, std::move(module)));
+                                  make_config(delay, fuse, std::move(store), unit, std::move(module)), checkpoint,
+                                  normalization);
       },
       py::arg("x"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("fc1_weight"),
       py::arg("fc1_bias"), py::arg("activation"), py::arg("fc2_weight"), py::arg("fc2_bias"),
       py::kw_only(), py::arg("delay_wgrad_compute"), py::arg("fuse_wgrad_accumulation"),
-      py::arg("store"), py::arg("unit_id"), py::arg("module"));
+      py::arg("store"), py::arg("unit_id"), py::arg("module"), py::arg("checkpoint") = false,
+      py::arg("normalization") = "LayerNorm");
+
+  m.def(
+      "layernorm_linear",
+      [](const at::Tensor& x, const at::Tensor& ln_weight, const std::optional<at::Tensor>& ln_bias, double eps,
+         const RefPtr& weight, const RefPtr& bias, bool delay, bool fuse, std::shared_ptr<WgradStore> store,
+         uint64_t unit, std::string module, const std::string& normalization) {
+        return ops::layernorm_linear(x, ln_weight, ln_bias.value_or(at::Tensor()), eps, as_const(weight), as_const(bias),
+                                     make_config(delay, fuse, std::move(store), unit, std::move(module)),
+                                     normalization);
+      },
+      py::arg("x"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("weight"), py::arg("bias"),
+      py::kw_only(), py::arg("delay_wgrad_compute"), py::arg("fuse_wgrad_accumulation"), py::arg("store"),
+      py::arg("unit_id"), py::arg("module"), py::arg("normalization") = "LayerNorm");
 
   m.def("check_activation", &ops::check_activation, py::arg("module"), py::arg("activation"));
+  m.def("check_normalization", &ops::check_normalization, py::arg("module"), py::arg("normalization"));
   // The one rule for how a dwgraph module's parameter gets its gradient (ops/param_roles.h).
   m.def(
       "classify_parameter",

@@ -583,7 +583,7 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
     if (f.set_flag) v.landing.flags.push_back(FlagSetter{[f] { f.set_flag(true); }});
   }
   for (const auto& m : e.modules) {
-    if (m.run_hooks) v.landing.hooks.push_back(ModuleHooks{m.run_hooks, m.store, {}});
+    if (m.run_hooks) v.landing.add_hook(ModuleHooks{m.run_hooks, m.store, {}});
   }
   v.graph = std::move(graph);
   ++captures_;

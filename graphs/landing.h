@@ -58,7 +58,13 @@ struct ModuleHooks {
 struct Landing {
   std::vector<Contribution> contributions;
   std::vector<FlagSetter> flags;
-  std::vector<ModuleHooks> hooks;
+  std::vector<ModuleHooks> hooks;  // filled through add_hook()
+  size_t unconditional_hooks = 0;  // hooks without a store: they run whenever live
+
+  void add_hook(ModuleHooks h) {
+    if (!h.store) ++unconditional_hooks;
+    hooks.push_back(std::move(h));
+  }
 
   // ArgumentError, before anything is written, when an existing .grad has another dtype,
   // shape or device than its contribution (never a silent cast). `where` prefixes messages.

@@ -327,7 +327,7 @@ void GraphManager::capture_fwd(size_t s) {
     // the call's copy into them takes its place in the pool's replay order, before this
     // forward.
     slot.buffers->inputs.move_into(*pool_);
-    slot.input_write.add(pool_, c10::str("the copy into the static inputs of ", where(s)), slot.buffers->inputs.tensors());
+    slot.input_write.add(pool_, c10::str("copy into the static inputs of ", where(s)), slot.buffers->inputs.tensors());
   }
   std::vector<at::Tensor> outputs;
   capture(slot.fwd, Phase::kForward, s, [&] { outputs = c.forward(slot.buffers->inputs.tensors()); });
@@ -389,7 +389,7 @@ void GraphManager::capture_bwd(size_t s) {
     return;  // nothing to differentiate: no backward graph
   }
   if (pooled_buffers_) {
-    slot.grad_write.add(pool_, c10::str("the copy into the static grad outputs of ", where(s)), slot.static_grad_outputs);
+    slot.grad_write.add(pool_, c10::str("copy into the static grad outputs of ", where(s)), slot.static_grad_outputs);
   }
   DWGRAPH_CHECK_ARG(!targets.empty(), kApi, ": the outputs of ", where(s),
                     " require grad through tensors that are neither its inputs nor its parameters; make them "
@@ -446,11 +446,11 @@ void GraphManager::capture_bwd(size_t s) {
       indices.push_back(i);
       if (f.set_flag && f.param.requires_grad()) slot.after_backward.flags.push_back(FlagSetter{[f] { f.set_flag(true); }, i});
     }
-    if (m.run_hooks) slot.after_backward.hooks.push_back(ModuleHooks{m.run_hooks, m.store, module_parameter_indices(c, m)});
+    if (m.run_hooks) slot.after_backward.add_hook(ModuleHooks{m.run_hooks, m.store, module_parameter_indices(c, m)});
   }
   for (const auto& m : c.modules) {
     for (const auto& inner : m.inner) {
-      if (!inner.defers && inner.run_hooks) slot.after_backward.hooks.push_back(ModuleHooks{inner.run_hooks, inner.store, {}});
+      if (!inner.defers && inner.run_hooks) slot.after_backward.add_hook(ModuleHooks{inner.run_hooks, inner.store, {}});
     }
   }
 }
@@ -530,10 +530,10 @@ void GraphManager::capture_dw(size_t s) {
   for (const auto& m : c.modules) {
     if (!module_defers(m)) continue;
     const std::vector<size_t> indices = module_parameter_indices(c, m);
-    if (m.run_hooks) landing.hooks.push_back(ModuleHooks{m.run_hooks, m.store, indices});
+    if (m.run_hooks) landing.add_hook(ModuleHooks{m.run_hooks, m.store, indices});
     // dwgraph modules inside another library's module: their hooks after its hand-off.
     for (const auto& inner : m.inner) {
-      if (inner.defers && inner.run_hooks) landing.hooks.push_back(ModuleHooks{inner.run_hooks, inner.store, indices});
+      if (inner.defers && inner.run_hooks) landing.add_hook(ModuleHooks{inner.run_hooks, inner.store, indices});
     }
   }
   slot.after_dw = std::move(landing);
@@ -647,12 +647,14 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
   forward_autocast_ = ops::AutocastState::current();
   grad_at_capture_ = at::GradMode::is_enabled();  // Note [Calls eager autograd would differentiate further]
   backward_autocast_ = backward_state(forward_autocast_, opts_.backward_under_autocast);
-  if (opts_.reuse_static_buffers) share_static_buffers();
   // Note [Slots share the pool by liveness]: the pipeline schedule's slots follow an
   // explicit order on a pool of their own. (Graph sets sharing a caller's pool, and the
   // sequential schedule, whose callables may be called again whenever they are idle, keep
-  // their buffers to themselves.)
-  pooled_buffers_ = schedule_.pipelined() && !opts_.reuse_static_buffers && !opts_.pool;
+  // their buffers to themselves.) There, reuse_static_buffers asks for less than the
+  // liveness sharing gives (the static inputs of one callable's slots only), so it is
+  // subsumed; on a caller's pool it shares them explicitly.
+  pooled_buffers_ = schedule_.pipelined() && !opts_.pool;
+  if (opts_.reuse_static_buffers && !pooled_buffers_) share_static_buffers();
   pool_ = opts_.pool ? opts_.pool : make_pool(device_);
   DWGRAPH_CHECK_ARG(pool_->device().type() == device_.type(), kApi, ": argument 'pool' is a pool of ",
                     pool_->device(), " but the sample arguments are on ", device_);

@@ -111,8 +111,9 @@
 // This is the pipeline schedule's, on a pool of its own: its slots follow an explicit
 // order. The sequential schedule's callables may be called again whenever they are idle
 // (a second forward without grad), and graph sets on a caller's shared pool replay in
-// orders no capture saw, so they keep their buffers to themselves, as does
-// reuse_static_buffers (TransformerEngine's explicit sharing).
+// orders no capture saw, so they keep their buffers to themselves. On the set's own pool
+// reuse_static_buffers (TransformerEngine's explicit sharing) is subsumed by this; on a
+// caller's pool it shares one callable's static inputs explicitly.
 
 #include "common/autograd_node.h"
 #include "graphs/caller_state.h"

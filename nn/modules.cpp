@@ -22,6 +22,14 @@ void init_linear(at::Tensor w, at::Tensor b, int64_t fan_in) {
   }
 }
 
+// The normalisation's parameters: a weight of ones and, for LayerNorm, a bias of zeros.
+void register_norm(torch::nn::Module& m, const std::string& display_name, const std::string& normalization,
+                   int64_t width, at::Tensor& weight, at::Tensor& bias) {
+  ops::check_normalization(display_name, normalization);
+  weight = m.register_parameter("layer_norm_weight", at::ones({width}));
+  if (normalization == "LayerNorm") bias = m.register_parameter("layer_norm_bias", at::zeros({width}));
+}
+
 std::string flags(const DeferredOptions& o) {
   return std::string("bias=") + (o.bias ? "true" : "false") +
          ", delay_wgrad_compute=" + (o.delay_wgrad_compute ? "true" : "false") +
@@ -191,16 +199,41 @@ at::Tensor GroupedLinear::forward(const at::Tensor& x, const std::vector<int64_t
   return ops::grouped_linear(x, m_splits, w, b, config());
 }
 
-LayerNormMLP::LayerNormMLP(int64_t hidden, int64_t ffn, DeferredOptions opts, std::string act, double eps_)
+LayerNormLinear::LayerNormLinear(int64_t in_features, int64_t out_features, DeferredOptions opts, double eps_,
+                                 const std::string& normalization_)
+    : DeferredWgradModule("dwgraph::nn::LayerNormLinear(in_features=" + std::to_string(in_features) +
+                              ", out_features=" + std::to_string(out_features) + ", " + flags(opts) +
+                              (normalization_ != "LayerNorm" ? ", normalization=" + normalization_ : "") + ")",
+                          opts),
+      eps(eps_),
+      normalization(normalization_) {
+  register_norm(*this, display_name_, normalization, in_features, layer_norm_weight, layer_norm_bias);
+  weight = register_parameter("weight", at::empty({out_features, in_features}));
+  if (opts.bias) bias = register_parameter("bias", at::empty({out_features}));
+  init_linear(weight, bias, in_features);
+  allocate_main_grads({"weight"});
+}
+
+std::pair<at::Tensor, at::Tensor> LayerNormLinear::forward_with_layernorm_output(const at::Tensor& x) {
+  return ops::layernorm_linear(x, layer_norm_weight, layer_norm_bias, eps, ref("weight", weight, true),
+                               ref("bias", bias, false), config(), normalization);
+}
+
+at::Tensor LayerNormLinear::forward(const at::Tensor& x) { return forward_with_layernorm_output(x).first; }
+
+LayerNormMLP::LayerNormMLP(int64_t hidden, int64_t ffn, DeferredOptions opts, std::string act, double eps_,
+                           bool checkpoint_, const std::string& normalization_)
     : DeferredWgradModule("dwgraph::nn::LayerNormMLP(hidden_size=" + std::to_string(hidden) +
                               ", ffn_hidden_size=" + std::to_string(ffn) + ", " + flags(opts) +
-                              ", activation=" + act + ")",
+                              ", activation=" + act + (checkpoint_ ? ", checkpoint=true" : "") +
+                              (normalization_ != "LayerNorm" ? ", normalization=" + normalization_ : "") + ")",
                           opts),
       activation(std::move(act)),
-      eps(eps_) {
+      eps(eps_),
+      checkpoint(checkpoint_),
+      normalization(normalization_) {
   ops::check_activation(display_name_, activation);
-  layer_norm_weight = register_parameter("layer_norm_weight", at::ones({hidden}));
-  layer_norm_bias = register_parameter("layer_norm_bias", at::zeros({hidden}));
+  register_norm(*this, display_name_, normalization, hidden, layer_norm_weight, layer_norm_bias);
   fc1_weight = register_parameter("fc1_weight", at::empty({ffn, hidden}));
   fc2_weight = register_parameter("fc2_weight", at::empty({hidden, ffn}));
   if (opts.bias) {
@@ -216,7 +249,7 @@ at::Tensor LayerNormMLP::forward(const at::Tensor& x) {
   return ops::layernorm_mlp(x, layer_norm_weight, layer_norm_bias, eps, ref("fc1_weight", fc1_weight, true),
                             ref("fc1_bias", fc1_bias, false), activation,
                             ref("fc2_weight", fc2_weight, true), ref("fc2_bias", fc2_bias, false),
-                            config());
+                            config(), checkpoint, normalization);
 }
 
 }  // namespace dwgraph::nn

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dwgraph::nn {
@@ -74,14 +75,34 @@ class GroupedLinear : public DeferredWgradModule {
   bool packed_weights;
 };
 
+// LayerNorm then a Linear (TransformerEngine's LayerNormLinear, the attention QKV
+// projection). The LayerNorm parameters get their gradients in the main backward; `weight`
+// and `bias` follow `opts`. `normalization` "RMSNorm": no layer_norm_bias.
+class LayerNormLinear : public DeferredWgradModule {
+ public:
+  LayerNormLinear(int64_t in_features, int64_t out_features, DeferredOptions opts = {}, double eps = 1e-5,
+                  const std::string& normalization = "LayerNorm");
+  at::Tensor forward(const at::Tensor& x);
+  // (output, LayerNorm output): TransformerEngine's return_layernorm_output=True.
+  std::pair<at::Tensor, at::Tensor> forward_with_layernorm_output(const at::Tensor& x);
+  at::Tensor layer_norm_weight, layer_norm_bias, weight, bias;
+  double eps;
+  std::string normalization;
+};
+
 class LayerNormMLP : public DeferredWgradModule {
  public:
+  // `checkpoint`: keep only the input in the forward and recompute LayerNorm, fc1 and the
+  // activation in the backward (TransformerEngine's checkpoint=True): the same results.
   LayerNormMLP(int64_t hidden_size, int64_t ffn_hidden_size, DeferredOptions opts = {},
-               std::string activation = "gelu", double eps = 1e-5);
+               std::string activation = "gelu", double eps = 1e-5, bool checkpoint = false,
+               const std::string& normalization = "LayerNorm");
   at::Tensor forward(const at::Tensor& x);
   at::Tensor layer_norm_weight, layer_norm_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias;
   std::string activation;
   double eps;
+  bool checkpoint;
+  std::string normalization;
 };
 
 // A callable for make_graphed_callables: `forward` over tensors, the parameters of `root`

@@ -11,13 +11,16 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/relu.h>
+#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/sum.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <array>
 #include <type_traits>
 #include <utility>
 
@@ -233,7 +236,7 @@ class DeferredGemmNode : public torch::autograd::Node {
     };
     if (deferred) {
       cfg_.store->push(
-          cfg_.unit_id, this,
+          cfg_.unit_id, cfg_.source != nullptr ? cfg_.source : this,
           [work = std::move(work)] {
             // backward_dw() runs outside the autograd engine, maybe with grad mode or autocast on.
             const at::NoGradGuard no_grad;
@@ -333,8 +336,8 @@ void connect(const at::Tensor& y, const at::Tensor& x, const at::Tensor& x2d, co
              const std::vector<at::Tensor>& materialized, const std::vector<WeightRefPtr>& biases,
              Extra&&... extra) {
   std::vector<const at::Tensor*> inputs = {&x};
-  for (const auto& w : weights) inputs.push_back(&w->param);
-  for (const auto& b : biases) inputs.push_back(&b->param);
+  for (const auto& w : weights) inputs.push_back(&w->differentiated());
+  for (const auto& b : biases) inputs.push_back(&b->differentiated());
   bool needs_grad = false;
   if (at::GradMode::is_enabled()) {
     for (const auto* t : inputs) needs_grad = needs_grad || (t->defined() && t->requires_grad());
@@ -451,24 +454,227 @@ void check_activation(const std::string& module, const std::string& activation) 
                     ": activation must be one of 'gelu', 'gelu_tanh', 'relu', got '", activation, "'");
 }
 
+void check_normalization(const std::string& module, const std::string& normalization) {
+  DWGRAPH_CHECK_ARG(normalization == "LayerNorm" || normalization == "RMSNorm", module,
+                    ": normalization must be 'LayerNorm' or 'RMSNorm', got '", normalization, "'");
+}
+
+namespace {
+
+// The normalisation in front of a module's first GEMM: an ordinary autograd op, its weight
+// (and LayerNorm's bias) plain references (Note [Weights are plain references]).
+struct Norm {
+  at::Tensor weight, bias;  // bias: undefined for RMSNorm
+  double eps = 1e-5;
+  bool rms = false;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    return rms ? at::rms_norm(x, {weight.size(0)}, weight, eps) : at::layer_norm(x, {weight.size(0)}, weight, bias, eps);
+  }
+};
+
+// `width`: what the module calls the normalised width ("in_features", "hidden_size").
+Norm make_norm(const std::string& module, const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
+               double eps, const std::string& normalization, const char* width) {
+  check_normalization(module, normalization);
+  DWGRAPH_CHECK_ARG(ln_weight.defined() && ln_weight.dim() == 1, module,
+                    ": layer_norm_weight must be a 1-D parameter, got ",
+                    ln_weight.defined() ? ln_weight.sizes() : at::IntArrayRef{});
+  DWGRAPH_CHECK_ARG(normalization == "LayerNorm" || !ln_bias.defined(), module,
+                    ": RMSNorm has no bias, got a layer_norm_bias of shape ", ln_bias.defined() ? ln_bias.sizes()
+                                                                                                : at::IntArrayRef{});
+  DWGRAPH_CHECK_ARG(x.defined() && x.dim() >= 1 && x.size(-1) == ln_weight.size(0), module, ": input must have ",
+                    width, " = ", ln_weight.size(0), " as its last dimension, got shape ",
+                    x.defined() ? x.sizes() : at::IntArrayRef{});
+  return Norm{ln_weight, ln_bias, eps, normalization == "RMSNorm"};
+}
+
+// The normalisation then the deferred-wgrad linear: (output, normalised input).
+std::pair<at::Tensor, at::Tensor> norm_then_linear(const at::Tensor& x, const Norm& norm, const WeightRefPtr& weight,
+                                                   const WeightRefPtr& bias, const WgradConfig& cfg) {
+  at::Tensor h = norm(x);
+  at::Tensor y = linear(h, weight, bias, cfg);
+  return {std::move(y), std::move(h)};
+}
+
+// Normalisation, fc1, activation, fc2: fc1 queues its work under `fc1_cfg`, fc2 under
+// `fc2_cfg` (one config, outside a checkpoint's recomputation: fc2 shares fc1's unit, so one
+// backward queues one unit for the module).
+at::Tensor mlp_forward(const at::Tensor& x, const Norm& norm, const WeightRefPtr& fc1_weight,
+                       const WeightRefPtr& fc1_bias, const std::string& activation, const WeightRefPtr& fc2_weight,
+                       const WeightRefPtr& fc2_bias, const WgradConfig& fc1_cfg, const WgradConfig& fc2_cfg) {
+  const at::Tensor a = norm_then_linear(x, norm, fc1_weight, fc1_bias, fc1_cfg).first;
+  const at::Tensor act = activation == "relu" ? at::relu(a) : at::gelu(a, activation == "gelu_tanh" ? "tanh" : "none");
+  return linear(act, fc2_weight, fc2_bias, fc2_cfg);
+}
+
+// An alias of `t` outside its autograd graph, a leaf requiring grad when `grad`, with the
+// gradient dtype `t`'s accumulator expects (torch's grad_dtype).
+at::Tensor detached_alias(const at::Tensor& t, bool grad) {
+  at::Tensor a = t.detach();
+  if (grad) {
+    a.requires_grad_(true);
+    if (t.is_leaf()) a.set_grad_dtype(t.grad_dtype());
+  }
+  return a;
+}
+
+// Note [Checkpointed LayerNormMLP]: with checkpoint=True the forward runs LayerNorm, fc1, the
+// activation and fc2 without autograd and connects this one node, which saves the input
+// alone (LayerNorm's statistics, fc1's output and the activation are not kept). Its backward
+// recomputes the same composite (mlp_forward: the same kernels on the same values, hence the
+// same activations bit for bit) with autograd on, under the forward's autocast state, and
+// differentiates it with a nested autograd pass whose recomputed fc2 and fc1 nodes compute
+// dgrad and return or queue their wgrads exactly as the non-checkpointed nodes do; the
+// queued unit holds the recomputed activation (fc2's wgrad input) and LayerNorm output
+// (fc1's). The recomputation runs on detached aliases of the input and the parameters: the
+// nested pass captures their gradients without running the parameters' hooks, which run
+// once, when this node hands the gradients to the outer backward, and gradients nobody
+// asked for (torch.autograd.grad w.r.t. the input alone) are not computed or queued. The
+// recomputed nodes live for one backward, so they queue their work under keys of this node:
+// a second backward of a retained graph is a new unit, as with the non-checkpointed nodes.
+class CheckpointedMLPBackward final : public torch::autograd::Node {
+ public:
+  // Edges, in order: x, layer_norm_weight, layer_norm_bias, fc1 weight, fc1 bias, fc2 weight,
+  // fc2 bias (invalid where absent or not requiring grad).
+  static constexpr size_t kInputs = 7;
+  struct Parts {
+    Norm norm;
+    WeightRefPtr fc1_weight, fc1_bias, fc2_weight, fc2_bias;
+    std::string activation;
+    WgradConfig cfg;
+  };
+
+  CheckpointedMLPBackward(Parts parts, const at::Tensor& x)
+      : parts_(std::move(parts)), x_(x, /*is_output=*/false), autocast_(AutocastState::current()) {
+    for (size_t i = 0; i < 2; ++i) {
+      const at::Tensor& p = i == 0 ? parts_.norm.weight : parts_.norm.bias;
+      ln_versions_[i] = p.defined() ? p._version() : 0;
+    }
+  }
+  std::string name() const override { return "dwgraph::LayerNormMLPCheckpointBackward"; }
+  void release_variables() override { x_.reset_data(); }
+
+  // The tensors autograd differentiates with respect to, in edge order (undefined: absent).
+  std::array<at::Tensor, kInputs> inputs(const at::Tensor& x) const {
+    auto p = [](const WeightRefPtr& r) { return r ? r->param : at::Tensor(); };
+    return {x, parts_.norm.weight, parts_.norm.bias, p(parts_.fc1_weight), p(parts_.fc1_bias), p(parts_.fc2_weight),
+            p(parts_.fc2_bias)};
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(kInputs);
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return out;
+    std::array<bool, kInputs> need{};
+    bool any = false;
+    for (size_t i = 0; i < kInputs; ++i) any = (need[i] = task_should_compute_output(i)) || any;
+    if (!any) return out;
+    const at::Tensor x = x_.unpack();  // refuses an input changed in place since the forward
+    check_layer_norm_versions();
+    const std::array<at::Tensor, kInputs> original = inputs(x);
+    std::array<at::Tensor, kInputs> alias;
+    for (size_t i = 0; i < kInputs; ++i) {
+      if (original[i].defined()) alias[i] = detached_alias(original[i], need[i]);
+    }
+    auto ref = [&](const WeightRefPtr& r, size_t i) -> WeightRefPtr {
+      if (!r) return nullptr;
+      auto copy = std::make_shared<WeightRef>(*r);
+      copy->autograd_input = alias[i];
+      return copy;
+    };
+    WgradConfig fc1_cfg = parts_.cfg;
+    WgradConfig fc2_cfg = parts_.cfg;
+    fc1_cfg.source = &keys_[0];
+    fc2_cfg.source = &keys_[1];
+    at::Tensor y;
+    {
+      const at::AutoGradMode grad_on(true);
+      const AutocastStateGuard forward_precision(autocast_);
+      const Norm norm{alias[1], alias[2], parts_.norm.eps, parts_.norm.rms};
+      y = mlp_forward(alias[0], norm, ref(parts_.fc1_weight, 3), ref(parts_.fc1_bias, 4), parts_.activation,
+                      ref(parts_.fc2_weight, 5), ref(parts_.fc2_bias, 6), fc1_cfg, fc2_cfg);
+    }
+    variable_list wrt;
+    std::vector<size_t> where;
+    for (size_t i = 0; i < kInputs; ++i) {
+      if (need[i]) {
+        wrt.push_back(alias[i]);
+        where.push_back(i);
+      }
+    }
+    // The backward runs in the autocast state it was called in, as the non-checkpointed one.
+    const variable_list g = torch::autograd::grad({y}, wrt, {dy}, /*retain_graph=*/false, /*create_graph=*/false,
+                                                  /*allow_unused=*/true);
+    for (size_t k = 0; k < where.size(); ++k) out[where[k]] = g[k];
+    return out;
+  }
+
+ private:
+  // LayerNorm's own node saves its weight and bias (a change in place is refused at the
+  // backward); the recomputation reads them, so a change would go unseen: refused too.
+  void check_layer_norm_versions() const {
+    const char* names[2] = {"layer_norm_weight", "layer_norm_bias"};
+    for (size_t i = 0; i < 2; ++i) {
+      const at::Tensor& p = i == 0 ? parts_.norm.weight : parts_.norm.bias;
+      if (!p.defined()) continue;
+      DWGRAPH_CHECK_STATE(p._version() == ln_versions_[i], parts_.cfg.module_name, ": parameter '", names[i],
+                          "' was modified in place after the forward (version ", ln_versions_[i], ", now ",
+                          p._version(), "); checkpoint=True recomputes the forward from it in the backward, "
+                          "which would no longer give the forward's values. Run the backward before changing it");
+    }
+  }
+
+  Parts parts_;
+  SavedVariable x_;
+  AutocastState autocast_;
+  std::array<uint32_t, 2> ln_versions_{};
+  char keys_[2] = {0, 0};  // the recomputed fc1's and fc2's WgradStore keys
+};
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> layernorm_linear(const at::Tensor& x, const at::Tensor& ln_weight,
+                                                   const at::Tensor& ln_bias, double eps, const WeightRefPtr& weight,
+                                                   const WeightRefPtr& bias, const WgradConfig& cfg,
+                                                   const std::string& normalization) {
+  const Norm norm = make_norm(cfg.module_name, x, ln_weight, ln_bias, eps, normalization, "in_features");
+  return norm_then_linear(x, norm, weight, bias, cfg);
+}
+
 at::Tensor layernorm_mlp(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
                          double eps, const WeightRefPtr& fc1_weight, const WeightRefPtr& fc1_bias,
                          const std::string& activation, const WeightRefPtr& fc2_weight,
-                         const WeightRefPtr& fc2_bias, const WgradConfig& cfg) {
+                         const WeightRefPtr& fc2_bias, const WgradConfig& cfg, bool checkpoint,
+                         const std::string& normalization) {
   check_activation(cfg.module_name, activation);
-  DWGRAPH_CHECK_ARG(x.defined() && x.dim() >= 1 && x.size(-1) == ln_weight.size(0), cfg.module_name,
-                    ": input must have hidden_size = ", ln_weight.size(0),
-                    " as its last dimension, got shape ", x.defined() ? x.sizes() : at::IntArrayRef{});
-  const at::Tensor h = at::layer_norm(x, {ln_weight.size(0)}, ln_weight, ln_bias, eps);
-  const at::Tensor a = linear(h, fc1_weight, fc1_bias, cfg);
-  at::Tensor act;
-  if (activation == "relu") {
-    act = at::relu(a);
-  } else {
-    act = at::gelu(a, activation == "gelu_tanh" ? "tanh" : "none");
+  const Norm norm = make_norm(cfg.module_name, x, ln_weight, ln_bias, eps, normalization, "hidden_size");
+  if (!checkpoint || !at::GradMode::is_enabled()) {
+    return mlp_forward(x, norm, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg);
   }
-  // fc2 shares fc1's unit: one backward queues one unit for the module.
-  return linear(act, fc2_weight, fc2_bias, cfg);
+  CheckpointedMLPBackward::Parts parts{norm, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, cfg};
+  // Checked here what the recomputation would refuse only in the backward.
+  check_config(cfg);
+  check_leaf_parameters(cfg, {fc1_weight, fc2_weight}, non_null({fc1_bias, fc2_bias}));
+  at::Tensor y;
+  {
+    const at::NoGradGuard no_grad;  // nothing saved: the backward recomputes it
+    y = mlp_forward(x, norm, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg);
+  }
+  auto node = dwgraph::detail::make_node<CheckpointedMLPBackward>(std::move(parts), x);
+  const auto inputs = node->inputs(x);
+  torch::autograd::edge_list edges;
+  bool needs_grad = false;
+  for (const auto& t : inputs) {
+    const bool grad = t.defined() && t.requires_grad();
+    edges.push_back(grad ? torch::autograd::impl::gradient_edge(t) : torch::autograd::Edge());
+    needs_grad = needs_grad || grad;
+  }
+  if (!needs_grad) return y;  // nothing will call backward
+  node->set_next_edges(std::move(edges));
+  dwgraph::detail::NodePtr base = node;
+  torch::autograd::set_history(y, base);
+  return y;
 }
 
 }  // namespace dwgraph::ops

@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dwgraph::ops {
@@ -33,15 +34,29 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
                           const std::vector<WeightRefPtr>& weights,
                           const std::vector<WeightRefPtr>& biases, const WgradConfig& cfg);
 
-// LayerNorm (an ordinary autograd op; its weight and bias are not deferred), fc1,
+// LayerNorm (an ordinary autograd op; its weight and bias are not deferred) followed by
+// linear(): (output, LayerNorm output). The weight and bias follow `cfg`. `normalization`
+// "RMSNorm" normalises with at::rms_norm instead (`ln_bias` undefined).
+std::pair<at::Tensor, at::Tensor> layernorm_linear(const at::Tensor& x, const at::Tensor& ln_weight,
+                                                   const at::Tensor& ln_bias, double eps, const WeightRefPtr& weight,
+                                                   const WeightRefPtr& bias, const WgradConfig& cfg,
+                                                   const std::string& normalization = "LayerNorm");
+
+// LayerNorm (an ordinary autograd op; its weight and bias are not deferred; or RMSNorm), fc1,
 // activation ("gelu" (erf), "gelu_tanh" or "relu"), fc2. Both FC weights and biases
-// follow `cfg`; one forward queues one unit holding fc2's and fc1's work.
+// follow `cfg`; one forward queues one unit holding fc2's and fc1's work. With `checkpoint`
+// the forward keeps only its input and the backward recomputes the rest (Note
+// [Checkpointed LayerNormMLP] in linear.cpp): the same gradients and units, bit for bit.
 at::Tensor layernorm_mlp(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
                          double eps, const WeightRefPtr& fc1_weight, const WeightRefPtr& fc1_bias,
                          const std::string& activation, const WeightRefPtr& fc2_weight,
-                         const WeightRefPtr& fc2_bias, const WgradConfig& cfg);
+                         const WeightRefPtr& fc2_bias, const WgradConfig& cfg, bool checkpoint = false,
+                         const std::string& normalization = "LayerNorm");
 
 // Checks `activation` names a supported activation (ArgumentError otherwise).
 void check_activation(const std::string& module, const std::string& activation);
+
+// Checks `normalization` names a supported normalization ("LayerNorm", "RMSNorm"; ArgumentError otherwise).
+void check_normalization(const std::string& module, const std::string& normalization);
 
 }  // namespace dwgraph::ops

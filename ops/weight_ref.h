@@ -38,7 +38,13 @@ struct WeightRef {
   // GEMM accumulates into `main_grad`: a buffer replaced since the forward would otherwise
   // take the gradient unseen.
   std::function<std::optional<at::Tensor>()> current_main_grad;
+  // The tensor autograd differentiates with respect to (its gradient edge); undefined: `param`.
+  // A checkpointed recomputation (Note [Checkpointed LayerNormMLP], ops/linear.cpp) passes a
+  // detached alias, so its nested backward captures the gradient without running the
+  // parameter's hooks; the gradient still lands on `param`.
+  at::Tensor autograd_input;
 
+  const at::Tensor& differentiated() const { return autograd_input.defined() ? autograd_input : param; }
   at::Tensor for_forward() const { return materialize_forward ? materialize_forward() : param; }
   at::Tensor for_backward() const {
     if (materialize_backward) return materialize_backward();
@@ -55,6 +61,10 @@ struct WgradConfig {
   std::shared_ptr<class WgradStore> store;  // required with delay_wgrad_compute
   uint64_t unit_id = 0;                     // the forward call's unit in `store`
   std::string module_name = "module";       // for messages
+  // The key the work is queued under in `store` (WgradStore::push's `source`); null: the
+  // autograd node itself. Recomputed nodes live for one backward, so a checkpointed module
+  // queues under keys of its own node, which lives as long as the forward's graph.
+  const void* source = nullptr;
 };
 
 }  // namespace dwgraph::ops

@@ -9,6 +9,7 @@ namespace dwgraph::ops {
 
 namespace {
 std::atomic<size_t> g_queued_units{0};
+std::atomic<size_t> g_stores_with_hooks{0};
 }  // namespace
 
 uint64_t next_wgrad_sequence() {
@@ -17,6 +18,7 @@ uint64_t next_wgrad_sequence() {
 }
 
 size_t num_queued_units_anywhere() { return g_queued_units.load(std::memory_order_acquire); }
+size_t num_stores_with_hooks() { return g_stores_with_hooks.load(std::memory_order_acquire); }
 
 uint64_t WgradStore::new_unit_id() {
   const std::lock_guard<std::mutex> lock(mu_);
@@ -137,14 +139,26 @@ uint64_t WgradStore::peek_next_unit_id() const {
   return next_id_;
 }
 
-void WgradStore::set_num_hooks(size_t n) { num_hooks_.store(n, std::memory_order_release); }
+void WgradStore::set_num_hooks(size_t n) {
+  const size_t before = num_hooks_.exchange(n, std::memory_order_acq_rel);
+  if ((before == 0) != (n == 0)) {
+    if (n == 0) {
+      g_stores_with_hooks.fetch_sub(1, std::memory_order_acq_rel);
+    } else {
+      g_stores_with_hooks.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+}
 size_t WgradStore::num_hooks() const { return num_hooks_.load(std::memory_order_acquire); }
 
 void WgradStore::count_units(std::ptrdiff_t delta) {
   g_queued_units.fetch_add(static_cast<size_t>(delta), std::memory_order_acq_rel);
 }
 
-WgradStore::~WgradStore() { count_units(-static_cast<std::ptrdiff_t>(units_.size())); }
+WgradStore::~WgradStore() {
+  count_units(-static_cast<std::ptrdiff_t>(units_.size()));
+  if (num_hooks_.load(std::memory_order_acquire) != 0) g_stores_with_hooks.fetch_sub(1, std::memory_order_acq_rel);
+}
 
 std::optional<uint64_t> WgradStore::oldest_sequence() const {
   const std::lock_guard<std::mutex> lock(mu_);

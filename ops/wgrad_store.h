@@ -29,6 +29,9 @@ uint64_t next_wgrad_sequence();
 // Units queued in every store of the process (not counting graphs' pending work): when 0,
 // no eager unit can be older than a graphed backward, and the FIFO check costs nothing.
 size_t num_queued_units_anywhere();
+// How many stores (modules) in this process have wgrad hooks now: a landing with no
+// hooked module anywhere skips its per-module scan (contract C10).
+size_t num_stores_with_hooks();
 
 // One graphed slot's pending backward-dw (0 or 1), shared by the stores of the modules
 // whose work it holds: the slot flips it in O(1) whatever the number of modules, and each

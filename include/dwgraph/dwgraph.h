@@ -10,5 +10,5 @@
 #include "dwgraph/graphs/graph.h"         // Graph, GraphPool: the CUDA and host graph backends
 #include "dwgraph/graphs/manager.h"       // make_graphed_callables, GraphedCallable
 #include "dwgraph/graphs/graphed_step.h"  // GraphedStep: a whole training step as graphs
-#include "dwgraph/nn/modules.h"           // dwgraph::nn::Linear, GroupedLinear, LayerNormMLP
+#include "dwgraph/nn/modules.h"           // dwgraph::nn::Linear, GroupedLinear, LayerNormLinear, LayerNormMLP
 #include "dwgraph/distributed/data_parallel.h"  // DataParallelReducer: deferred gradients, all-reduced

@@ -1,7 +1,8 @@
 // The C++ API of the capture/replay manager (graphs/manager.h): a two-module model with
-// deferred weight gradients, sequential schedule, three optimizer steps with the
-// gradients reset to None between them: graphed equals the same modules run eagerly,
-// bitwise; plus the state errors.
+// deferred weight gradients (Linear and LayerNormMLP, or TransformerEngine's pair:
+// LayerNormLinear and a checkpointed LayerNormMLP), sequential schedule, three optimizer
+// steps with the gradients reset to None between them: graphed equals the same modules run
+// eagerly, bitwise; plus the state errors.
 #include "testing.h"
 
 #include "common/check.h"
@@ -9,20 +10,33 @@
 #include "nn/modules.h"
 #include "ops/autocast.h"
 
+#include <functional>
+
 
 using dwgraph::nn::DeferredOptions;
 
 namespace {
 
 struct Model {
-  std::shared_ptr<dwgraph::nn::Linear> a;
-  std::shared_ptr<dwgraph::nn::LayerNormMLP> b;
-  explicit Model(bool bias) {
+  using Forward = std::function<at::Tensor(const at::Tensor&)>;
+  std::shared_ptr<dwgraph::nn::DeferredWgradModule> a, b;
+  Forward fa, fb;
+  Model(bool bias, bool te) {
     DeferredOptions o;
     o.bias = bias;
     o.delay_wgrad_compute = true;
-    a = std::make_shared<dwgraph::nn::Linear>(8, 8, o);
-    b = std::make_shared<dwgraph::nn::LayerNormMLP>(8, 16, o);
+    if (te) {
+      auto lnl = std::make_shared<dwgraph::nn::LayerNormLinear>(8, 8, o);
+      a = lnl;
+      fa = [lnl](const at::Tensor& x) { return lnl->forward(x); };
+    } else {
+      auto lin = std::make_shared<dwgraph::nn::Linear>(8, 8, o);
+      a = lin;
+      fa = [lin](const at::Tensor& x) { return lin->forward(x); };
+    }
+    auto mlp = std::make_shared<dwgraph::nn::LayerNormMLP>(8, 16, o, "gelu", 1e-5, /*checkpoint=*/te);
+    b = mlp;
+    fb = [mlp](const at::Tensor& x) { return mlp->forward(x); };
   }
   std::vector<at::Tensor> params() const {
     std::vector<at::Tensor> p;
@@ -49,16 +63,17 @@ void sgd_step(const std::vector<at::Tensor>& params) {
 
 TEST_CASE("make_graphed_callables (C++): graphed equals eager over three steps", "[manager][cpu]") {
   const bool bias = GENERATE(false, true);
-  CAPTURE(bias);
+  const bool te = GENERATE(false, true);
+  CAPTURE(bias, te);
   at::manual_seed(31);
-  Model graphed(bias), eager(bias);
+  Model graphed(bias, te), eager(bias, te);
   eager.copy_from(graphed);
   std::vector<dwgraph::GraphableCallable> callables = {
-      dwgraph::nn::graphable("a", graphed.a, [m = graphed.a](const std::vector<at::Tensor>& x) {
-        return std::vector<at::Tensor>{m->forward(x[0])};
+      dwgraph::nn::graphable("a", graphed.a, [f = graphed.fa](const std::vector<at::Tensor>& x) {
+        return std::vector<at::Tensor>{f(x[0])};
       }),
-      dwgraph::nn::graphable("b", graphed.b, [m = graphed.b](const std::vector<at::Tensor>& x) {
-        return std::vector<at::Tensor>{m->forward(x[0])};
+      dwgraph::nn::graphable("b", graphed.b, [f = graphed.fb](const std::vector<at::Tensor>& x) {
+        return std::vector<at::Tensor>{f(x[0])};
       })};
   const auto before = graphed.params();
   std::vector<at::Tensor> before_values;
@@ -79,7 +94,7 @@ TEST_CASE("make_graphed_callables (C++): graphed equals eager over three steps",
     y.sum().backward();
     g[0]->backward_dw();
     g[1]->backward_dw();
-    const auto ye = eager.b->forward(eager.a->forward(xe));
+    const auto ye = eager.fb(eager.fa(xe));
     ye.sum().backward();
     eager.a->backward_dw();
     eager.b->backward_dw();

@@ -1,13 +1,16 @@
 // The C++ deferred-wgrad modules (nn/modules.h) against plain ATen autograd on the
 // same weights and inputs: the C1 accumulation contract for Linear and a grouped case,
-// fused main_grad, and the errors.
+// LayerNormLinear, LayerNormMLP with checkpoint against without, fused main_grad, and the
+// errors.
 #include "testing.h"
 
 #include "common/check.h"
 #include "nn/modules.h"
 
 #include <ATen/autocast_mode.h>
+#include <ATen/ops/layer_norm.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/matmul.h>
 
 using dwgraph::nn::DeferredOptions;
@@ -194,4 +197,118 @@ TEST_CASE("C++ Linear under autocast runs its GEMMs in the autocast dtype, as at
   const auto ref = at::matmul(g.to(at::kDouble).t(), x.detach().to(at::kBFloat16).to(at::kDouble));
   CHECK(a.weight.grad().scalar_type() == at::kFloat);
   CHECK(dwgraph::testing::rel_err(a.weight.grad(), ref) < 2e-6);
+}
+
+TEST_CASE("WgradStore: the process counts the stores with wgrad hooks, so landings skip an empty scan",
+          "[nn][hooks][cpu]") {
+  using dwgraph::ops::num_stores_with_hooks;
+  const size_t before = num_stores_with_hooks();
+  {
+    auto a = std::make_shared<dwgraph::ops::WgradStore>();
+    auto b = std::make_shared<dwgraph::ops::WgradStore>();
+    a->set_num_hooks(2);
+    CHECK(num_stores_with_hooks() == before + 1);
+    a->set_num_hooks(3);  // still one store with hooks
+    CHECK(num_stores_with_hooks() == before + 1);
+    b->set_num_hooks(1);
+    CHECK(num_stores_with_hooks() == before + 2);
+    a->set_num_hooks(0);
+    CHECK(num_stores_with_hooks() == before + 1);
+    // b is destroyed with its hook: the count drops with it.
+  }
+  CHECK(num_stores_with_hooks() == before);
+}
+
+TEST_CASE("C++ LayerNormLinear equals at::layer_norm (at::rms_norm) + at::linear autograd", "[nn][cpu]") {
+  DeferredOptions opts;
+  opts.delay_wgrad_compute = GENERATE(false, true);
+  opts.fuse_wgrad_accumulation = GENERATE(false, true);
+  opts.bias = GENERATE(false, true);
+  const std::string norm = GENERATE("LayerNorm", "RMSNorm");
+  const bool rms = norm == "RMSNorm";
+  CAPTURE(opts.delay_wgrad_compute, opts.fuse_wgrad_accumulation, opts.bias, norm);
+  at::manual_seed(14);
+  dwgraph::nn::LayerNormLinear m(8, 6, opts, 1e-5, norm);
+  std::vector<std::string> names = {"layer_norm_weight"};
+  if (!rms) names.push_back("layer_norm_bias");
+  names.push_back("weight");
+  if (opts.bias) names.push_back("bias");
+  CHECK(m.named_parameters().keys() == names);
+  const auto lw = leaf_copy(m.layer_norm_weight), w = leaf_copy(m.weight);
+  const auto lb = rms ? at::Tensor() : leaf_copy(m.layer_norm_bias);
+  const auto b = opts.bias ? leaf_copy(m.bias) : at::Tensor();
+  const auto x = at::randn({5, 8}).requires_grad_(true);
+  const auto xr = leaf_copy(x);
+  const auto [y, ln_out] = m.forward_with_layernorm_output(x);
+  const auto hr = rms ? at::rms_norm(xr, {8}, lw, m.eps) : at::layer_norm(xr, {8}, lw, lb, m.eps);
+  const auto yr = at::linear(hr, w, b);
+  CHECK(at::equal(y, yr));
+  CHECK(at::equal(ln_out, hr));
+  const auto g = at::randn({5, 6});
+  y.backward(g);
+  yr.backward(g);
+  CHECK(m.num_queued_wgrad_units() == (opts.delay_wgrad_compute ? 1u : 0u));
+  if (opts.delay_wgrad_compute) {
+    if (opts.bias) CHECK_FALSE(m.bias.grad().defined());
+    m.backward_dw();
+  }
+  CHECK(at::equal(x.grad(), xr.grad()));
+  CHECK(at::equal(m.layer_norm_weight.grad(), lw.grad()));
+  if (!rms) CHECK(at::equal(m.layer_norm_bias.grad(), lb.grad()));
+  if (opts.fuse_wgrad_accumulation) {
+    CHECK_FALSE(m.weight.grad().defined());
+    CHECK(dwgraph::testing::rel_err(m.main_grad("weight"), w.grad().to(at::kDouble)) < 2e-6);
+  } else {
+    CHECK(at::equal(m.weight.grad(), w.grad()));
+  }
+  if (opts.bias) CHECK(at::equal(m.bias.grad(), b.grad()));
+  CHECK_THROWS_AS(dwgraph::nn::LayerNormLinear(8, 6, opts, 1e-5, "BatchNorm"), dwgraph::ArgumentError);
+}
+
+TEST_CASE("C++ LayerNormMLP with checkpoint: the gradients and units of checkpoint=false, bitwise", "[nn][cpu]") {
+  DeferredOptions opts;
+  opts.delay_wgrad_compute = GENERATE(false, true);
+  opts.fuse_wgrad_accumulation = GENERATE(false, true);
+  CAPTURE(opts.delay_wgrad_compute, opts.fuse_wgrad_accumulation);
+  at::manual_seed(15);
+  dwgraph::nn::LayerNormMLP plain(8, 16, opts, "gelu_tanh");
+  dwgraph::nn::LayerNormMLP ckpt(8, 16, opts, "gelu_tanh", 1e-5, /*checkpoint=*/true);
+  {
+    const at::NoGradGuard no_grad;
+    auto src = plain.parameters(), dst = ckpt.parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+  }
+  const std::vector<at::Tensor> xs = {at::randn({4, 8}), at::randn({4, 8})};
+  std::vector<at::Tensor> dx[2];
+  size_t k = 0;
+  for (auto* m : {&plain, &ckpt}) {
+    std::vector<at::Tensor> ys, inputs;
+    for (const auto& x : xs) {  // both forwards, then both backwards (a pipeline's order)
+      inputs.push_back(x.clone().requires_grad_(true));
+      ys.push_back(m->forward(inputs.back()));
+    }
+    for (const auto& y : ys) y.square().sum().backward();
+    if (opts.delay_wgrad_compute) {
+      CHECK(m->num_queued_wgrad_units() == 2);
+      m->backward_dw();
+      m->backward_dw();
+    }
+    for (const auto& x : inputs) dx[k].push_back(x.grad());
+    ++k;
+  }
+  CHECK(ckpt.forward(xs[0].clone().requires_grad_(true)).grad_fn()->name() ==
+        "dwgraph::LayerNormMLPCheckpointBackward");
+  for (size_t i = 0; i < 2; ++i) CHECK(at::equal(dx[0][i], dx[1][i]));
+  const auto pp = plain.named_parameters(), cp = ckpt.named_parameters();
+  for (const auto& item : pp) {
+    CAPTURE(item.key());
+    const at::Tensor& a = item.value();
+    const at::Tensor& c = cp[item.key()];
+    CHECK(a.grad().defined() == c.grad().defined());
+    if (a.grad().defined()) CHECK(at::equal(a.grad(), c.grad()));
+  }
+  if (opts.fuse_wgrad_accumulation) {
+    CHECK(at::equal(plain.main_grad("fc1_weight"), ckpt.main_grad("fc1_weight")));
+    CHECK(at::equal(plain.main_grad("fc2_weight"), ckpt.main_grad("fc2_weight")));
+  }
 }

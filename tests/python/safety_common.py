@@ -16,7 +16,7 @@ from typing import Dict, Iterable, Optional
 import torch
 
 import dwgraph
-from references import RefMLP
+from references import RefLNLinear, RefMLP, copy_into_reference
 
 REF_RTOL = 1e-5
 
@@ -31,13 +31,11 @@ def _reference_module(m: torch.nn.Module) -> Optional[torch.nn.Module]:
                 ref.bias.copy_(m.bias)
         return ref
     if isinstance(m, dwgraph.nn.LayerNormMLP):
-        ref = RefMLP(m.hidden_size, m.ffn_hidden_size, m.use_bias).to(m.fc1_weight.device)
-        with torch.no_grad():
-            for name, (mod, attr) in ref.slots.items():
-                src = getattr(m, name)
-                if src is not None:
-                    getattr(mod, attr).copy_(src)
-        return ref
+        ref = RefMLP(m.hidden_size, m.ffn_hidden_size, m.use_bias, m.normalization)
+        return copy_into_reference(ref.to(m.fc1_weight.device), m)
+    if isinstance(m, dwgraph.nn.LayerNormLinear):
+        ref = RefLNLinear(m.in_features, m.out_features, m.bias is not None, m.eps, m.normalization).to(m.weight.device)
+        return copy_into_reference(ref, m)
     return None
 
 
@@ -68,8 +66,8 @@ def reference_name(model: torch.nn.Module, name: str) -> str:
     """The name in torch_reference(model) of dwgraph parameter `name`."""
     prefix, _, leaf = name.rpartition(".")
     owner = model.get_submodule(prefix) if prefix else model
-    if isinstance(owner, dwgraph.nn.LayerNormMLP):
-        mod = {"layer_norm": "ln", "fc1": "fc1", "fc2": "fc2"}
+    if isinstance(owner, (dwgraph.nn.LayerNormMLP, dwgraph.nn.LayerNormLinear)):
+        mod = {"layer_norm": "ln", "fc1": "fc1", "fc2": "fc2", "": "linear"}
         head, _, attr = leaf.rpartition("_")
         return ".".join(p for p in (prefix, mod[head], attr) if p)
     return name

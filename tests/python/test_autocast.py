@@ -92,11 +92,15 @@ def test_parameters_of_another_low_precision_dtype_than_the_autocast_region(dela
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("kind", ["grouped", "grouped_packed", "layernorm_mlp"])
+@pytest.mark.parametrize("kind", ["grouped", "grouped_packed", "layernorm_mlp", "layernorm_mlp_checkpoint",
+                                  "layernorm_linear", "layernorm_linear_rms"])
 def test_other_modules_follow_autocast(cfg, kind):
     torch.manual_seed(1)
-    if kind == "layernorm_mlp":
-        m = dwgraph.nn.LayerNormMLP(H, 2 * H, **cfg)
+    layernorm = kind.startswith("layernorm")
+    if layernorm:
+        norm = "RMSNorm" if kind.endswith("rms") else "LayerNorm"
+        m = (dwgraph.nn.LayerNormLinear(H, H, normalization=norm, **cfg) if kind.startswith("layernorm_linear")
+             else dwgraph.nn.LayerNormMLP(H, 2 * H, checkpoint=kind.endswith("checkpoint"), **cfg))
         args = (torch.randn(B, H),)
     else:
         m = dwgraph.nn.GroupedLinear(3, H, 8, packed_weights=kind == "grouped_packed", **cfg)
@@ -108,15 +112,19 @@ def test_other_modules_follow_autocast(cfg, kind):
     # The same module with its parameters and input rounded to bf16 and no autocast runs
     # the same bf16 GEMMs: the outputs agree bitwise.
     low = plain.to(torch.bfloat16)
-    if kind == "layernorm_mlp":
+    if layernorm:
         # LayerNorm itself runs in FP32 under CPU autocast; only its output is cast.
         with torch.no_grad():
-            h = torch.nn.functional.layer_norm(args[0], (H,), m.layer_norm_weight, m.layer_norm_bias, m.eps)
+            h = (torch.nn.functional.rms_norm(args[0], (H,), m.layer_norm_weight, m.eps) if norm == "RMSNorm"
+                 else torch.nn.functional.layer_norm(args[0], (H,), m.layer_norm_weight, m.layer_norm_bias, m.eps))
         assert y.shape == (B, H) and torch.isfinite(y.float()).all()
         ref_in = h
     else:
         ref_in = args[0]
-    if kind != "layernorm_mlp":
+    if kind.startswith("layernorm_linear"):
+        # fc in bf16 on the FP32 LayerNorm output, as torch.nn's Linear under autocast.
+        assert torch.equal(y, torch.nn.functional.linear(h.bfloat16(), m.weight.bfloat16(), m.bias.bfloat16()))
+    if not layernorm:
         assert torch.equal(y, low(ref_in.to(torch.bfloat16), *args[1:]))
     y.float().square().sum().backward()
     _finish(m)
@@ -125,12 +133,15 @@ def test_other_modules_follow_autocast(cfg, kind):
         assert g is not None and g.dtype == torch.float32 and torch.isfinite(g).all(), n
 
 
-@pytest.mark.parametrize("kind", ["linear", "grouped", "layernorm_mlp"])
+@pytest.mark.parametrize("kind", ["linear", "grouped", "layernorm_mlp", "layernorm_mlp_checkpoint",
+                                  "layernorm_linear"])
 def test_compiled_and_eager_agree_bitwise_under_autocast(kind):
     torch.manual_seed(2)
     make = {"linear": lambda: dwgraph.nn.Linear(H, 8),
             "grouped": lambda: dwgraph.nn.GroupedLinear(2, H, 8),
-            "layernorm_mlp": lambda: dwgraph.nn.LayerNormMLP(H, 2 * H)}[kind]
+            "layernorm_mlp": lambda: dwgraph.nn.LayerNormMLP(H, 2 * H),
+            "layernorm_mlp_checkpoint": lambda: dwgraph.nn.LayerNormMLP(H, 2 * H, checkpoint=True),
+            "layernorm_linear": lambda: dwgraph.nn.LayerNormLinear(H, 8)}[kind]
     a = make()
     b = copy.deepcopy(a)
     compiled = torch.compile(b, fullgraph=True, backend="aot_eager")

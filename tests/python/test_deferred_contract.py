@@ -7,7 +7,9 @@ after all the backwards, ``backward_dw()`` once per microbatch per module, in th
 module order (``(a, b)`` or ``(b, a)``). Between the steps: ``SGD(lr=0.1).step()`` and
 ``zero_grad(set_to_none=...)``. The matrix:
 
-  kind       Linear | LayerNormMLP | GroupedLinear (weight0.., bias0..) | GroupedLinear packed
+  kind       Linear | LayerNormMLP | LayerNormMLP(checkpoint=True) | the same with
+             normalization="RMSNorm" | LayerNormLinear (LayerNorm | RMSNorm) |
+             GroupedLinear (weight0.., bias0..) | GroupedLinear packed
   tying      tied (b's deferred parameters *are* a's) | independent
   drain      (a, b) | (b, a)
   micro      1 | 3 microbatches
@@ -38,8 +40,9 @@ Tolerances (torch.equal unless stated):
     every single-microbatch case (a tied parameter receives exactly two terms, whose sum
     is the same in either order: the main backward and the backward_dw() drain order do
     not matter), every independent multi-microbatch case (g1 + g2 + g3 in microbatch order
-    on both sides), every input gradient, and LayerNormMLP's LayerNorm parameters (plain
-    autograd in both models).
+    on both sides), every input gradient, and the LayerNorm parameters (plain autograd in
+    both models). A checkpointed LayerNormMLP recomputes its activations in the backward
+    from the same values with the same kernels, so it is exact wherever the plain one is.
   * Tied deferred parameters with 3 microbatches: |dwgraph - ref| <= 4 ulp(max |ref|) per
     tensor, ulp(v) = 2**(floor(log2 v) - 7) for bfloat16 and 2**(floor(log2 v) - 23) for
     float32 (SPEC: "a few BF16 ulps at the gradient's magnitude where summation order
@@ -66,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 import dwgraph
-from references import RefMLP, ulp
+from references import RefLNLinear, RefMLP, ulp
 
 HIDDEN = 8          # in == out for Linear / Grouped, hidden for LayerNormMLP
 FFN = 12            # LayerNormMLP's ffn_hidden_size
@@ -74,7 +77,12 @@ ROWS = 5            # rows per microbatch for Linear / LayerNormMLP
 M_SPLITS = [3, 0, 5]  # grouped row splits, with an empty group
 LR = 0.1
 
-KINDS = ["linear", "mlp", "grouped", "grouped_packed"]
+KINDS = ["linear", "mlp", "mlp_ckpt", "mlp_ckpt_rms", "lnlinear", "lnlinear_rms", "grouped", "grouped_packed"]
+MLPS = ("mlp", "mlp_ckpt", "mlp_ckpt_rms")
+
+
+def normalization(kind: str) -> str:
+    return "RMSNorm" if kind.endswith("_rms") else "LayerNorm"
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = ["fp32", "bf16"]
 
@@ -82,17 +90,20 @@ DTYPE_IDS = ["fp32", "bf16"]
 # --------------------------------------------------------------------------- model kinds
 def deferred_names(kind: str, bias: bool) -> List[str]:
     """The parameters whose gradients are deferred to backward_dw() (and that get tied)."""
-    if kind == "linear" or kind == "grouped_packed":
+    if kind in ("linear", "lnlinear", "lnlinear_rms", "grouped_packed"):
         return ["weight"] + (["bias"] if bias else [])
-    if kind == "mlp":
+    if kind in MLPS:
         return ["fc1_weight", "fc2_weight"] + (["fc1_bias", "fc2_bias"] if bias else [])
     g = len(M_SPLITS)
     return [f"weight{i}" for i in range(g)] + ([f"bias{i}" for i in range(g)] if bias else [])
 
 
 def param_names(kind: str, bias: bool) -> List[str]:
-    """All parameters of one module (deferred ones plus LayerNormMLP's LayerNorm)."""
-    extra = ["layer_norm_weight", "layer_norm_bias"] if kind == "mlp" else []
+    """All parameters of one module (deferred ones plus the LayerNorm's)."""
+    if kind in MLPS or kind.startswith("lnlinear"):
+        extra = ["layer_norm_weight"] + (["layer_norm_bias"] if normalization(kind) == "LayerNorm" else [])
+    else:
+        extra = []
     return deferred_names(kind, bias) + extra
 
 
@@ -100,8 +111,11 @@ def make_dw(kind: str, bias: bool, dtype: torch.dtype) -> torch.nn.Module:
     common = dict(delay_wgrad_compute=True, dtype=dtype)
     if kind == "linear":
         return dwgraph.nn.Linear(HIDDEN, HIDDEN, bias, **common)
-    if kind == "mlp":
-        return dwgraph.nn.LayerNormMLP(HIDDEN, FFN, bias, eps=1e-5, **common)
+    if kind in MLPS:
+        return dwgraph.nn.LayerNormMLP(HIDDEN, FFN, bias, eps=1e-5, checkpoint=kind.startswith("mlp_ckpt"),
+                                       normalization=normalization(kind), **common)
+    if kind.startswith("lnlinear"):
+        return dwgraph.nn.LayerNormLinear(HIDDEN, HIDDEN, 1e-5, bias=bias, normalization=normalization(kind), **common)
     return dwgraph.nn.GroupedLinear(len(M_SPLITS), HIDDEN, HIDDEN, bias,
                                     packed_weights=(kind == "grouped_packed"), **common)
 
@@ -151,8 +165,10 @@ class RefGrouped(torch.nn.Module):
 def make_ref(kind: str, bias: bool) -> torch.nn.Module:
     if kind == "linear":
         return RefLinear(bias)
-    if kind == "mlp":
-        return RefMLP(HIDDEN, FFN, bias)
+    if kind in MLPS:
+        return RefMLP(HIDDEN, FFN, bias, normalization(kind))
+    if kind.startswith("lnlinear"):
+        return RefLNLinear(HIDDEN, HIDDEN, bias, normalization=normalization(kind))
     return RefGrouped(bias, packed=(kind == "grouped_packed"))
 
 

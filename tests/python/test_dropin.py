@@ -143,7 +143,7 @@ def test_te_spellings_and_buffer_reuse():
         eager = copy.deepcopy(layers)
         slots = dwgraph.make_graphed_callables(mods, samples, _order=order, _num_layers_per_chunk=[2],
                                                _reuse_graph_input_output_buffers=reuse)
-        stats[reuse] = slots[0].stats()["static_bytes"]
+        stats[reuse] = slots[0].stats()["pool_reserved_bytes"]
         xs = [torch.randn(B, H) for _ in range(m)]
         outs, eouts, f, b = {}, {}, 0, 0
         for o in order:
@@ -161,15 +161,40 @@ def test_te_spellings_and_buffer_reuse():
         for pg, pe in zip([p for mod in mods for p in mod.parameters()],
                           [p for mod in eager for p in mod.parameters()]):
             assert torch.equal(pg.grad, pe.grad), f"reuse={reuse}: gradients differ from eager"
-        if reuse:
-            # Out of the capture order, a call whose buffers another microbatch still needs is
-            # refused: microbatch 2 reuses microbatch 0's buffers (its lifetime starts after 0's).
-            y0 = slots[1](slots[0](xs[0]))
-            with pytest.raises(dwgraph.GraphStateError, match="shared with"):
-                slots[5](slots[4](xs[2]))
-            y0.sum().backward()
-            slots[0].backward_dw()
-    assert stats[True] < stats[False], f"reuse did not save static bytes: {stats}"
+        # Out of the capture order, a call whose buffers another microbatch still needs is
+        # refused, having run nothing: microbatch 2's static inputs share microbatch 0's
+        # memory (its lifetime starts after 0's backward-dw). With the graphs' own pool,
+        # reuse is subsumed by the pool's sharing by liveness, whose replay order refuses it.
+        y0 = slots[1](slots[0](xs[0]))
+        with pytest.raises(dwgraph.GraphStateError, match="static inputs of graphed callable 0 .*microbatch 2.*"
+                           "Nothing was run"):
+            slots[5](slots[4](xs[2]))
+        y0.sum().backward()
+        slots[0].backward_dw()
+    # TE's explicit reuse never holds more than dwgraph's default sharing.
+    assert stats[True] <= stats[False], f"reuse holds more pool memory than the default: {stats}"
+
+
+def test_explicit_buffer_reuse_on_a_callers_pool_refuses_clobbering_calls():
+    """On a caller's pool (no sharing by liveness) reuse_static_buffers shares one
+    callable's static inputs across microbatches explicitly, and a call whose buffers
+    another microbatch still needs is refused naming it."""
+    torch.manual_seed(4)
+    layers = (dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), dwgraph.nn.LayerNormMLP(H, 2 * H))
+    order = [1, 1, -1, -1.5, 1, -1, -1.5, 1, -1, -1.5, -1, -1.5]
+    samples = tuple((torch.randn(B, H, requires_grad=l > 0),) for _ in range(4) for l in range(2))
+    sizes = {}
+    for reuse in (False, True):
+        slots = dwgraph.make_graphed_callables(copy.deepcopy(layers), samples, order=order, num_layers_per_chunk=[2],
+                                               pool=dwgraph.graphs.graph_pool_handle(), reuse_static_buffers=reuse)
+        sizes[reuse] = slots[0].stats()["static_bytes"]
+    xs = [torch.randn(B, H) for _ in range(3)]
+    y0 = slots[1](slots[0](xs[0]))
+    with pytest.raises(dwgraph.GraphStateError, match="shared with"):
+        slots[5](slots[4](xs[2]))
+    y0.sum().backward()
+    slots[0].backward_dw()
+    assert sizes[True] < sizes[False], f"reuse did not save static bytes: {sizes}"
 
 
 def test_num_layers_per_chunk_as_one_int():
@@ -330,6 +355,10 @@ def _compile_cases():
     return {
         "linear": (lambda: dwgraph.nn.Linear(H, 2 * H), False),
         "layernorm_mlp": (lambda: dwgraph.nn.LayerNormMLP(H, 2 * H, activation="gelu_tanh"), False),
+        "layernorm_mlp_checkpoint": (lambda: dwgraph.nn.LayerNormMLP(H, 2 * H, activation="gelu_tanh",
+                                                                     checkpoint=True), False),
+        "layernorm_linear": (lambda: dwgraph.nn.LayerNormLinear(H, 2 * H), False),
+        "layernorm_linear_rms": (lambda: dwgraph.nn.LayerNormLinear(H, 2 * H, normalization="RMSNorm"), False),
         "grouped": (lambda: dwgraph.nn.GroupedLinear(2, H, 2 * H), True),
         "grouped_packed": (lambda: dwgraph.nn.GroupedLinear(2, H, 2 * H, packed_weights=True), True),
     }

@@ -5,7 +5,8 @@ Every case builds three copies of one model from the same seed:
   * graphed   -- dwgraph.nn modules, wrapped ONCE by make_graphed_callables before the loop;
   * eager     -- the same dwgraph.nn modules (built from the same seed), run un-graphed;
   * reference -- plain torch.nn modules (torch.nn.Linear / LayerNorm+Linear+GELU+Linear /
-                 per-group F.linear) holding the same values, run with plain autograd;
+                 LayerNorm+Linear / per-group F.linear) holding the same values, run with
+                 plain autograd;
 
 and trains them side by side for STEPS SGD(lr=0.1) steps, every module with
 ``delay_wgrad_compute=True``. The matrix:
@@ -34,9 +35,10 @@ and trains them side by side for STEPS SGD(lr=0.1) steps, every module with
                         In step 0 it is there before make_graphed_callables, so capture
                         runs with caller gradients in place.
                absent.
-  kind         Linear for most cases; LayerNormMLP and GroupedLinear (a wrapper module
-               that passes fixed m_splits with an empty group) rotate in, so that each
-               kind meets both schedules, both dtypes, every tie mode and both wgrad modes.
+  kind         Linear, LayerNormMLP, LayerNormLinear, GroupedLinear (a wrapper module that
+               passes fixed m_splits with an empty group) and LayerNormMLP(checkpoint=True)
+               rotate, so that each kind meets both schedules, both dtypes, every tie mode
+               and both wgrad modes.
   device       cpu (the host graph) | cuda (CUDA graphs; marked ``cuda``, skipped without
                a CUDA device): the same matrix, every tensor and module on that device.
 
@@ -100,7 +102,7 @@ import torch
 import torch.nn.functional as F
 
 import dwgraph
-from references import RefMLP, ulp
+from references import RefLNLinear, RefMLP, ulp
 
 HIDDEN = 8
 FFN = 12
@@ -122,6 +124,7 @@ WITHIN_CALLABLE = "per_module"
 
 SCHEDULES = ["sequential", "pipeline"]
 TIES = ["within", "across", "untied"]
+KINDS = ["linear", "mlp", "lnlinear", "grouped", "mlp_ckpt"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -157,9 +160,11 @@ class RefGrouped(torch.nn.Module):
 def param_names(kind: str, bias: bool) -> List[str]:
     if kind == "linear":
         return ["weight"] + (["bias"] if bias else [])
-    if kind == "mlp":
+    if kind in ("mlp", "mlp_ckpt"):
         return (["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc2_weight"]
                 + (["fc1_bias", "fc2_bias"] if bias else []))
+    if kind == "lnlinear":
+        return ["layer_norm_weight", "layer_norm_bias", "weight"] + (["bias"] if bias else [])
     g = len(M_SPLITS)
     return [f"weight{i}" for i in range(g)] + ([f"bias{i}" for i in range(g)] if bias else [])
 
@@ -178,16 +183,20 @@ def make_dw_leaf(kind: str, bias: bool, dtype, fused: bool, device: str = "cpu")
     common = dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=fused, dtype=dtype, device=device)
     if kind == "linear":
         return dwgraph.nn.Linear(HIDDEN, HIDDEN, bias, **common)
-    if kind == "mlp":
-        return dwgraph.nn.LayerNormMLP(HIDDEN, FFN, bias, eps=1e-5, **common)
+    if kind in ("mlp", "mlp_ckpt"):
+        return dwgraph.nn.LayerNormMLP(HIDDEN, FFN, bias, eps=1e-5, checkpoint=kind == "mlp_ckpt", **common)
+    if kind == "lnlinear":
+        return dwgraph.nn.LayerNormLinear(HIDDEN, HIDDEN, 1e-5, bias=bias, **common)
     return GroupedBlock(dwgraph.nn.GroupedLinear(len(M_SPLITS), HIDDEN, HIDDEN, bias, **common))
 
 
 def make_ref_leaf(kind: str, bias: bool, dtype, device: str = "cpu") -> torch.nn.Module:
     if kind == "linear":
         return torch.nn.Linear(HIDDEN, HIDDEN, bias=bias).to(device=device, dtype=dtype)
-    if kind == "mlp":
+    if kind in ("mlp", "mlp_ckpt"):
         return RefMLP(HIDDEN, FFN, bias).to(device=device, dtype=dtype)
+    if kind == "lnlinear":
+        return RefLNLinear(HIDDEN, HIDDEN, bias).to(device=device, dtype=dtype)
     return RefGrouped(bias).to(device=device, dtype=dtype)
 
 
@@ -198,10 +207,8 @@ def dw_slot(kind: str, leaf: torch.nn.Module, name: str) -> Tuple[torch.nn.Modul
 def ref_slot(kind: str, leaf: torch.nn.Module, name: str) -> Tuple[torch.nn.Module, str]:
     if kind == "linear":
         return leaf, name
-    if kind == "mlp":
-        owner = {"layer_norm": leaf.ln, "fc1": leaf.fc1, "fc2": leaf.fc2}
-        prefix, attr = name.rsplit("_", 1)
-        return owner[prefix], attr
+    if kind in ("mlp", "mlp_ckpt", "lnlinear"):
+        return leaf.slots[name]
     return leaf, name
 
 
@@ -248,8 +255,9 @@ class Model:
 
 
 def unit_dw_modules(callable_module) -> List[torch.nn.Module]:
-    return [m for m in callable_module.modules() if isinstance(m, (dwgraph.nn.Linear, dwgraph.nn.LayerNormMLP,
-                                                                    dwgraph.nn.GroupedLinear))]
+    return [m for m in callable_module.modules()
+            if isinstance(m, (dwgraph.nn.Linear, dwgraph.nn.LayerNormMLP, dwgraph.nn.LayerNormLinear,
+                              dwgraph.nn.GroupedLinear))]
 
 
 def eager_dw(callable_module):
@@ -366,12 +374,12 @@ def classify(model: "Model", kind, name, p, tie, fused, pre, n_micro) -> ParamCl
 
 # ----------------------------------------------------------------------------- case setup
 def case_kind(schedule, tie, fused, dtype_id, bias) -> str:
-    """Linear for most cases; LayerNormMLP and GroupedLinear rotate in so that each meets
-    both schedules, every tie mode, both wgrad modes and both dtypes (bias alternates)."""
+    """The five kinds rotate so that each meets both schedules, every tie mode, both wgrad
+    modes and both dtypes (bias alternates)."""
     i = SCHEDULES.index(schedule) + 2 * TIES.index(tie) + (1 if fused else 0) + (1 if dtype_id == "bf16" else 0)
     if not bias:
         i += 1
-    return ["linear", "mlp", "linear", "grouped"][i % 4]
+    return KINDS[i % len(KINDS)]
 
 
 def make_inputs(dtype, n_micro, device="cpu"):
@@ -620,8 +628,8 @@ def test_graphed_matches_eager_and_reference(device, schedule, set_to_none, dtyp
 
 
 def test_matrix_covers_every_kind_in_every_mode():
-    """The kind rotation really puts LayerNormMLP and GroupedLinear in both schedules,
-    every tie mode, both wgrad modes and both dtypes."""
+    """The kind rotation really puts every kind in both schedules, every tie mode, both
+    wgrad modes and both dtypes."""
     seen = {}
     for schedule in SCHEDULES:
         for tie in TIES:
@@ -631,7 +639,7 @@ def test_matrix_covers_every_kind_in_every_mode():
                         k = case_kind(schedule, tie, fused, dtype_id, bias)
                         for axis in (("schedule", schedule), ("tie", tie), ("fused", fused), ("dtype", dtype_id)):
                             seen.setdefault(k, set()).add(axis)
-    for k in ("linear", "mlp", "grouped"):
+    for k in KINDS:
         for axis in ([("schedule", s) for s in SCHEDULES] + [("tie", t) for t in TIES]
                      + [("fused", True), ("fused", False)] + [("dtype", d) for d in DTYPES]):
             assert axis in seen[k], f"{k} never meets {axis}"

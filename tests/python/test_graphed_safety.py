@@ -311,6 +311,41 @@ def test_non_deferred_wgrad_hooks_fire_once_per_step_after_landing(device, mode)
          f"saw the landed gradient: {landed}")
 
 
+@pytest.mark.parametrize("delay", [True, False])
+def test_wgrad_hooks_added_and_removed_after_capture_follow_eager(device, delay):
+    """A landing skips its per-module hook scan while no module in the process has a wgrad
+    hook (contract C10): a hook registered after capture must still run from the next
+    replay on, and one removed must stop, exactly as on the eager twin, with the gradients
+    landed either way."""
+    torch.manual_seed(0)
+    graphed_model = torch.nn.Sequential(make_module("linear", delay=delay, device=device),
+                                        make_module("linear", delay=delay, device=device))
+    eager_model = copy.deepcopy(graphed_model)
+    g = dwgraph.make_graphed_callables(graphed_model, sample(device=device))
+    logs = {"graphed": [], "eager": []}
+    handles = {}
+    xs = [torch.randn(ROWS, HIDDEN, device=device) for _ in range(5)]
+    for step, x in enumerate(xs):
+        for name, model, fn in (("graphed", graphed_model, g), ("eager", eager_model, eager_model)):
+            if step == 1:  # the first hook anywhere in the process
+                handles[name] = model[1].register_wgrad_hook(
+                    lambda mod, log=logs[name], step=step: log.append(mod.weight.grad.clone()))
+            if step == 3:
+                handles[name].remove()
+            model.zero_grad(set_to_none=True)
+            fn(x).square().sum().backward()
+            if delay:
+                if name == "graphed":
+                    g.backward_dw()
+                else:
+                    for m in model:
+                        m.backward_dw()
+    assert len(logs["graphed"]) == len(logs["eager"]) == 2, {k: len(v) for k, v in logs.items()}
+    assert all(torch.equal(a, b) for a, b in zip(logs["graphed"], logs["eager"]))
+    for pg, pe in zip(graphed_model.parameters(), eager_model.parameters()):
+        assert torch.equal(pg.grad, pe.grad)
+
+
 # -------------------------------------------------------- (e) a non-dwgraph deferred module
 class _QueuedWgradLinear(torch.autograd.Function):
     @staticmethod

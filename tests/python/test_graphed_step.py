@@ -53,14 +53,15 @@ CLONE_LIMIT = 4096  # outputs larger than this were once returned as static buff
 class Net(torch.nn.Module):
     """torch.nn.Linear -> deferred dwgraph Linear -> relu -> deferred LayerNormMLP ->
     non-deferred dwgraph Linear. ``fuse=True`` fuses the deferred modules' weights into
-    ``main_grad``; ``delay=False`` makes them non-deferred."""
+    ``main_grad``; ``delay=False`` makes them non-deferred. ``te=True``: TransformerEngine's
+    blocks instead, a LayerNormLinear for the Linear and a checkpointed LayerNormMLP."""
 
-    def __init__(self, *, delay: bool = True, fuse: bool = False, device: str = "cpu"):
+    def __init__(self, *, delay: bool = True, fuse: bool = False, device: str = "cpu", te: bool = False):
         super().__init__()
         self.inp = torch.nn.Linear(H, H, device=device)
-        self.lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse, device=device)
-        self.mlp = dwgraph.nn.LayerNormMLP(H, FFN, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse,
-                                           device=device)
+        flags = dict(delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse, device=device)
+        self.lin = dwgraph.nn.LayerNormLinear(H, H, **flags) if te else dwgraph.nn.Linear(H, H, **flags)
+        self.mlp = dwgraph.nn.LayerNormMLP(H, FFN, checkpoint=te, **flags)
         self.out = dwgraph.nn.Linear(H, H, device=device)
 
     def forward(self, x):
@@ -168,11 +169,12 @@ def make_step(model: Net, form: str):
     return step
 
 
+@pytest.mark.parametrize("te", [False, True], ids=["linear-mlp", "lnlinear-mlp_ckpt"])
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("micro", [1, 3], ids=["micro1", "micro3"])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["none", "zero"])
-def test_training_loop_matches_eager(device, form, micro, set_to_none):
-    eager = Net(device=device)
+def test_training_loop_matches_eager(device, form, micro, set_to_none, te):
+    eager = Net(device=device, te=te)
     graphed = copy.deepcopy(eager)
     assert_params_equal(eager, graphed, "initial weights")
     opt_e = torch.optim.SGD(eager.parameters(), lr=LR)
@@ -651,9 +653,10 @@ def test_wgrad_hooks_once_per_step(device, delay):
 # --------------------------------------------------------------------------------------
 # 7. fused main_grad
 # --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("te", [False, True], ids=["linear-mlp", "lnlinear-mlp_ckpt"])
 @pytest.mark.parametrize("delay", [True, False], ids=["deferred", "non_deferred"])
-def test_fused_main_grad_accumulates_like_eager(device, delay):
-    eager = Net(delay=delay, fuse=True, device=device)
+def test_fused_main_grad_accumulates_like_eager(device, delay, te):
+    eager = Net(delay=delay, fuse=True, device=device, te=te)
     graphed = copy.deepcopy(eager)
     fused_e, fused_g = eager.fused_weights(), graphed.fused_weights()
     assert len(fused_g) == 3  # lin.weight, mlp.fc1_weight, mlp.fc2_weight

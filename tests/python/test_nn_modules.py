@@ -8,7 +8,11 @@
   * deferred work whose input, output gradient or main_grad changed between the backward
     and backward_dw() is refused before anything lands (a main_grad renewed over the same
     memory is accepted); a saved input changed in place is refused at the backward, as
-    torch.nn's.
+    torch.nn's;
+  * LayerNormMLP(checkpoint=True): saves only its input (counted through saved-tensor
+    hooks), bitwise checkpoint=False (deferred, fused, grad_dtype, autocast, frozen
+    LayerNorm), parameter hooks once; LayerNormLinear: TE's parameters and arguments, the
+    LayerNorm output returned, refusals.
 
 References are computed independently in float64 (or with plain torch.nn autograd) from
 the same input values."""
@@ -19,6 +23,7 @@ import pytest
 import torch
 
 import dwgraph
+from references import RefLNLinear, copy_into_reference
 from safety_common import SMALL_B, SMALL_H
 
 
@@ -73,7 +78,7 @@ def test_fused_main_grad_accumulates_in_the_callers_buffer(delay, dtype, microba
     assert _rel(lin.bias.grad, bias_ref) < tol
 
 
-def test_fused_main_grad_grouped_and_layernorm_mlp():
+def test_fused_main_grad_grouped():
     torch.manual_seed(2)
     grp = dwgraph.nn.GroupedLinear(3, 8, 4, packed_weights=True, delay_wgrad_compute=True,
                                    fuse_wgrad_accumulation=True)
@@ -88,22 +93,36 @@ def test_fused_main_grad_grouped_and_layernorm_mlp():
         assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
     assert grp.weight.grad is None and grp.weight.grad_added_to_main_grad
 
-    mlp = dwgraph.nn.LayerNormMLP(8, 12, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
-    ref = copy.deepcopy(mlp)
-    y = mlp(x)
+
+_LAYERNORM_KINDS = {
+    "mlp": lambda **kw: dwgraph.nn.LayerNormMLP(8, 12, **kw),
+    "mlp_checkpoint": lambda **kw: dwgraph.nn.LayerNormMLP(8, 12, checkpoint=True, **kw),
+    "layernorm_linear": lambda **kw: dwgraph.nn.LayerNormLinear(8, 6, **kw),
+}
+
+
+@pytest.mark.parametrize("kind", list(_LAYERNORM_KINDS))
+def test_fused_main_grad_of_the_layernorm_modules(kind):
+    torch.manual_seed(2)
+    x = torch.randn(9, 8)
+    mod = _LAYERNORM_KINDS[kind](delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    ref = copy.deepcopy(mod)
+    y = mod(x)
     y.backward(torch.ones_like(y))
-    mlp.backward_dw()
+    mod.backward_dw()
     # The same module without fusion, its wgrads landing in .grad, is the reference.
     ref.fuse_wgrad_accumulation = False
-    for p in (ref.fc1_weight, ref.fc2_weight):
-        del p.main_grad
+    fused = [n for n, _ in mod._fused_parameters()]
+    assert fused == [n for n, _ in mod.named_parameters() if n.endswith("weight") and "layer_norm" not in n]
+    for name in fused:
+        del getattr(ref, name).main_grad
     yr = ref(x)
     yr.backward(torch.ones_like(yr))
     ref.backward_dw()
-    for name in ("fc1_weight", "fc2_weight"):
-        assert getattr(mlp, name).grad is None
-        assert torch.allclose(getattr(mlp, name).main_grad, getattr(ref, name).grad, rtol=1e-6, atol=1e-6)
-    assert torch.equal(mlp.layer_norm_weight.grad, ref.layer_norm_weight.grad)
+    for name in fused:
+        assert getattr(mod, name).grad is None and getattr(mod, name).grad_added_to_main_grad
+        assert torch.allclose(getattr(mod, name).main_grad, getattr(ref, name).grad, rtol=1e-6, atol=1e-6)
+    assert torch.equal(mod.layer_norm_weight.grad, ref.layer_norm_weight.grad)
 
 
 # ---- grad_dtype: BF16 parameters with FP32 .grad (C2) ---------------------------------------
@@ -150,7 +169,8 @@ def test_grad_dtype_never_adds_the_buffer_to_itself(delay):
         assert lin.weight.grad.data_ptr() == first.data_ptr()
 
 
-@pytest.mark.parametrize("module", ["linear", "grouped", "mlp"])
+@pytest.mark.parametrize("module", ["linear", "grouped", "mlp", "mlp_checkpoint", "mlp_checkpoint_rms",
+                                    "layernorm_linear", "layernorm_linear_rms"])
 @pytest.mark.parametrize("delay", [False, True])
 def test_grad_dtype_accumulation_across_backwards_is_bitwise(module, delay):
     # Large enough that the CPU GEMM rounds a beta = 1 accumulation differently from a
@@ -159,7 +179,14 @@ def test_grad_dtype_accumulation_across_backwards_is_bitwise(module, delay):
         torch.manual_seed(0)
         m = {"linear": lambda: dwgraph.nn.Linear(64, 64, delay_wgrad_compute=delay),
              "grouped": lambda: dwgraph.nn.GroupedLinear(2, 64, 64, delay_wgrad_compute=delay),
-             "mlp": lambda: dwgraph.nn.LayerNormMLP(64, 96, delay_wgrad_compute=delay)}[module]().bfloat16()
+             "mlp": lambda: dwgraph.nn.LayerNormMLP(64, 96, delay_wgrad_compute=delay),
+             "mlp_checkpoint": lambda: dwgraph.nn.LayerNormMLP(64, 96, checkpoint=True, delay_wgrad_compute=delay),
+             "mlp_checkpoint_rms": lambda: dwgraph.nn.LayerNormMLP(64, 96, checkpoint=True, normalization="RMSNorm",
+                                                                   delay_wgrad_compute=delay),
+             "layernorm_linear": lambda: dwgraph.nn.LayerNormLinear(64, 64, delay_wgrad_compute=delay),
+             "layernorm_linear_rms": lambda: dwgraph.nn.LayerNormLinear(64, 64, normalization="RMSNorm",
+                                                                         delay_wgrad_compute=delay),
+             }[module]().bfloat16()
         for q in m.parameters():
             q.grad_dtype = torch.float32
         return m
@@ -382,14 +409,18 @@ def test_modules_need_backward_dw_reports_the_setting():
     assert not dwgraph.nn.GroupedLinear(2, 4, 4).need_backward_dw()
 
 
-@pytest.mark.parametrize("kind", ["linear", "layernorm_mlp"])
+@pytest.mark.parametrize("kind", ["linear", "layernorm_mlp", "layernorm_mlp_checkpoint", "layernorm_linear"])
 def test_each_backward_of_a_retained_graph_queues_its_own_unit(kind):
     """Two backwards through one forward (retain_graph=True) are two units: each
-    backward_dw() lands one backward's worth."""
+    backward_dw() lands one backward's worth (a checkpointed module recomputes its nodes in
+    each backward: still one unit per backward)."""
     torch.manual_seed(9)
-    mod = (dwgraph.nn.Linear(4, 4, delay_wgrad_compute=True) if kind == "linear"
-           else dwgraph.nn.LayerNormMLP(4, 8, delay_wgrad_compute=True))
-    weight = mod.weight if kind == "linear" else mod.fc1_weight
+    mod = {"linear": lambda: dwgraph.nn.Linear(4, 4, delay_wgrad_compute=True),
+           "layernorm_mlp": lambda: dwgraph.nn.LayerNormMLP(4, 8, delay_wgrad_compute=True),
+           "layernorm_mlp_checkpoint": lambda: dwgraph.nn.LayerNormMLP(4, 8, checkpoint=True,
+                                                                       delay_wgrad_compute=True),
+           "layernorm_linear": lambda: dwgraph.nn.LayerNormLinear(4, 4, delay_wgrad_compute=True)}[kind]()
+    weight = mod.fc1_weight if kind.startswith("layernorm_mlp") else mod.weight
     y = mod(torch.randn(3, 4))
     y.sum().backward(retain_graph=True)
     y.sum().backward()
@@ -409,10 +440,14 @@ def _deferred_module(kind):
         return dwgraph.nn.Linear(6, 5, delay_wgrad_compute=True), lambda m, x: m(x)
     if kind == "grouped":
         return dwgraph.nn.GroupedLinear(2, 6, 5, delay_wgrad_compute=True), lambda m, x: m(x, [3, 4])
-    return dwgraph.nn.LayerNormMLP(6, 10, delay_wgrad_compute=True), lambda m, x: m(x)
+    if kind == "layernorm_linear":
+        return dwgraph.nn.LayerNormLinear(6, 5, delay_wgrad_compute=True), lambda m, x: m(x)
+    return (dwgraph.nn.LayerNormMLP(6, 10, checkpoint=kind == "layernorm_mlp_checkpoint", delay_wgrad_compute=True),
+            lambda m, x: m(x))
 
 
-@pytest.mark.parametrize("kind", ["linear", "grouped", "layernorm_mlp"])
+@pytest.mark.parametrize("kind", ["linear", "grouped", "layernorm_mlp", "layernorm_mlp_checkpoint",
+                                  "layernorm_linear"])
 def test_backward_for_the_inputs_only_queues_no_unit(kind):
     """torch.autograd.grad w.r.t. the input (pipelining's shape inference and its dI step)
     asks for no weight gradient: nothing is queued, and the input gradient is the one plain
@@ -422,7 +457,7 @@ def test_backward_for_the_inputs_only_queues_no_unit(kind):
     ref = copy.deepcopy(mod)
     ref.delay_wgrad_compute = False
     x = torch.randn(7, 6, requires_grad=True)
-    g = torch.randn(7, 5 if kind != "layernorm_mlp" else 6)
+    g = torch.randn(7, 6 if kind.startswith("layernorm_mlp") else 5)
     y = call(mod, x)
     (dx,) = torch.autograd.grad(y, x, g, retain_graph=True)
     assert mod.num_queued_wgrad_units() == 0
@@ -554,3 +589,228 @@ def test_eager_backward_dw_accepts_main_grad_reviewed_over_the_same_memory():
     lin.weight.main_grad = buf.view(SMALL_H, SMALL_H)  # the same buffer, another tensor object
     lin.backward_dw()
     assert buf.abs().sum() > 0
+
+
+# ---- LayerNormMLP(checkpoint=True): recompute in the backward --------------------------------
+
+def _saved(fn):
+    """Runs fn() and returns (its result, the tensors autograd saved for the backward):
+    torch's saved-tensor hooks see every tensor an autograd node saves (C5)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+def _nbytes(tensors):
+    # Each piece of memory once (LayerNorm and fc1 may save the same tensor twice).
+    return sum({(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)): t.numel() * t.element_size()
+                for t in tensors}.values())
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["eager-wgrad", "deferred"])
+def test_checkpoint_saves_only_the_input(delay):
+    rows, hidden, ffn = 32, 16, 64
+    torch.manual_seed(12)
+    plain = dwgraph.nn.LayerNormMLP(hidden, ffn, delay_wgrad_compute=delay)
+    ckpt = copy.deepcopy(plain)
+    ckpt.checkpoint = True
+    x = torch.randn(rows, hidden, requires_grad=True)
+    y, kept = _saved(lambda: ckpt(x))
+    yp, kept_plain = _saved(lambda: plain(x))
+    assert len(kept) == 1 and kept[0] is x, "checkpoint=True keeps the input and nothing else"
+    # Without it: LayerNorm's input and statistics, fc1's input [rows, hidden], the
+    # activation's input and fc2's input [rows, ffn] each.
+    assert _nbytes(kept_plain) >= (2 * rows * hidden + 2 * rows * ffn) * 4
+    assert _nbytes(kept) == rows * hidden * 4
+    assert torch.equal(y, yp)
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    (dxp,) = torch.autograd.grad(yp, x, g, retain_graph=True)
+    assert torch.equal(dx, dxp)
+    y.backward(g)
+    yp.backward(g)
+    if delay:
+        ckpt.backward_dw()
+        plain.backward_dw()
+    for (n, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
+_CKPT_MODES = ["fp32", "bf16-grad_dtype", "autocast", "frozen-layernorm"]
+
+
+@pytest.mark.parametrize("mode", _CKPT_MODES)
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("flags", [dict(), dict(delay_wgrad_compute=True), dict(fuse_wgrad_accumulation=True),
+                                   dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=True)],
+                         ids=["plain", "deferred", "fused", "deferred-fused"])
+def test_checkpoint_is_bitwise_the_stored_forward(flags, activation, mode):
+    """Two microbatches, both forwards first (a pipeline's order), then both backwards and
+    backward_dw()s: every output, input gradient, .grad and main_grad of checkpoint=True
+    equals checkpoint=False bit for bit, and the same units are queued."""
+    torch.manual_seed(13)
+    dtype = torch.bfloat16 if mode == "bf16-grad_dtype" else torch.float32
+    plain = dwgraph.nn.LayerNormMLP(8, 24, activation=activation, dtype=dtype, **flags)
+    if mode == "bf16-grad_dtype":
+        for p in plain.parameters():
+            p.grad_dtype = torch.float32
+    if mode == "frozen-layernorm":
+        plain.layer_norm_weight.requires_grad_(False)
+        plain.layer_norm_bias.requires_grad_(False)
+    ckpt = copy.deepcopy(plain)
+    ckpt.checkpoint = True
+    if mode == "bf16-grad_dtype":  # (deepcopy does not copy a Parameter's grad_dtype)
+        for p in ckpt.parameters():
+            p.grad_dtype = torch.float32
+    xs = [torch.randn(6, 8, dtype=dtype, requires_grad=mode != "frozen-layernorm") for _ in range(2)]
+    results = []
+    for m in (plain, ckpt):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            ys = [m(x.detach().clone().requires_grad_(x.requires_grad)) for x in xs]
+        grads = []
+        for y in ys:
+            y.float().square().sum().backward()
+        if m.delay_wgrad_compute:
+            assert m.num_queued_wgrad_units() == 2
+            m.backward_dw()
+            m.backward_dw()
+        for n, p in m.named_parameters():
+            grads.append(p.grad)
+            if hasattr(p, "main_grad"):
+                grads.append(p.main_grad)
+        results.append(([y.detach() for y in ys], grads))
+    (ys_p, g_p), (ys_c, g_c) = results
+    for a, b in zip(ys_p, ys_c):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert len(g_p) == len(g_c)
+    for i, (a, b) in enumerate(zip(g_p, g_c)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), i
+    if mode == "bf16-grad_dtype":
+        assert all(p.grad.dtype == torch.float32 for p in ckpt.parameters() if p.grad is not None)
+
+
+def test_checkpoint_runs_parameter_hooks_once_with_eagers_gradient():
+    # The recomputation runs on detached aliases: a tensor hook of a parameter (or the
+    # input) sees each gradient once, as without checkpoint, and can change it.
+    torch.manual_seed(14)
+    plain = dwgraph.nn.LayerNormMLP(8, 16)
+    ckpt = copy.deepcopy(plain)
+    ckpt.checkpoint = True
+    seen = {}
+    x_val = torch.randn(5, 8)
+    for tag, m in (("plain", plain), ("ckpt", ckpt)):
+        seen[tag] = []
+        for n, p in m.named_parameters():
+            p.register_hook(lambda g, n=n, tag=tag: seen[tag].append((n, g.clone())) or g * 2)
+        x = x_val.clone().requires_grad_()
+        x.register_hook(lambda g, tag=tag: seen[tag].append(("x", g.clone())))
+        m(x).square().sum().backward()
+        seen[tag].append(("x.grad", x.grad))
+    # Once each (the order differs: one node hands over every gradient at once).
+    assert sorted(n for n, _ in seen["ckpt"]) == sorted(n for n, _ in seen["plain"])
+    assert len(seen["ckpt"]) == len(set(n for n, _ in seen["ckpt"])) == 1 + len(list(plain.parameters())) + 1
+    got = dict(seen["ckpt"])
+    for n, a in seen["plain"]:
+        assert torch.equal(a, got[n]), n
+    for (n, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.equal(p.grad, q.grad), n  # the hooks' doubling applied once on both
+
+
+@pytest.mark.parametrize("what", ["input", "layer_norm_weight"])
+def test_checkpoint_refuses_what_it_recomputes_from_changed_in_place(what):
+    # Without checkpoint, LayerNorm's saved input and weight refuse the backward after a
+    # change in place; the recomputation reads them, so it refuses too.
+    m = dwgraph.nn.LayerNormMLP(8, 16, checkpoint=True, delay_wgrad_compute=True)
+    x = torch.randn(4, 8)
+    y = m(x)
+    with torch.no_grad():
+        (x if what == "input" else m.layer_norm_weight).mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation|modified in place after the forward"):
+        y.sum().backward()
+    assert m.num_queued_wgrad_units() == 0
+
+
+def test_checkpoint_without_grad_builds_no_node():
+    m = dwgraph.nn.LayerNormMLP(8, 16, checkpoint=True, delay_wgrad_compute=True)
+    with torch.no_grad():
+        y = m(torch.randn(4, 8))
+    assert y.grad_fn is None and m.num_queued_wgrad_units() == 0
+    assert "checkpoint=True" in repr(m)
+
+
+# ---- LayerNormLinear ------------------------------------------------------------------------
+
+def test_layernorm_linear_has_transformer_engines_parameters():
+    m = dwgraph.nn.LayerNormLinear(8, 6, 1e-6, bias=True, delay_wgrad_compute=True)
+    assert [n for n, _ in m.named_parameters()] == ["layer_norm_weight", "layer_norm_bias", "weight", "bias"]
+    assert m.eps == 1e-6 and m.need_backward_dw()
+    assert [n for n, _ in dwgraph.nn.LayerNormLinear(8, 6, bias=False).named_parameters()] == [
+        "layer_norm_weight", "layer_norm_bias", "weight"]
+    rms = dwgraph.nn.LayerNormLinear(8, 6, normalization="RMSNorm")
+    assert [n for n, _ in rms.named_parameters()] == ["layer_norm_weight", "weight", "bias"]
+    assert rms.layer_norm_bias is None and "normalization='RMSNorm'" in repr(rms)
+    # Loads the values of a plain LayerNorm + Linear and computes what they compute.
+    torch.manual_seed(15)
+    ref = RefLNLinear(8, 6, bias=True, eps=1e-6)
+    with torch.no_grad():
+        ref.ln.weight.uniform_()
+        ref.ln.bias.uniform_()
+    m.load_state_dict({n: getattr(*ref.slots[n]) for n in ref.slots})
+    x = torch.randn(3, 5, 8)
+    assert torch.equal(m(x), ref(x))
+    assert torch.equal(copy_into_reference(RefLNLinear(8, 6, bias=True, eps=1e-6), m)(x), ref(x))
+    text = repr(m)
+    for part in ("LayerNormLinear", "in_features=8", "out_features=6", "eps=1e-06", "delay_wgrad_compute=True"):
+        assert part in text
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_layernorm_linear_returns_the_layernorm_output(graphed):
+    # return_layernorm_output=True (TE's): (out, ln_out); a loss on both differentiates
+    # through both, as torch.nn's LayerNorm + Linear. Graphed: bitwise the eager module.
+    torch.manual_seed(16)
+    m = dwgraph.nn.LayerNormLinear(8, 6, return_layernorm_output=True, delay_wgrad_compute=True)
+    ref = copy.deepcopy(m)
+    ref.return_layernorm_output, ref.delay_wgrad_compute = False, False
+    if graphed:
+        eager = copy.deepcopy(m)
+        call = dwgraph.make_graphed_callables(m, (torch.randn(4, 8, requires_grad=True),))
+    for step in range(3):
+        x = torch.randn(4, 8, requires_grad=True)
+        out, ln_out = (call if graphed else m)(x)
+        assert out.shape == (4, 6) and ln_out.shape == (4, 8)
+        (out.square().sum() + ln_out.sin().sum()).backward()
+        m.backward_dw()
+        xr = x.detach().clone().requires_grad_()
+        h = torch.nn.functional.layer_norm(xr, (8,), ref.layer_norm_weight, ref.layer_norm_bias, ref.eps)
+        assert torch.equal(ln_out, h)
+        yr = torch.nn.functional.linear(h, ref.weight, ref.bias)
+        assert torch.equal(out, yr)
+        (yr.square().sum() + h.sin().sum()).backward()
+        assert torch.equal(x.grad, xr.grad)
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {n}"
+        if graphed:
+            xe = x.detach().clone().requires_grad_()
+            oe, le = eager(xe)
+            (oe.square().sum() + le.sin().sum()).backward()
+            eager.backward_dw()
+            assert torch.equal(oe, out) and torch.equal(le, ln_out) and torch.equal(xe.grad, x.grad)
+            eager.zero_grad(set_to_none=step % 2 == 0)
+        m.zero_grad(set_to_none=step % 2 == 0)
+        ref.zero_grad(set_to_none=step % 2 == 0)
+
+
+def test_layernorm_linear_refuses_what_it_does_not_implement():
+    for make in (dwgraph.nn.LayerNormLinear, dwgraph.nn.LayerNormMLP):
+        with pytest.raises(dwgraph.ArgumentError,
+                           match=rf"{make.__name__}: normalization must be 'LayerNorm' or 'RMSNorm', got 'BatchNorm'"):
+            make(8, 4, normalization="BatchNorm")
+    # TE's third positional argument is eps, not bias.
+    with pytest.raises(dwgraph.ArgumentError, match=r"eps must be a number.*bias is keyword-only.*False"):
+        dwgraph.nn.LayerNormLinear(8, 4, False)
+    with pytest.raises(dwgraph.ArgumentError, match=r"LayerNormLinear.*in_features = 8.*got shape \[3, 7\]"):
+        dwgraph.nn.LayerNormLinear(8, 4)(torch.randn(3, 7))

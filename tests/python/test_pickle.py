@@ -19,6 +19,9 @@ MODULES = {
     "GroupedLinear": lambda **kw: dwgraph.nn.GroupedLinear(2, 12, 8, **kw),
     "GroupedLinear-packed": lambda **kw: dwgraph.nn.GroupedLinear(2, 12, 8, packed_weights=True, **kw),
     "LayerNormMLP": lambda **kw: dwgraph.nn.LayerNormMLP(12, 16, **kw),
+    "LayerNormMLP-checkpoint": lambda **kw: dwgraph.nn.LayerNormMLP(12, 16, checkpoint=True, **kw),
+    "LayerNormLinear": lambda **kw: dwgraph.nn.LayerNormLinear(12, 8, **kw),
+    "LayerNormLinear-RMSNorm": lambda **kw: dwgraph.nn.LayerNormLinear(12, 8, normalization="RMSNorm", **kw),
 }
 
 
@@ -45,7 +48,7 @@ def _train_step(m, x, g):
 def test_module_roundtrips_and_trains_like_the_original(kind, fused, roundtrip):
     torch.manual_seed(0)
     m = MODULES[kind](delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
-    x, g = torch.randn(5, 12), torch.randn(5, 12 if kind == "LayerNormMLP" else 8)
+    x, g = torch.randn(5, 12), torch.randn(5, 12 if kind.startswith("LayerNormMLP") else 8)
     _train_step(m, x, g)  # gradients and main_grad hold values; nothing is queued
     loaded = _torch_roundtrip(m) if roundtrip == "torch.save" else pickle.loads(pickle.dumps(m))
 

@@ -5,8 +5,10 @@ was, later eager training is unaffected (bitwise the same as a model that never 
 failed capture) and the capture can be retried.
 
 Failure points: an exception in a forward, in a backward (Python code inside the captured
-backward), in a deferred weight's finalize (inside the backward-dw capture), and an op the
-capture refuses (``.item()``), each at warmup and at capture time. A Python error raised in
+backward), in a checkpointed LayerNormMLP's recomputation inside the backward (its
+weight's materialisation raises there), in a deferred weight's finalize (inside the
+backward-dw capture), and an op the capture refuses (``.item()``), each at warmup and at
+capture time. A Python error raised in
 a captured backward leaves no pending Python error indicator when the rollback calls back
 into Python (a stale one made CPython drop a class's ``__getattr__`` for the process).
 """
@@ -53,6 +55,18 @@ class _RaiseInBackward(torch.autograd.Function):
         return g, None
 
 
+class _RecomputeFails(dwgraph.nn.DistributedWeight):
+    """Raises when materialised inside a backward (a checkpoint's recomputation), per the
+    trap of the model whose forward ran last (each backward here follows its forward)."""
+
+    trap = None
+
+    def materialize_forward(self):
+        if torch._C._current_graph_task_id() >= 0:
+            _RecomputeFails.trap.hit()
+        return super().materialize_forward()
+
+
 class _Trapped(torch.nn.Module):
     """Two deferred modules with a planned failure at `where`."""
 
@@ -61,10 +75,13 @@ class _Trapped(torch.nn.Module):
         torch.manual_seed(4)
         self.where, self.trap = where, trap
         self.a = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
-        self.b = dwgraph.nn.LayerNormMLP(H, 2 * H, delay_wgrad_compute=True)
+        self.b = dwgraph.nn.LayerNormMLP(H, 2 * H, delay_wgrad_compute=True, checkpoint=where == "recompute")
+        if where == "recompute":
+            self.b.fc2_weight = _RecomputeFails(self.b.fc2_weight.detach().clone())
         self.bn = torch.nn.BatchNorm1d(H)
 
     def forward(self, x):
+        _RecomputeFails.trap = self.trap
         h = self.bn(self.a(x))
         if self.where == "forward":
             self.trap.hit()
@@ -93,8 +110,10 @@ def _state(model):
 
 WARMUP = 2
 # (where, at): at <= WARMUP fails in a warmup call, WARMUP + 1 in the capture.
+# A checkpointed backward materialises the weight twice (recomputation, then dgrad inside the
+# nested pass): call 1 is the first warmup's recomputation, 2 * WARMUP + 1 the capture's.
 CASES = [("forward", 1), ("forward", WARMUP + 1), ("backward", 2), ("backward", WARMUP + 1),
-         ("item", WARMUP + 1)]
+         ("recompute", 1), ("recompute", 2 * WARMUP + 1), ("item", WARMUP + 1)]
 
 
 @pytest.mark.parametrize("where, at", CASES, ids=[f"{w}-call{a}" for w, a in CASES])

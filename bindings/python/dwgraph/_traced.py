@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 def _wgrad(dy2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, with_bias: bool):
@@ -104,11 +105,31 @@ def grouped_linear(x: torch.Tensor, m_splits: Sequence[int], packed: bool, weigh
     return _GroupedLinear.apply(x, [int(m) for m in m_splits], packed, *weights, *biases)
 
 
-def layernorm_mlp(module, x: torch.Tensor) -> torch.Tensor:
-    h = F.layer_norm(x, (module.hidden_size,), module.layer_norm_weight, module.layer_norm_bias, module.eps)
+def _norm(module, x: torch.Tensor) -> torch.Tensor:
+    shape = (module.layer_norm_weight.shape[0],)
+    if module.normalization == "RMSNorm":
+        return F.rms_norm(x, shape, module.layer_norm_weight, module.eps)
+    return F.layer_norm(x, shape, module.layer_norm_weight, module.layer_norm_bias, module.eps)
+
+
+def layernorm_linear(module, x: torch.Tensor):
+    """(output, LayerNorm output), as ops::layernorm_linear."""
+    h = _norm(module, x)
+    return linear(h, module.weight, module.bias), h
+
+
+def _mlp(module, x: torch.Tensor) -> torch.Tensor:
+    h = _norm(module, x)
     a = linear(h, module.fc1_weight, module.fc1_bias)
     if module.activation == "relu":
         act = F.relu(a)
     else:
         act = F.gelu(a, approximate="tanh" if module.activation == "gelu_tanh" else "none")
     return linear(act, module.fc2_weight, module.fc2_bias)
+
+
+def layernorm_mlp(module, x: torch.Tensor) -> torch.Tensor:
+    if module.checkpoint:
+        # torch's own recomputation, which AOTAutograd traces: the same ops recomputed.
+        return torch.utils.checkpoint.checkpoint(_mlp, module, x, use_reentrant=False)
+    return _mlp(module, x)

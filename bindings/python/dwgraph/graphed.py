@@ -307,8 +307,10 @@ def make_graphed_callables(
     ``"forward_pre_hooks"``, ``"forward_hooks"``, ``"backward_pre_hooks"`` and
     ``"backward_hooks"`` to dicts of ``fn(module)``, run around warmup and capture, outside
     the captured region, never replayed. ``reuse_static_buffers`` (TransformerEngine's
-    ``_reuse_graph_input_output_buffers``; pipeline schedule only): slots of one callable
-    whose lifetimes in ``order`` do not overlap share their static inputs and grad outputs.
+    ``_reuse_graph_input_output_buffers``; pipeline schedule only): on the set's own pool
+    subsumed by the slots' sharing by liveness (never more memory than the default); on a
+    caller's ``pool``, slots of one callable whose lifetimes in ``order`` do not overlap
+    share their static inputs and grad outputs.
     ``clone_outputs`` (default): outputs are fresh tensors the caller owns; ``False`` returns
     the graphs' static outputs, overwritten by the slot's next call (torch's and
     TransformerEngine's behaviour, one copy per output per call cheaper).

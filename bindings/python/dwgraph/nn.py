@@ -1,4 +1,5 @@
-"""Deferred-wgrad modules: ``Linear``, ``GroupedLinear``, ``LayerNormMLP`` (contract C1, C2, C5, docs/contract.md).
+"""Deferred-wgrad modules: ``Linear``, ``GroupedLinear``, ``LayerNormLinear``, ``LayerNormMLP`` (contract C1, C2,
+C5, docs/contract.md).
 
 Each is an ordinary ``torch.nn.Module`` with ordinary ``Parameter``s whose forward applies
 dwgraph's C++ autograd functions. With ``delay_wgrad_compute=True`` the backward returns
@@ -24,9 +25,9 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _C, _guards, _traced
 from ._weights import DistributedWeight
-from .errors import GraphStateError, _FoundMore
+from .errors import ArgumentError, GraphStateError, _FoundMore
 
-__all__ = ["DistributedWeight", "Linear", "GroupedLinear", "LayerNormMLP"]
+__all__ = ["DistributedWeight", "Linear", "GroupedLinear", "LayerNormLinear", "LayerNormMLP"]
 
 
 def _set_added_to_main_grad(param: torch.Tensor) -> None:
@@ -89,7 +90,7 @@ class _WgradHooks(collections.OrderedDict):
 
 
 class _DeferredWgradModule(torch.nn.Module):
-    """What the three modules share: the wgrad store, backward_dw, hooks, main_grad."""
+    """What the modules share: the wgrad store, backward_dw, hooks, main_grad."""
 
     def __init__(self, delay_wgrad_compute: bool, fuse_wgrad_accumulation: bool):
         super().__init__()
@@ -303,6 +304,29 @@ def _kaiming_(weight: torch.Tensor, bias: Optional[torch.Tensor], fan_in: int) -
         torch.nn.init.uniform_(bias, -bound, bound)
 
 
+def _linear_parameters(module: torch.nn.Module, in_features: int, out_features: int, bias: bool,
+                       factory: dict) -> None:
+    """``weight [out, in]`` and ``bias [out]`` (or ``None``), initialised as torch.nn.Linear's."""
+    module.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
+    if bias:
+        module.bias = torch.nn.Parameter(torch.empty(out_features, **factory))
+    else:
+        module.register_parameter("bias", None)
+    _kaiming_(module.weight, module.bias, in_features)
+
+
+def _norm_parameters(module: torch.nn.Module, name: str, normalization: str, width: int, factory: dict) -> None:
+    """``layer_norm_weight`` (ones) and, for LayerNorm, ``layer_norm_bias`` (zeros; ``None``
+    for RMSNorm), as TransformerEngine names them."""
+    _C.nn.check_normalization(name, normalization)
+    module.normalization = normalization
+    module.layer_norm_weight = torch.nn.Parameter(torch.ones(width, **factory))
+    if normalization == "LayerNorm":
+        module.layer_norm_bias = torch.nn.Parameter(torch.zeros(width, **factory))
+    else:
+        module.register_parameter("layer_norm_bias", None)
+
+
 class Linear(_DeferredWgradModule):
     """``y = x @ weight.T + bias`` with deferred and/or fused weight gradients.
 
@@ -319,12 +343,7 @@ class Linear(_DeferredWgradModule):
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         factory = dict(device=device, dtype=dtype)
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
-        if bias:
-            self.bias = torch.nn.Parameter(torch.empty(out_features, **factory))
-        else:
-            self.register_parameter("bias", None)
-        _kaiming_(self.weight, self.bias, in_features)
+        _linear_parameters(self, in_features, out_features, bias, factory)
         if self.fuse_wgrad_accumulation:
             self._allocate_main_grads()
 
@@ -416,6 +435,60 @@ class GroupedLinear(_DeferredWgradModule):
                 f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")
 
 
+class LayerNormLinear(_DeferredWgradModule):
+    """LayerNorm then a Linear, as TransformerEngine's ``LayerNormLinear`` (the attention
+    QKV projection): ``x [..., in_features] -> [..., out_features]``.
+
+    Args as TE's: ``in_features``, ``out_features``, ``eps``; keyword-only ``bias``,
+    ``normalization`` (``"LayerNorm"`` or ``"RMSNorm"``), ``return_layernorm_output`` (the
+    forward returns ``(out, ln_out)``), ``delay_wgrad_compute``, ``fuse_wgrad_accumulation``,
+    ``device``, ``dtype``. Parameters as TE's: ``layer_norm_weight``, ``layer_norm_bias``
+    (``None`` for RMSNorm; gradients in the main backward, as in ``LayerNormMLP``),
+    ``weight``, ``bias`` (deferred / fused per the flags).
+    """
+
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, *, bias: bool = True,
+                 normalization: str = "LayerNorm", return_layernorm_output: bool = False,
+                 delay_wgrad_compute: bool = False, fuse_wgrad_accumulation: bool = False,
+                 device=None, dtype=None):
+        super().__init__(delay_wgrad_compute, fuse_wgrad_accumulation)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            # TE's third positional argument is eps: LayerNormLinear(8, 8, False) is not bias=False.
+            raise ArgumentError(f"dwgraph.nn.LayerNormLinear: eps must be a number (the third positional argument, "
+                                f"as in TransformerEngine; bias is keyword-only), got {eps!r}")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.eps = float(eps)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        factory = dict(device=device, dtype=dtype)
+        _norm_parameters(self, "dwgraph.nn.LayerNormLinear", normalization, in_features, factory)
+        _linear_parameters(self, in_features, out_features, bias, factory)
+        if self.fuse_wgrad_accumulation:
+            self._allocate_main_grads()
+
+    def forward(self, x: torch.Tensor):
+        if self._traceable():
+            out, ln_out = _traced.layernorm_linear(self, x)
+        else:
+            out, ln_out = self._eager_forward(x)
+        return (out, ln_out) if self.return_layernorm_output else out
+
+    @torch.compiler.disable
+    def _eager_forward(self, x: torch.Tensor):
+        out, ln_out = _C.nn.layernorm_linear(
+            x, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+            self._ref("weight", self.weight, is_weight=True),
+            self._ref("bias", self.bias, is_weight=False), normalization=self.normalization, **self._config())
+        return self._after_forward(out), ln_out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, eps={self.eps}, "
+                f"bias={self.bias is not None}, normalization={self.normalization!r}, "
+                f"return_layernorm_output={self.return_layernorm_output}, "
+                f"delay_wgrad_compute={self.delay_wgrad_compute}, "
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")
+
+
 class LayerNormMLP(_DeferredWgradModule):
     """LayerNorm, fc1, activation, fc2: ``x [..., hidden] -> [..., hidden]``.
 
@@ -423,10 +496,19 @@ class LayerNormMLP(_DeferredWgradModule):
     ``"relu"``. Both FC weights and both FC biases are deferred / fused per the flags; the
     LayerNorm parameters (``layer_norm_weight``, ``layer_norm_bias``) get their gradients
     in the main backward as usual. One forward queues one unit (fc2's and fc1's work).
+    ``checkpoint=True`` (TE's): the forward keeps only its input; the backward recomputes
+    LayerNorm, fc1 and the activation, giving the same gradients and units bit for bit
+    (Note [Checkpointed LayerNormMLP], ops/linear.cpp). ``normalization="RMSNorm"`` (TE's):
+    no ``layer_norm_bias``.
     """
 
+    # Class defaults: a module pickled before these settings existed loads with them.
+    checkpoint = False
+    normalization = "LayerNorm"
+
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, *,
-                 activation: str = "gelu", eps: float = 1e-5, delay_wgrad_compute: bool = False,
+                 activation: str = "gelu", eps: float = 1e-5, checkpoint: bool = False,
+                 normalization: str = "LayerNorm", delay_wgrad_compute: bool = False,
                  fuse_wgrad_accumulation: bool = False, device=None, dtype=None):
         super().__init__(delay_wgrad_compute, fuse_wgrad_accumulation)
         _C.nn.check_activation(f"dwgraph.nn.LayerNormMLP", activation)
@@ -434,10 +516,10 @@ class LayerNormMLP(_DeferredWgradModule):
         self.ffn_hidden_size = int(ffn_hidden_size)
         self.activation = activation
         self.eps = float(eps)
+        self.checkpoint = bool(checkpoint)
         self.use_bias = bool(bias)
         factory = dict(device=device, dtype=dtype)
-        self.layer_norm_weight = torch.nn.Parameter(torch.ones(hidden_size, **factory))
-        self.layer_norm_bias = torch.nn.Parameter(torch.zeros(hidden_size, **factory))
+        _norm_parameters(self, "dwgraph.nn.LayerNormMLP", normalization, hidden_size, factory)
         self.fc1_weight = torch.nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, **factory))
         self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
         if bias:
@@ -463,11 +545,14 @@ class LayerNormMLP(_DeferredWgradModule):
             self._ref("fc1_weight", self.fc1_weight, is_weight=True),
             self._ref("fc1_bias", self.fc1_bias, is_weight=False), self.activation,
             self._ref("fc2_weight", self.fc2_weight, is_weight=True),
-            self._ref("fc2_bias", self.fc2_bias, is_weight=False), **self._config())
+            self._ref("fc2_bias", self.fc2_bias, is_weight=False), checkpoint=self.checkpoint,
+            normalization=self.normalization, **self._config())
         return self._after_forward(out)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"bias={self.use_bias}, activation={self.activation!r}, eps={self.eps}, "
-                f"delay_wgrad_compute={self.delay_wgrad_compute}, "
+                + (f"checkpoint=True, " if self.checkpoint else "")
+                + (f"normalization={self.normalization!r}, " if self.normalization != "LayerNorm" else "")
+                + f"delay_wgrad_compute={self.delay_wgrad_compute}, "
                 f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")
