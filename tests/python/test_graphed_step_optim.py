@@ -351,10 +351,7 @@ def test_betas_switched_to_tensors_after_replays_are_seen():
     # betas reads them on the host, which a capture refuses with the ways out.
     eager, graphed, opt_e, opt_g, _ = twins(Small, lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True))
     step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
-    for s in range(3):
-        x = torch.randn(B, H)
-        assert torch.equal(step(x), small_body(eager, opt_e, x))
-        assert_same(eager, graphed, opt_e, opt_g, f"step {s}")
+    _checked(eager, graphed, opt_e, opt_g, step, "number betas")
     for o in (opt_e, opt_g):
         o.param_groups[0]["betas"] = (torch.tensor(0.9), torch.tensor(0.999))
     with pytest.raises(dwgraph.GraphStateError, match="fused=True|capturable=True"):
@@ -376,10 +373,7 @@ def test_an_optimizer_that_reads_the_host_is_refused_naming_the_ways_out():
     # and the way out works: Adagrad(fused=True) on the CPU
     eager, graphed, opt_e, opt_g, _ = twins(Small, lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True))
     step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
-    for s in range(4):
-        x = torch.randn(B, H)
-        assert torch.equal(step(x), small_body(eager, opt_e, x))
-        assert_same(eager, graphed, opt_e, opt_g, f"step {s}")
+    _checked(eager, graphed, opt_e, opt_g, step, "Adagrad(fused=True)", n=4)
 
 
 # --------------------------------------------------------------------------------------
