@@ -125,6 +125,7 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 namespace dwgraph::graphs {
@@ -240,7 +241,10 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
 
   // Replay half.
   std::vector<at::Tensor> call(size_t s, const std::vector<at::Tensor>& inputs);
-  // The replay half of call(), once replays(s) and !runs_eagerly(s, inputs) are known.
+  // The one replay-or-eager decision: the outputs of a replay, or nothing when this call
+  // must run the callable eagerly (a mode or an autograd graph the graphs did not capture).
+  std::optional<std::vector<at::Tensor>> replay_or_nothing(size_t s, const std::vector<at::Tensor>& inputs);
+  // The replay half, once the decision is made.
   std::vector<at::Tensor> replay_call(size_t s, const std::vector<at::Tensor>& inputs);
   // The backward of slot s's call `generation`, with the gradients of the outputs that
   // require grad (undefined: unused), `asked` per target (inputs, then parameters) from the

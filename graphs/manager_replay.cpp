@@ -242,11 +242,16 @@ bool GraphManager::runs_eagerly(size_t s, const std::vector<at::Tensor>& inputs)
   return true;
 }
 
+std::optional<std::vector<at::Tensor>> GraphManager::replay_or_nothing(size_t s, const std::vector<at::Tensor>& inputs) {
+  // A mode the graphs were not captured in, or an autograd graph they did not capture: eager.
+  if (!replays(s) || runs_eagerly(s, inputs)) return std::nullopt;
+  return replay_call(s, inputs);
+}
+
 std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tensor>& inputs) {
   check_live("calling a graphed callable");
-  // A mode the graphs were not captured in, or an autograd graph they did not capture: run eagerly.
-  if (!replays(s) || runs_eagerly(s, inputs)) return callables_[slots_.at(s).info.callable].forward(inputs);
-  return replay_call(s, inputs);
+  auto outs = replay_or_nothing(s, inputs);
+  return outs ? std::move(*outs) : callables_[slots_.at(s).info.callable].forward(inputs);
 }
 
 std::vector<at::Tensor> GraphManager::replay_call(size_t s, const std::vector<at::Tensor>& inputs) {
@@ -738,8 +743,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
   return manager_->call(index_, inputs);
 }
 std::optional<std::vector<at::Tensor>> GraphedCallable::replay_or_nothing(const std::vector<at::Tensor>& inputs) {
-  if (!manager_->replays(index_) || manager_->runs_eagerly(index_, inputs)) return std::nullopt;
-  return manager_->replay_call(index_, inputs);
+  return manager_->replay_or_nothing(index_, inputs);
 }
 bool GraphedCallable::replays() const { return manager_->replays(index_); }
 void GraphedCallable::backward_dw() { manager_->backward_dw(index_); }
