@@ -56,17 +56,38 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def _clock(dev):
+def _clock(dev, kind="time"):
     """The calling thread's CPU time on CPU (the whole call, autograd's backward included,
     runs on it; time spent waiting for a core on a loaded machine is not counted), the
-    wall clock on CUDA (autograd runs the backward on its device thread)."""
+    wall clock on CUDA (autograd runs the backward on its device thread). kind
+    "instructions": the core's counter of the calling thread's user-space instructions, in
+    the unit the totals use (count / 1e9)."""
+    if kind == "instructions":
+        read = _C.graphs.phase_clock
+        return lambda: read() * 1e-9
     return time.thread_time if dev == "cpu" else time.perf_counter
 
 
-def _engine_floor(model, dev, reps, n):
+def _core_clock(dev, kind):
+    return "instructions" if kind == "instructions" else ("thread_cpu" if dev == "cpu" else "wall")
+
+
+def _instructions_available():
+    try:
+        _C.graphs.set_phase_timing(True, clock="instructions")
+    except Exception as e:  # noqa: BLE001 - a VM without counters: the time tables only
+        print(f"(no instruction counts: {e})\n")
+        return False
+    _C.graphs.set_phase_timing(False)
+    return True
+
+
+def _engine_floor(model, dev, reps, n, kind="time"):
     """A backward through a no-op node with edges to the input and every parameter:
     autograd's own cost, which eager code and torch's graphs pay too."""
-    clock = _clock(dev)
+    clock = _clock(dev, kind)
+    if kind == "instructions":
+        _C.graphs.set_phase_timing(True, clock="instructions")
     x = torch.randn(4, 8, device=dev, requires_grad=True)
     dy = torch.randn(4, 8, device=dev)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -79,15 +100,17 @@ def _engine_floor(model, dev, reps, n):
             y.backward(dy)
             total += clock() - t0
         best.append(total / n)
+    if kind == "instructions":
+        _C.graphs.set_phase_timing(False)
     return statistics.median(best) * 1e6
 
 
-def _overheads(model, g, x, dy, dev, reps, n):
-    clock = _clock(dev)
+def _overheads(model, g, x, dy, dev, reps, n, kind="time"):
+    clock = _clock(dev, kind)
     per = {"call": [], "backward": [], "backward_dw": []}
     for _ in range(reps):
         wall = dict.fromkeys(per, 0.0)
-        _C.graphs.set_phase_timing(True, thread_cpu=dev == "cpu")
+        _C.graphs.set_phase_timing(True, clock=_core_clock(dev, kind))
         for _ in range(n):
             t0 = clock()
             y = g(x)
@@ -148,16 +171,25 @@ def _step_ratio(size, dev, reps):
     return e, r
 
 
+def _ratios(rows, floors):
+    first, last = rows[SIZES[0]], rows[SIZES[-1]]
+    out = {}
+    for k in ("call", "backward", "backward_dw"):
+        net = k == "backward"
+        a = first[k] - (floors[SIZES[0]] if net else 0)
+        b = last[k] - (floors[SIZES[-1]] if net else 0)
+        out[k] = f"{b / a:.2f}" if a > 0 else "n/a"
+    return out
+
+
 def main() -> None:
     args = bench_args(__doc__)
     dev = args.device
     reps = 3 if args.quick else 7
-    print(f"# make_graphed_callables per-call host work over the replays ({dev}, "
-          f"{'thread CPU time' if dev == 'cpu' else 'wall time'})\n")
-    print("| modules | call us | backward us (net) | backward us (raw) | autograd floor us | backward_dw us |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    floors = {}
-    rows = {}
+    counted = dev == "cpu" and _instructions_available()
+    kinds = ("time", "instructions") if counted else ("time",)
+    rows = {k: {} for k in kinds}
+    floors = {k: {} for k in kinds}
     for size in SIZES:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True, device=dev)
@@ -170,18 +202,37 @@ def main() -> None:
             g.backward_dw()
             model.zero_grad(set_to_none=True)
         n = max(20, (1000 if args.quick else 4000) // size)
-        o = _overheads(model, g, x, dy, dev, reps, n)
-        floor = floors[size] = _engine_floor(model, dev, reps, n)
-        rows[size] = o
+        for kind in kinds:
+            rows[kind][size] = _overheads(model, g, x, dy, dev, reps, n, kind)
+            floors[kind][size] = _engine_floor(model, dev, reps, n, kind)
+
+    print(f"# make_graphed_callables per-call host work over the replays ({dev}, "
+          f"{'thread CPU time' if dev == 'cpu' else 'wall time'})\n")
+    print("| modules | call us | backward us (net) | backward us (raw) | autograd floor us | backward_dw us |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for size in SIZES:
+        o, floor = rows["time"][size], floors["time"][size]
         print(f"| {size} | {o['call']:.2f} | {o['backward'] - floor:.2f} | {o['backward']:.2f} | {floor:.2f} | "
-              f"{o['backward_dw']:.2f} |", flush=True)
-    first, last = rows[SIZES[0]], rows[SIZES[-1]]
-    print("\n| phase | largest / smallest |\n|---|---:|")
-    for k in ("call", "backward", "backward_dw"):
-        net = k == "backward"
-        a = first[k] - (floors[SIZES[0]] if net else 0)
-        b = last[k] - (floors[SIZES[-1]] if net else 0)
-        print(f"| {k} | {b / a:.2f} |" if a > 0 else f"| {k} | n/a |")
+              f"{o['backward_dw']:.2f} |")
+    r = _ratios(rows["time"], floors["time"])
+    print("\n| phase | largest / smallest (time) |\n|---|---:|")
+    for k in r:
+        print(f"| {k} | {r[k]} |")
+    if counted:
+        # The same phases counted in user-space instructions of the calling thread: what the
+        # manager executes besides the replays and copies, free of the noise that the
+        # difference of two large times carries when a graph of 1024 layers replays.
+        print("\n# the same, in user-space instructions of the calling thread (thousands)\n")
+        print("| modules | call k-instr | backward k-instr (net) | autograd floor k-instr | backward_dw k-instr |")
+        print("|---:|---:|---:|---:|---:|")
+        for size in SIZES:
+            o, floor = rows["instructions"][size], floors["instructions"][size]
+            # _overheads and _engine_floor scale by 1e6 (us): counts / 1e9 * 1e6 = thousands.
+            print(f"| {size} | {o['call']:.1f} | {o['backward'] - floor:.1f} | {floor:.1f} | {o['backward_dw']:.1f} |")
+        r = _ratios(rows["instructions"], floors["instructions"])
+        print("\n| phase | largest / smallest (instructions) |\n|---|---:|")
+        for k in r:
+            print(f"| {k} | {r[k]} |")
 
     print("\n| modules | eager step us | graphed step us | graphed / eager |\n|---:|---:|---:|---:|")
     for size in SIZES if not args.quick else SIZES[:3]:

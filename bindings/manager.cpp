@@ -87,7 +87,27 @@ void init_manager(py::module_& parent) {
   m.def("capturing", [] { return graphs::detail::this_thread_records(); });
   m.def("note_reseed", &graphs::detail::note_reseed);
   // The overhead benchmark's clock (graphs/phase_timing.h).
-  m.def("set_phase_timing", &set_phase_timing, py::arg("on"), py::arg("thread_cpu") = false);
+  // clock: "wall", "thread_cpu" or "instructions" (the totals' "_s" fields then hold
+  // instruction counts / 1e9); thread_cpu=True is the older spelling of clock="thread_cpu".
+  m.def(
+      "set_phase_timing",
+      [](bool on, bool thread_cpu, const std::optional<std::string>& clock) {
+        PhaseClock c = thread_cpu ? PhaseClock::kThreadCpu : PhaseClock::kWall;
+        if (clock) {
+          DWGRAPH_CHECK_ARG(*clock == "wall" || *clock == "thread_cpu" || *clock == "instructions",
+                            "set_phase_timing: clock must be 'wall', 'thread_cpu' or 'instructions', got '", *clock,
+                            "'");
+          DWGRAPH_CHECK_ARG(!thread_cpu || *clock == "thread_cpu", "set_phase_timing: thread_cpu=True and clock='",
+                            *clock, "' ask for two clocks");
+          c = *clock == "wall" ? PhaseClock::kWall
+              : *clock == "thread_cpu" ? PhaseClock::kThreadCpu : PhaseClock::kInstructions;
+        }
+        set_phase_timing(on, c);
+      },
+      py::arg("on"), py::arg("thread_cpu") = false, py::arg("clock") = py::none());
+  // The chosen clock read now on the calling thread (ns or instructions), so a benchmark
+  // measures its whole phases with the same clock as the core's parts.
+  m.def("phase_clock", &phase_clock_ns);
   m.def("phase_totals", [] {
     py::dict d;
     const std::pair<const char*, TimedPhase> phases[] = {

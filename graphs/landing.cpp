@@ -10,7 +10,7 @@ namespace dwgraph::graphs {
 
 void Landing::check(const std::string& where, const LiveMask& live) const {
   for (const auto& c : contributions) {
-    if (is_live(live, c.param_index)) ops::check_accumulable(c.param, c.buffer, where + ": parameter '" + c.name + "'");
+    if (is_live(live, c.param_index)) ops::check_accumulable(c.param, c.buffer, where, &c.name);
   }
 }
 

@@ -9,7 +9,9 @@
 // default) it costs one relaxed load per phase. The clock is the wall clock, or the calling
 // thread's CPU time: on CPU, where the whole call (the autograd backward included) runs on
 // the calling thread, CPU time does not count the time the thread waits for a core, so the
-// figures hold on a loaded machine.
+// figures hold on a loaded machine. Or the calling thread's retired user-space instructions
+// (Linux perf events): a count no load or cache state changes, which tells "does this grow
+// with the model" where a difference of two large times is lost in their noise.
 
 #include <array>
 #include <atomic>
@@ -26,9 +28,15 @@ struct PhaseTotals {
   uint64_t copy_ns = 0;
 };
 
-void set_phase_timing(bool on, bool thread_cpu = false);  // on: also resets the totals
+enum class PhaseClock { kWall, kThreadCpu, kInstructions };
+
+// on: also resets the totals. kInstructions throws (a dwgraph error naming the reason)
+// where the kernel refuses a perf-event counter for this thread.
+void set_phase_timing(bool on, PhaseClock clock = PhaseClock::kWall);
 bool phase_timing_on();
-uint64_t phase_clock_ns();  // the clock set_phase_timing chose
+// The clock set_phase_timing chose, read on the calling thread: nanoseconds, or
+// instructions (each thread reads its own counter, opened on its first read).
+uint64_t phase_clock_ns();
 PhaseTotals phase_totals(TimedPhase phase);
 void add_phase_time(TimedPhase phase, uint64_t replay_ns, uint64_t copy_ns, bool count);
 

@@ -6,11 +6,12 @@
 
 namespace dwgraph::ops {
 
-void check_accumulable(const at::Tensor& param, const at::Tensor& g, const std::string& what) {
+void check_accumulable(const at::Tensor& param, const at::Tensor& g, const std::string& what,
+                       const std::string* param_name) {
   const at::Tensor& grad = param.grad();
   if (!grad.defined()) return;
   DWGRAPH_CHECK_ARG(grad.scalar_type() == g.scalar_type() && grad.sizes() == g.sizes() && grad.device() == g.device(),
-                    what, ": .grad is a ", grad.scalar_type(), " tensor of shape ", grad.sizes(), " on ", grad.device(),
+                    what, param_name ? c10::str(": parameter '", *param_name, "'") : std::string(), ": .grad is a ", grad.scalar_type(), " tensor of shape ", grad.sizes(), " on ", grad.device(),
                     " but its gradient is a ", g.scalar_type(), " tensor of shape ", g.sizes(), " on ", g.device(),
                     " (no silent cast)");
 }

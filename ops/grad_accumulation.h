@@ -16,8 +16,11 @@ enum class Take {
   kClone,  // `g` is reused (a graph-pool buffer the next replay rewrites): .grad gets a clone
 };
 
-// ArgumentError naming `what` when an existing .grad of `param` cannot take `g`.
-void check_accumulable(const at::Tensor& param, const at::Tensor& g, const std::string& what);
+// ArgumentError naming `what` (and, when given, "parameter '<param_name>'" after it) when an
+// existing .grad of `param` cannot take `g`. The message is built only when it is raised:
+// a landing checks every parameter at every hand-off (contract C10).
+void check_accumulable(const at::Tensor& param, const at::Tensor& g, const std::string& what,
+                       const std::string* param_name = nullptr);
 // check_accumulable, then .grad = g (or its clone) when None, else .grad += g.
 void accumulate_grad(const at::Tensor& param, const at::Tensor& g, Take take, const std::string& what);
 

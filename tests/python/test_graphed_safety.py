@@ -667,3 +667,22 @@ def test_a_reset_graphed_module_can_be_freed():
     del model
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_a_grad_that_cannot_take_the_deferred_gradient_is_refused_before_anything_lands(graphed):
+    """The hand-off checks every parameter's .grad at every backward_dw() (its message is built
+    only when it is raised): a .grad of another dtype is refused, naming the parameter, and no
+    parameter receives anything, eager and graphed alike."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True))
+    x = torch.randn(4, 8)
+    run = dwgraph.make_graphed_callables(model, (x,)) if graphed else model
+    run(x).sum().backward()
+    weight = model[0].weight
+    weight.grad_dtype = None  # lets torch accept a .grad of another dtype
+    weight.grad = torch.zeros(8, 8, dtype=torch.float64)
+    with pytest.raises(dwgraph.ArgumentError, match=r"'(0\.)?weight'.*Double.*no silent cast"):
+        (run if graphed else model[0]).backward_dw()
+    assert torch.equal(weight.grad, torch.zeros(8, 8, dtype=torch.float64))
+    assert model[0].bias.grad is None

@@ -1,0 +1,122 @@
+"""Per-call host work of make_graphed_callables in executed instructions (contract C10), for
+module trees of 1, 16, 128 and 1024 deferred Linear layers: the deterministic companion of
+bench_overhead.py.
+
+bench_overhead.py subtracts the time of the replays and copies from each phase's time; for a
+graph of 1024 layers that is the difference of two numbers of several milliseconds, and
+cache misses and a shared core move it by more than the overhead itself. Here the same
+phases run under valgrind's callgrind, which counts the instructions each function executes
+(no timing, no load dependence), after warmup (the counters are zeroed once the graphs are
+captured and the first checks ran). Per call of each entry point of the core
+(``GraphManager::replay_call``, ``::backward``, ``::backward_dw``) it prints the instructions
+outside the graph's replay, and apart the gradient hand-off (``Landing::land`` and
+``Landing::check``: one checked ``.grad`` per parameter, which eager's AccumulateGrad pays
+as well). Contract C10 asks the
+rest not to grow with the tree.
+
+The Python front end and pybind's call are not counted here (bench_overhead.py's time covers
+them; they do not depend on the tree).
+
+    python bench/bench_overhead_instructions.py [--quick]   (needs valgrind; CPU only)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from common import bench_args
+
+SIZES = (1, 16, 128, 1024)
+ENTRY = {
+    "call": "dwgraph::graphs::GraphManager::replay_call(",
+    "backward": "dwgraph::graphs::GraphManager::backward(",
+    "backward_dw": "dwgraph::graphs::GraphManager::backward_dw(",
+}
+REPLAY = "dwgraph::graphs::Graph::replay()"
+# The hand-off and its per-parameter .grad check (dtype, shape, device: what eager's
+# AccumulateGrad checks too).
+HANDOFF = ("dwgraph::graphs::Landing::land(", "dwgraph::graphs::Landing::check(")
+
+_DRIVER = r"""
+import os, subprocess, sys, torch, dwgraph
+n, steps = int(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True) for _ in range(n)])
+x, dy = torch.randn(4, 8), torch.randn(4, 8)
+g = dwgraph.make_graphed_callables(model, (x,))
+def step():
+    g(x).backward(dy)
+    g.backward_dw()
+    model.zero_grad(set_to_none=True)
+for _ in range(3):
+    step()
+subprocess.run(["callgrind_control", "--zero", str(os.getpid())], check=True, stdout=subprocess.DEVNULL)
+for _ in range(steps):
+    step()
+"""
+
+
+def _children(tree: str, entry: str):
+    """(inclusive, {child: inclusive}) of `entry` from callgrind_annotate --tree=calling."""
+    lines = tree.splitlines()
+    for i, line in enumerate(lines):
+        if "*" in line and entry in line and re.match(r"^\s*[\d,]+ ", line):
+            total = int(line.split()[0].replace(",", ""))
+            kids = {}
+            for child in lines[i + 1:]:
+                if ">" not in child or not re.match(r"^\s*[\d,]+ ", child):
+                    break
+                name = child.split(">", 1)[1].strip()
+                kids[name] = kids.get(name, 0) + int(child.split()[0].replace(",", ""))
+            return total, kids
+    return 0, {}
+
+
+def _measure(size: int, steps: int, workdir: str):
+    driver = os.path.join(workdir, "driver.py")
+    with open(driver, "w") as f:
+        f.write(_DRIVER)
+    out = os.path.join(workdir, f"cg{size}.out")
+    toggles = [f"--toggle-collect={e}*" for e in ENTRY.values()]
+    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--collect-atstart=no", *toggles,
+                    sys.executable, driver, str(size), str(steps)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tree = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--tree=calling", "--threshold=100", out],
+                          check=True, capture_output=True, text=True).stdout
+    row = {}
+    for phase, entry in ENTRY.items():
+        total, kids = _children(tree, entry)
+        replay = sum(v for k, v in kids.items() if REPLAY in k)
+        handoff = sum(v for k, v in kids.items() if any(h in k for h in HANDOFF))
+        row[phase] = ((total - replay - handoff) / steps, handoff / steps)
+    return row
+
+
+def main() -> None:
+    args = bench_args(__doc__)
+    if args.device != "cpu" or not (shutil.which("valgrind") and shutil.which("callgrind_annotate")):
+        print("valgrind (callgrind) on CPU is needed; nothing measured")
+        return
+    steps = 5 if args.quick else 20
+    print("# make_graphed_callables: instructions per call outside the graph replay (callgrind, after warmup)\n")
+    print("| modules | call | backward | backward_dw | backward_dw hand-off (Landing::land, ::check) |")
+    print("|---:|---:|---:|---:|---:|")
+    rows = {}
+    with tempfile.TemporaryDirectory() as d:
+        for size in SIZES:
+            r = rows[size] = _measure(size, steps, d)
+            print(f"| {size} | {r['call'][0]:,.0f} | {r['backward'][0]:,.0f} | {r['backward_dw'][0]:,.0f} | "
+                  f"{r['backward_dw'][1]:,.0f} |", flush=True)
+    print("\n| phase | largest / smallest |\n|---|---:|")
+    for phase in ENTRY:
+        a, b = rows[SIZES[0]][phase][0], rows[SIZES[-1]][phase][0]
+        print(f"| {phase} | {b / a:.2f} |" if a > 0 else f"| {phase} | n/a |")
+
+
+if __name__ == "__main__":
+    main()
