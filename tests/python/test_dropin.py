@@ -614,3 +614,33 @@ def test_pre_and_post_warmup_hooks(warmups):
     g = dwgraph.make_graphed_callables(lin, (torch.randn(B, H),))  # a failed capture can be retried
     g(torch.randn(B, H)).sum().backward()
     g.backward_dw()
+
+
+@pytest.mark.parametrize("registered_in", ["pre_warmup_hook", "post_warmup_hook"])
+def test_module_hooks_a_warmup_hook_registers_are_refused_before_capture(registered_in):
+    # The refusal of module hooks present at capture ran before the warmup hooks: a forward
+    # hook one registered on a submodule was captured into the graphs, every call was refused
+    # as 'registered after capture', and once the hook was removed the replays still applied
+    # it (silently not eager's output). It is now refused before anything is captured, and a
+    # hook the warmup hooks remove again is fine.
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    handles = []
+
+    def register():
+        handles.append(model[2].register_forward_hook(lambda mod, args, out: out * 2))
+
+    with pytest.raises(dwgraph.ArgumentError, match=r"forward hooks registered on '2' \(by pre_warmup_hook or "
+                                                    r"post_warmup_hook\); they would run during capture"):
+        dwgraph.make_graphed_callables(model, (torch.randn(B, H),), **{registered_in: register})
+    handles.pop().remove()
+    assert "dwgraph_graphed" not in model.__dict__
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),), pre_warmup_hook=register,
+                                       post_warmup_hook=lambda: handles.pop().remove())
+    for step in range(2):
+        x = torch.randn(B, H)
+        y, ye = g(x), eager(x)
+        assert torch.equal(y, ye), "the replays differ from eager"
+        y.square().sum().backward(), g.backward_dw()
+        ye.square().sum().backward(), eager_backward_dw(eager)
+        assert_same_as_eager(model, eager, f"step {step}")
