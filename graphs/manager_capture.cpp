@@ -473,6 +473,10 @@ void GraphManager::record_reach(size_t s, const std::vector<at::Tensor>& outs, c
 
 void GraphManager::capture_dw(size_t s) {
   Slot& slot = slots_[s];
+  // No backward graph (nothing required grad: a capture under torch.no_grad()), so no
+  // backward queued anything: calls with grad run eagerly (Note [Calls eager autograd would
+  // differentiate further]) and backward_dw() lands the units their backwards queue.
+  if (!slot.bwd) return;
   const auto& c = callables_[slot.info.callable];
   std::vector<at::Tensor> deferred;
   for (const auto& m : c.modules) {

@@ -542,10 +542,11 @@ def test_parameterless_module_captured_without_grad_called_with_grad():
 
 
 class _CountingMLP(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, deferred: bool = False):
         super().__init__()
         torch.manual_seed(3)
-        self.net = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.GELU(), torch.nn.Linear(H, H))
+        first = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True) if deferred else torch.nn.Linear(H, H)
+        self.net = torch.nn.Sequential(first, torch.nn.GELU(), torch.nn.Linear(H, H))
         self.eager_calls = 0
 
     def forward(self, x):
@@ -553,11 +554,14 @@ class _CountingMLP(torch.nn.Module):
         return self.net(x)
 
 
-def test_a_capture_under_no_grad_called_with_grad_runs_eagerly():
+@pytest.mark.parametrize("deferred", [False, True], ids=["torch_linear", "deferred_linear"])
+def test_a_capture_under_no_grad_called_with_grad_runs_eagerly(deferred):
     # Captured under torch.no_grad(), the graphs hold no autograd graph: with grad enabled
     # eager's output would require grad (trainable weights), so such calls run eagerly and
-    # train exactly as eager; under no_grad they replay.
-    model = _CountingMLP()
+    # train exactly as eager; under no_grad they replay. With a deferred module the capture
+    # failed ('no wgrad unit queued after its backward capture'): it tried a backward-dw
+    # graph for a backward that does not exist; backward_dw() now lands the eager units.
+    model = _CountingMLP(deferred)
     eager = copy.deepcopy(model)
     with torch.no_grad():
         g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
@@ -567,11 +571,17 @@ def test_a_capture_under_no_grad_called_with_grad_runs_eagerly():
         y, ye = g(x), eager(x)
         assert y.requires_grad and torch.equal(y, ye)
         y.square().sum().backward(), ye.square().sum().backward()
+        if deferred:
+            g.backward_dw(), eager_backward_dw(eager)
+            assert model.net[0].num_pending_wgrad_units() == 0
         assert_same_as_eager(model, eager, f"step {step}")
     assert model.eager_calls == captured + 2
     with torch.no_grad():
         x = torch.randn(B, H)
         assert torch.equal(g(x), eager(x)) and model.eager_calls == captured + 2, "a call under no_grad did not replay"
+    if deferred:
+        with pytest.raises(dwgraph.GraphStateError, match="no backward is pending"):
+            g.backward_dw()
 
 
 @pytest.mark.parametrize("warmups", [0, 2])
