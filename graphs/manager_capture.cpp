@@ -488,6 +488,7 @@ void GraphManager::capture_dw(size_t s) {
   // parameter tied between two modules receives a, then b, exactly as the eager modules
   // hand them over (.grad = a; .grad += b).
   Landing landing;
+  landing.hooks_asked_at_turn = true;
   capture(slot.dw, Phase::kBackwardDw, s, [&] {
     for (size_t k = 0; k < c.modules.size(); ++k) {
       const auto& m = c.modules[k];
