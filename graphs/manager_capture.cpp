@@ -236,7 +236,24 @@ void GraphManager::warmup() {
   // backward-dw step runs the units its own backward queued (a module used twice in the
   // forward queues two), as the capture does.
   const auto steps = schedule_.capture_steps(defers_);
-  if (opts_.pre_warmup_hook) opts_.pre_warmup_hook();
+  // The graphs are told at build() the grad mode and autocast state they are captured in
+  // (what the calls are compared with); a warmup hook that switched either would have the
+  // captures run in another one, silently: refused before anything is captured.
+  const auto unchanged_by = [this](const char* hook) {
+    DWGRAPH_CHECK_ARG(at::GradMode::is_enabled() == grad_at_capture_, kApi, ": argument '", hook,
+                      "' switched grad mode ", grad_at_capture_ ? "off" : "on", "; the graphs are captured in the "
+                      "grad mode of the make_graphed_callables call (calls are compared with it). Switch it around "
+                      "the call instead (with torch.no_grad(): ...)");
+    const ops::AutocastState now = ops::AutocastState::current();
+    DWGRAPH_CHECK_ARG(now == forward_autocast_, kApi, ": argument '", hook, "' changed the autocast state from ",
+                      forward_autocast_.describe(), " to ", now.describe(), "; the graphs are captured in the "
+                      "autocast state of the make_graphed_callables call. Enter torch.autocast around the call "
+                      "instead");
+  };
+  if (opts_.pre_warmup_hook) {
+    opts_.pre_warmup_hook();
+    unchanged_by("pre_warmup_hook");
+  }
   for (int it = 0; it < opts_.num_warmup_iters; ++it) {
     std::vector<std::vector<at::Tensor>> kept(slots_.size());  // per slot: its outputs that require grad
     std::vector<std::vector<size_t>> queued(slots_.size());    // per slot, per module: units its backward queued
@@ -311,7 +328,10 @@ void GraphManager::warmup() {
       }
     }
   }
-  if (opts_.post_warmup_hook) opts_.post_warmup_hook();
+  if (opts_.post_warmup_hook) {
+    opts_.post_warmup_hook();
+    unchanged_by("post_warmup_hook");
+  }
 }
 
 void GraphManager::capture_fwd(size_t s) {

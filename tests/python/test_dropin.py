@@ -654,3 +654,35 @@ def test_module_hooks_a_warmup_hook_registers_are_refused_before_capture(registe
         y.square().sum().backward(), g.backward_dw()
         ye.square().sum().backward(), eager_backward_dw(eager)
         assert_same_as_eager(model, eager, f"step {step}")
+
+
+_STATE_SWITCHES = {
+    "grad_off": (lambda: torch.set_grad_enabled(False), lambda: torch.set_grad_enabled(True), "switched grad mode off"),
+    "autocast_on": (lambda: torch.set_autocast_enabled("cpu", True), lambda: torch.set_autocast_enabled("cpu", False),
+                    "changed the autocast state"),
+}
+
+
+@pytest.mark.parametrize("switch", list(_STATE_SWITCHES))
+@pytest.mark.parametrize("hook", ["pre_warmup_hook", "post_warmup_hook"])
+def test_a_warmup_hook_that_switches_grad_mode_or_autocast_is_refused(hook, switch):
+    # The core reads the grad mode and autocast state of the capture before the warmup
+    # hooks run: one that left grad off had the graphs captured without grad while the calls
+    # were compared with grad on, so calls with grad replayed outputs that did not require
+    # grad (silently no gradients). Refused before anything is captured; the retry captures.
+    on, off, message = _STATE_SWITCHES[switch]
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    try:
+        with pytest.raises(dwgraph.ArgumentError, match=f"argument '{hook}' {message}"):
+            dwgraph.make_graphed_callables(model, (torch.randn(B, H),), **{hook: on})
+    finally:
+        off()
+    assert model[0].num_queued_wgrad_units() == 0 and all(p.grad is None for p in model.parameters())
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),), **{hook: lambda: (on(), off())})
+    x = torch.randn(B, H)
+    y, ye = g(x), eager(x)
+    assert y.requires_grad and torch.equal(y, ye)
+    y.square().sum().backward(), g.backward_dw()
+    ye.square().sum().backward(), eager_backward_dw(eager)
+    assert_same_as_eager(model, eager, "after the retry")
