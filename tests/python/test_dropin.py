@@ -222,6 +222,25 @@ def test_num_layers_per_chunk_as_one_int():
         dwgraph.make_graphed_callables(layers, samples, num_layers_per_chunk=2)
 
 
+@pytest.mark.parametrize("value,message", [
+    (True, r"must be a list of ints \(one per chunk\) or one int for every chunk, got bool"),
+    (2.0, r"must be a list of ints \(one per chunk\) or one int for every chunk, got float"),
+    ("22", r"must be a list of ints \(one per chunk\) or one int for every chunk, got str"),
+    ([True, 1], r"entry 0 must be an int, got bool"),
+    ([2, 2.0], r"entry 1 must be an int, got float"),
+    ([2, "2"], r"entry 1 must be an int, got str"),
+])
+def test_num_layers_per_chunk_that_is_not_ints_is_refused(value, message):
+    # The int form (issue 23) let a bool or a float through to a TypeError of Python's
+    # ('bool' object is not iterable), and the list form converted entries with int(): a
+    # string '22' or [True, 1] was accepted as layer counts. Checked before any conversion,
+    # as the order entries are.
+    layers = tuple(torch.nn.Linear(H, H) for _ in range(4))
+    samples = tuple((torch.randn(B, H, requires_grad=True),) for _ in range(4))
+    with pytest.raises(dwgraph.ArgumentError, match=message):
+        dwgraph.make_graphed_callables(layers, samples, order=[1, 2, -2, -1], num_layers_per_chunk=value)
+
+
 @pytest.mark.parametrize("spelling", ["clone_param_grads_on_return", "_clone_param_grads_on_return"])
 @pytest.mark.parametrize("value", [True, False])
 def test_clone_param_grads_on_return_is_accepted_and_grads_are_always_the_callers(spelling, value):

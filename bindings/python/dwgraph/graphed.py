@@ -393,10 +393,7 @@ def make_graphed_callables(
     if pre_warmup_hook is not None or post_warmup_hook is not None:
         post_warmup_hook = _refusing_hooks_after(post_warmup_hook, modules)
     # The core decides every schedule and slot question (graphs/schedule.h).
-    each = isinstance(num_layers_per_chunk, int) and not isinstance(num_layers_per_chunk, bool)
-    schedule = _C.graphs.Schedule.from_arguments(
-        order, None if num_layers_per_chunk is None or each else [int(n) for n in num_layers_per_chunk], len(modules),
-        num_layers_per_chunk if each else None)
+    schedule = _C.graphs.Schedule.from_arguments(order, num_layers_per_chunk, len(modules))
     if order is None and len({id(m) for m in modules}) != len(modules):
         raise ArgumentError("dwgraph.make_graphed_callables: the same module appears twice; each callable of the "
                             "sequential schedule gets one slot (use 'order' for one slot per microbatch)")
