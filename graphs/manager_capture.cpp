@@ -173,6 +173,9 @@ void GraphManager::capture(std::unique_ptr<Graph>& g, Phase phase, size_t s, Bod
   const auto& hook = callables_[slots_[s].info.callable].capture_time_hook;
   const bool hooked = hook && phase != Phase::kBackwardDw;
   if (hooked) hook(to_string(phase), false);
+  // A tensor hook registered on a parameter since (a warmup or capture-time hook) would run
+  // inside the captured backward and again at every replay.
+  if (phase == Phase::kBackward && capture_guard_ != nullptr) capture_guard_->take_tensor_hooks();
   g = make_graph(device_);
   g->set_name(c10::str(to_string(phase), " graph of ", where(s)));
   name_storages(*g, s);
@@ -288,6 +291,7 @@ void GraphManager::warmup() {
           std::vector<size_t> before;
           for (const auto& m : c.modules) before.push_back(m.store ? m.store->num_units() : 0);
           hook("backward", false);
+          if (capture_guard_ != nullptr) capture_guard_->take_tensor_hooks();  // registered since
           {
             const ops::AutocastStateGuard autocast(backward_autocast_);  // Note [Autocast in the backward]
             run_autograd_engine([&] {
@@ -694,6 +698,11 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
   // parameter, buffer and main_grad contents, flags, queued units and the RNG, whether
   // they finish or raise.
   CallerStateGuard guard(caller_state());
+  capture_guard_ = &guard;
+  struct Forget {
+    CallerStateGuard*& g;
+    ~Forget() { g = nullptr; }
+  } forget{capture_guard_};
   if (opts_.num_warmup_iters > 0 || opts_.pre_warmup_hook || opts_.post_warmup_hook) {
     guard.clear_grads();
     run_on_capture_stream(pool_, [this] { warmup(); });

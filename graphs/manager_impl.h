@@ -328,6 +328,9 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   c10::Device device_ = c10::Device(c10::kCPU);
   ops::AutocastState forward_autocast_;   // the capture's, what every call must match
   ops::AutocastState backward_autocast_;  // Note [Autocast in the backward]
+  // The guard of build() while it warms up and captures: each backward there takes the
+  // parameters' tensor hooks registered since off them first (CallerStateGuard::take_tensor_hooks).
+  CallerStateGuard* capture_guard_ = nullptr;
   bool grad_at_capture_ = true;  // grad mode at capture (Note [Calls eager autograd would differentiate further])
   std::atomic<bool> warned_eager_autograd_{false};
   std::vector<CapturedParameters> params_;    // per callable
