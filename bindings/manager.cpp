@@ -53,6 +53,46 @@ std::vector<double> order_values(const py::sequence& order) {
   return out;
 }
 
+// num_layers_per_chunk as TransformerEngine takes it: one int for every chunk, or one per
+// chunk; checked before any conversion, as the order entries are (a bool, a float or a
+// string is not a layer count).
+struct LayerCounts {
+  std::optional<std::vector<int64_t>> per_chunk;
+  std::optional<int64_t> each;
+};
+
+bool is_integer(const py::handle& v) { return PyIndex_Check(v.ptr()) && !py::isinstance<py::bool_>(v); }
+
+int64_t layer_count(const py::handle& v, const std::string& what) {
+  DWGRAPH_CHECK_ARG(is_integer(v), "dwgraph.make_graphed_callables: argument 'num_layers_per_chunk' ", what,
+                    " must be an int, got ", py::str(py::type::of(v).attr("__name__")).cast<std::string>());
+  const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  DWGRAPH_CHECK_ARG(overflow == 0, "dwgraph.make_graphed_callables: argument 'num_layers_per_chunk' ", what, " (",
+                    py::str(v).cast<std::string>(), ") is out of range");
+  return n;
+}
+
+LayerCounts layer_counts(const py::object& v) {
+  LayerCounts out;
+  if (v.is_none()) return out;
+  if (is_integer(v)) {
+    out.each = layer_count(v, "(one int for every chunk)");
+    return out;
+  }
+  const bool sequence = PySequence_Check(v.ptr()) && !PyUnicode_Check(v.ptr()) && !PyBytes_Check(v.ptr());
+  DWGRAPH_CHECK_ARG(sequence, "dwgraph.make_graphed_callables: argument 'num_layers_per_chunk' must be a list of "
+                    "ints (one per chunk) or one int for every chunk, got ",
+                    py::str(py::type::of(v).attr("__name__")).cast<std::string>());
+  std::vector<int64_t> counts;
+  const py::sequence seq = v;
+  for (size_t k = 0; k < py::len(seq); ++k) counts.push_back(layer_count(seq[k], c10::str("entry ", k)));
+  out.per_chunk = std::move(counts);
+  return out;
+}
+
 py::dict stats_dict(const GraphedStats& s) {
   py::dict d = pool_stats_dict(s.pool, "pool_");
   d["contribution_bytes"] = s.contribution_bytes;
@@ -199,13 +239,13 @@ void init_manager(py::module_& parent) {
           py::arg("order"), py::arg("num_layers_per_chunk"), py::arg("num_callables"))
       .def_static(
           "from_arguments",
-          [](const std::optional<py::sequence>& order, std::optional<std::vector<int64_t>> num_layers_per_chunk,
-             size_t num_callables, std::optional<int64_t> layers_each) {
+          // num_layers_per_chunk: None, one int for every chunk or a list of ints (layer_counts).
+          [](const std::optional<py::sequence>& order, const py::object& num_layers_per_chunk, size_t num_callables) {
+            const LayerCounts layers = layer_counts(num_layers_per_chunk);
             return Schedule::from_arguments(order ? std::optional<std::vector<double>>(order_values(*order)) : std::nullopt,
-                                            num_layers_per_chunk, num_callables, layers_each);
+                                            layers.per_chunk, num_callables, layers.each);
           },
-          py::arg("order"), py::arg("num_layers_per_chunk"), py::arg("num_callables"),
-          py::arg("layers_each") = py::none())
+          py::arg("order"), py::arg("num_layers_per_chunk"), py::arg("num_callables"))
       .def("check_per_slot", &Schedule::check_per_slot, py::arg("n"), py::arg("what"))
       .def_property_readonly("pipelined", &Schedule::pipelined)
       .def_property_readonly("num_slots", &Schedule::num_slots)

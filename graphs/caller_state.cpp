@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <unordered_set>
 
 namespace dwgraph::graphs {
@@ -67,16 +68,23 @@ CallerStateGuard::CallerStateGuard(CallerState state) : state_(std::move(state))
     stashes_.push_back(s->take_queued());
     s->suppress_hooks(true);
   }
-  if (state_.suspend_tensor_hooks) {
-    // Note [Parameter tensor hooks at replay]: taken off the parameters (AccumulateGrad
-    // reads them from the tensor when it runs), so warmup and capture run none.
-    for (const auto& p : state_.parameters) {
-      if (torch::autograd::impl::get_autograd_meta(p) == nullptr) continue;
-      auto& hooks = torch::autograd::impl::hooks(p);
-      if (hooks.empty()) continue;
-      tensor_hooks_.emplace_back(p, std::move(hooks));
-      hooks.clear();
-    }
+  take_tensor_hooks();
+}
+
+void CallerStateGuard::take_tensor_hooks() {
+  if (!state_.suspend_tensor_hooks) return;
+  // Note [Parameter tensor hooks at replay]: taken off the parameters (AccumulateGrad
+  // reads them from the tensor when it runs), so warmup and capture run none; put back in
+  // the order they were registered.
+  for (const auto& p : state_.parameters) {
+    if (torch::autograd::impl::get_autograd_meta(p) == nullptr) continue;
+    auto& hooks = torch::autograd::impl::hooks(p);
+    if (hooks.empty()) continue;
+    auto it = std::find_if(tensor_hooks_.begin(), tensor_hooks_.end(),
+                           [&](const auto& e) { return e.first.unsafeGetTensorImpl() == p.unsafeGetTensorImpl(); });
+    if (it == tensor_hooks_.end()) it = tensor_hooks_.emplace(tensor_hooks_.end(), p, decltype(it->second)());
+    for (auto& h : hooks) it->second.push_back(std::move(h));
+    hooks.clear();
   }
 }
 

@@ -56,6 +56,11 @@ class CallerStateGuard {
   // memory a captured backward-dw graph reads stays allocated until every backward-dw
   // graph is captured (Note [Backward-dw graphs are captured last]).
   void retain_consumed_units();
+  // Takes off the parameters the tensor hooks registered on them since (a warmup hook, a
+  // capture-time hook), until the guard ends, before each warmup or captured backward: one
+  // would run inside the capture and again at every replay (Note [Parameter tensor hooks at
+  // replay]).
+  void take_tensor_hooks();
 
  private:
   CallerState state_;

@@ -36,19 +36,26 @@ void Landing::land(const LiveMask& live, bool timed) const {
     }
   }
   if (timed) add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
-  // A hook may reset() the graphs that own this landing, destroying it: the hooks to run
-  // are copied first (nothing of the landing is read after them).
   // With no hooked module in the process and no hook outside a store, there is nothing to
   // scan: a landing's cost does not grow with the module tree (contract C10).
-  if (unconditional_hooks == 0 && ops::num_stores_with_hooks() == 0) return;
-  std::vector<std::function<void()>> run;
-  for (const auto& h : hooks) {
-    if (h.store && h.store->num_hooks() == 0) continue;
+  if (!hooks || (unconditional_hooks == 0 && ops::num_stores_with_hooks() == 0)) return;
+  // A hook may reset() the graphs that own this landing, destroying it (and `live`): the
+  // hooks are held here and which modules are live is read before any runs.
+  const std::shared_ptr<const std::vector<ModuleHooks>> held = hooks;
+  std::vector<uint8_t> live_module(held->size(), 0);
+  for (size_t k = 0; k < held->size(); ++k) {
+    const auto& h = (*held)[k];
     bool any = h.param_indices.empty();
     for (size_t i : h.param_indices) any = any || is_live(live, i);
-    if (any) run.push_back(h.run);
+    live_module[k] = any && (hooks_asked_at_turn || !h.store || h.store->num_hooks() > 0) ? 1 : 0;
   }
-  for (const auto& fn : run) fn();
+  // hooks_asked_at_turn: a hook an earlier module's hook registers on a later module runs
+  // in this landing, as that module's own backward_dw() after the earlier one's would run it.
+  const bool ask = hooks_asked_at_turn;
+  for (size_t k = 0; k < held->size(); ++k) {
+    const auto& h = (*held)[k];
+    if (live_module[k] && (!ask || !h.store || h.store->num_hooks() > 0)) h.run();
+  }
 }
 
 }  // namespace dwgraph::graphs

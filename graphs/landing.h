@@ -58,12 +58,19 @@ struct ModuleHooks {
 struct Landing {
   std::vector<Contribution> contributions;
   std::vector<FlagSetter> flags;
-  std::vector<ModuleHooks> hooks;  // filled through add_hook()
+  // Filled through add_hook(); shared so that land() holds them while they run (a hook may
+  // reset() the graphs that own this landing).
+  std::shared_ptr<std::vector<ModuleHooks>> hooks;
   size_t unconditional_hooks = 0;  // hooks without a store: they run whenever live
+  // Backward-dw landings ask each module whether it has hooks at its turn, as eager's
+  // backward_dw() of each module in turn would; others ask before any hook runs (an eager
+  // module whose weight gradients land in the backward runs the hooks it had at its forward).
+  bool hooks_asked_at_turn = false;
 
   void add_hook(ModuleHooks h) {
     if (!h.store) ++unconditional_hooks;
-    hooks.push_back(std::move(h));
+    if (!hooks) hooks = std::make_shared<std::vector<ModuleHooks>>();
+    hooks->push_back(std::move(h));
   }
 
   // ArgumentError, before anything is written, when an existing .grad has another dtype,
@@ -72,7 +79,7 @@ struct Landing {
   // Hand-off, flags, hooks, for the live parameters. `timed`: the hand-off's copies count
   // as backward_dw()'s copies in graphs/phase_timing.h.
   void land(const LiveMask& live = {}, bool timed = false) const;
-  bool empty() const { return contributions.empty() && flags.empty() && hooks.empty(); }
+  bool empty() const { return contributions.empty() && flags.empty() && (!hooks || hooks->empty()); }
 };
 
 // An index the mask does not cover (a parameter outside the callable's list) is live.

@@ -173,6 +173,9 @@ void GraphManager::capture(std::unique_ptr<Graph>& g, Phase phase, size_t s, Bod
   const auto& hook = callables_[slots_[s].info.callable].capture_time_hook;
   const bool hooked = hook && phase != Phase::kBackwardDw;
   if (hooked) hook(to_string(phase), false);
+  // A tensor hook registered on a parameter since (a warmup or capture-time hook) would run
+  // inside the captured backward and again at every replay.
+  if (phase == Phase::kBackward && capture_guard_ != nullptr) capture_guard_->take_tensor_hooks();
   g = make_graph(device_);
   g->set_name(c10::str(to_string(phase), " graph of ", where(s)));
   name_storages(*g, s);
@@ -236,7 +239,24 @@ void GraphManager::warmup() {
   // backward-dw step runs the units its own backward queued (a module used twice in the
   // forward queues two), as the capture does.
   const auto steps = schedule_.capture_steps(defers_);
-  if (opts_.pre_warmup_hook) opts_.pre_warmup_hook();
+  // The graphs are told at build() the grad mode and autocast state they are captured in
+  // (what the calls are compared with); a warmup hook that switched either would have the
+  // captures run in another one, silently: refused before anything is captured.
+  const auto unchanged_by = [this](const char* hook) {
+    DWGRAPH_CHECK_ARG(at::GradMode::is_enabled() == grad_at_capture_, kApi, ": argument '", hook,
+                      "' switched grad mode ", grad_at_capture_ ? "off" : "on", "; the graphs are captured in the "
+                      "grad mode of the make_graphed_callables call (calls are compared with it). Switch it around "
+                      "the call instead (with torch.no_grad(): ...)");
+    const ops::AutocastState now = ops::AutocastState::current();
+    DWGRAPH_CHECK_ARG(now == forward_autocast_, kApi, ": argument '", hook, "' changed the autocast state from ",
+                      forward_autocast_.describe(), " to ", now.describe(), "; the graphs are captured in the "
+                      "autocast state of the make_graphed_callables call. Enter torch.autocast around the call "
+                      "instead");
+  };
+  if (opts_.pre_warmup_hook) {
+    opts_.pre_warmup_hook();
+    unchanged_by("pre_warmup_hook");
+  }
   for (int it = 0; it < opts_.num_warmup_iters; ++it) {
     std::vector<std::vector<at::Tensor>> kept(slots_.size());  // per slot: its outputs that require grad
     std::vector<std::vector<size_t>> queued(slots_.size());    // per slot, per module: units its backward queued
@@ -271,6 +291,7 @@ void GraphManager::warmup() {
           std::vector<size_t> before;
           for (const auto& m : c.modules) before.push_back(m.store ? m.store->num_units() : 0);
           hook("backward", false);
+          if (capture_guard_ != nullptr) capture_guard_->take_tensor_hooks();  // registered since
           {
             const ops::AutocastStateGuard autocast(backward_autocast_);  // Note [Autocast in the backward]
             run_autograd_engine([&] {
@@ -311,7 +332,10 @@ void GraphManager::warmup() {
       }
     }
   }
-  if (opts_.post_warmup_hook) opts_.post_warmup_hook();
+  if (opts_.post_warmup_hook) {
+    opts_.post_warmup_hook();
+    unchanged_by("post_warmup_hook");
+  }
 }
 
 void GraphManager::capture_fwd(size_t s) {
@@ -473,6 +497,10 @@ void GraphManager::record_reach(size_t s, const std::vector<at::Tensor>& outs, c
 
 void GraphManager::capture_dw(size_t s) {
   Slot& slot = slots_[s];
+  // No backward graph (nothing required grad: a capture under torch.no_grad()), so no
+  // backward queued anything: calls with grad run eagerly (Note [Calls eager autograd would
+  // differentiate further]) and backward_dw() lands the units their backwards queue.
+  if (!slot.bwd) return;
   const auto& c = callables_[slot.info.callable];
   std::vector<at::Tensor> deferred;
   for (const auto& m : c.modules) {
@@ -484,6 +512,7 @@ void GraphManager::capture_dw(size_t s) {
   // parameter tied between two modules receives a, then b, exactly as the eager modules
   // hand them over (.grad = a; .grad += b).
   Landing landing;
+  landing.hooks_asked_at_turn = true;
   capture(slot.dw, Phase::kBackwardDw, s, [&] {
     for (size_t k = 0; k < c.modules.size(); ++k) {
       const auto& m = c.modules[k];
@@ -669,6 +698,11 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
   // parameter, buffer and main_grad contents, flags, queued units and the RNG, whether
   // they finish or raise.
   CallerStateGuard guard(caller_state());
+  capture_guard_ = &guard;
+  struct Forget {
+    CallerStateGuard*& g;
+    ~Forget() { g = nullptr; }
+  } forget{capture_guard_};
   if (opts_.num_warmup_iters > 0 || opts_.pre_warmup_hook || opts_.post_warmup_hook) {
     guard.clear_grads();
     run_on_capture_stream(pool_, [this] { warmup(); });

@@ -88,6 +88,16 @@
 // modules) its backward_dw() are eager's exactly. A warning says so once per set, since
 // the graphs save nothing there; capturing with samples that require grad replays them.
 //
+// Note [Deferred work of a pipeline slot]: with a pipeline order each microbatch has its
+// own slot, and a slot's backward_dw() lands that microbatch's work: its graphed backward's
+// when one is pending, else the oldest units its modules queued eagerly (a call that ran
+// eagerly: a mode not captured, Note [Calls eager autograd would differentiate further]).
+// A pending graphed backward never yields to an older eager unit there, as it does in the
+// sequential schedule (whose one slot per callable makes eager units and replays one FIFO):
+// that unit is another microbatch's, whose slot lands it at its own W step. Yielding made
+// W steps in another order than the backwards land the wrong microbatch first and then
+// refuse the other one ('no backward is pending') with a graphed backward still pending.
+//
 // Note [Autocast in the backward]: the autograd engine runs a backward in the autocast
 // state of the thread that started it, so an op that the forward ran in FP32 (an
 // autocast(enabled=False) region, an FP32 input) has its backward run in BF16 when
@@ -318,6 +328,9 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   c10::Device device_ = c10::Device(c10::kCPU);
   ops::AutocastState forward_autocast_;   // the capture's, what every call must match
   ops::AutocastState backward_autocast_;  // Note [Autocast in the backward]
+  // The guard of build() while it warms up and captures: each backward there takes the
+  // parameters' tensor hooks registered since off them first (CallerStateGuard::take_tensor_hooks).
+  CallerStateGuard* capture_guard_ = nullptr;
   bool grad_at_capture_ = true;  // grad mode at capture (Note [Calls eager autograd would differentiate further])
   std::atomic<bool> warned_eager_autograd_{false};
   std::vector<CapturedParameters> params_;    // per callable

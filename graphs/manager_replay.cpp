@@ -537,8 +537,10 @@ void GraphManager::backward_dw(size_t s) {
   }
   // FIFO (contract C1): eager units its modules queued before the graphed backward (calls
   // in a mode the graphs were not captured in) land first, as their backward_dw() would.
+  // Not in the pipeline schedule: there each microbatch has its own slot and its
+  // backward_dw() lands that microbatch's work (Note [Deferred work of a pipeline slot]).
   bool older_eager = false;
-  if (ops::num_queued_units_anywhere() > 0) {
+  if (state == SlotState::kDwPending && !schedule_.pipelined() && ops::num_queued_units_anywhere() > 0) {
     for (const auto& store : deferring_stores(ci)) {
       const auto oldest = store->oldest_sequence();
       older_eager = older_eager || (oldest && *oldest < sequence);

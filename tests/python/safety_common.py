@@ -134,6 +134,15 @@ def eager_backward_dw(model: torch.nn.Module) -> None:
         m.backward_dw()
 
 
+def step_graphed_and_eager(graphed, eager: torch.nn.Module, x: torch.Tensor) -> None:
+    """One training step of each on `x`: the sum of squares' backward, then backward_dw()
+    (the graphed callable's, every deferred module's of the eager twin)."""
+    graphed(x).square().sum().backward()
+    graphed.backward_dw()
+    eager(x).square().sum().backward()
+    eager_backward_dw(eager)
+
+
 def snapshot_grads(model: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
     return {n: None if gradient(p) is None else gradient(p).clone() for n, p in model.named_parameters()}
 

@@ -222,6 +222,25 @@ def test_num_layers_per_chunk_as_one_int():
         dwgraph.make_graphed_callables(layers, samples, num_layers_per_chunk=2)
 
 
+@pytest.mark.parametrize("value,message", [
+    (True, r"must be a list of ints \(one per chunk\) or one int for every chunk, got bool"),
+    (2.0, r"must be a list of ints \(one per chunk\) or one int for every chunk, got float"),
+    ("22", r"must be a list of ints \(one per chunk\) or one int for every chunk, got str"),
+    ([True, 1], r"entry 0 must be an int, got bool"),
+    ([2, 2.0], r"entry 1 must be an int, got float"),
+    ([2, "2"], r"entry 1 must be an int, got str"),
+])
+def test_num_layers_per_chunk_that_is_not_ints_is_refused(value, message):
+    # The int form (issue 23) let a bool or a float through to a TypeError of Python's
+    # ('bool' object is not iterable), and the list form converted entries with int(): a
+    # string '22' or [True, 1] was accepted as layer counts. Checked before any conversion,
+    # as the order entries are.
+    layers = tuple(torch.nn.Linear(H, H) for _ in range(4))
+    samples = tuple((torch.randn(B, H, requires_grad=True),) for _ in range(4))
+    with pytest.raises(dwgraph.ArgumentError, match=message):
+        dwgraph.make_graphed_callables(layers, samples, order=[1, 2, -2, -1], num_layers_per_chunk=value)
+
+
 @pytest.mark.parametrize("spelling", ["clone_param_grads_on_return", "_clone_param_grads_on_return"])
 @pytest.mark.parametrize("value", [True, False])
 def test_clone_param_grads_on_return_is_accepted_and_grads_are_always_the_callers(spelling, value):
@@ -542,10 +561,11 @@ def test_parameterless_module_captured_without_grad_called_with_grad():
 
 
 class _CountingMLP(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, deferred: bool = False):
         super().__init__()
         torch.manual_seed(3)
-        self.net = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.GELU(), torch.nn.Linear(H, H))
+        first = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True) if deferred else torch.nn.Linear(H, H)
+        self.net = torch.nn.Sequential(first, torch.nn.GELU(), torch.nn.Linear(H, H))
         self.eager_calls = 0
 
     def forward(self, x):
@@ -553,11 +573,14 @@ class _CountingMLP(torch.nn.Module):
         return self.net(x)
 
 
-def test_a_capture_under_no_grad_called_with_grad_runs_eagerly():
+@pytest.mark.parametrize("deferred", [False, True], ids=["torch_linear", "deferred_linear"])
+def test_a_capture_under_no_grad_called_with_grad_runs_eagerly(deferred):
     # Captured under torch.no_grad(), the graphs hold no autograd graph: with grad enabled
     # eager's output would require grad (trainable weights), so such calls run eagerly and
-    # train exactly as eager; under no_grad they replay.
-    model = _CountingMLP()
+    # train exactly as eager; under no_grad they replay. With a deferred module the capture
+    # failed ('no wgrad unit queued after its backward capture'): it tried a backward-dw
+    # graph for a backward that does not exist; backward_dw() now lands the eager units.
+    model = _CountingMLP(deferred)
     eager = copy.deepcopy(model)
     with torch.no_grad():
         g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
@@ -567,11 +590,17 @@ def test_a_capture_under_no_grad_called_with_grad_runs_eagerly():
         y, ye = g(x), eager(x)
         assert y.requires_grad and torch.equal(y, ye)
         y.square().sum().backward(), ye.square().sum().backward()
+        if deferred:
+            g.backward_dw(), eager_backward_dw(eager)
+            assert model.net[0].num_pending_wgrad_units() == 0
         assert_same_as_eager(model, eager, f"step {step}")
     assert model.eager_calls == captured + 2
     with torch.no_grad():
         x = torch.randn(B, H)
         assert torch.equal(g(x), eager(x)) and model.eager_calls == captured + 2, "a call under no_grad did not replay"
+    if deferred:
+        with pytest.raises(dwgraph.GraphStateError, match="no backward is pending"):
+            g.backward_dw()
 
 
 @pytest.mark.parametrize("warmups", [0, 2])
@@ -614,3 +643,65 @@ def test_pre_and_post_warmup_hooks(warmups):
     g = dwgraph.make_graphed_callables(lin, (torch.randn(B, H),))  # a failed capture can be retried
     g(torch.randn(B, H)).sum().backward()
     g.backward_dw()
+
+
+@pytest.mark.parametrize("registered_in", ["pre_warmup_hook", "post_warmup_hook"])
+def test_module_hooks_a_warmup_hook_registers_are_refused_before_capture(registered_in):
+    # The refusal of module hooks present at capture ran before the warmup hooks: a forward
+    # hook one registered on a submodule was captured into the graphs, every call was refused
+    # as 'registered after capture', and once the hook was removed the replays still applied
+    # it (silently not eager's output). It is now refused before anything is captured, and a
+    # hook the warmup hooks remove again is fine.
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    handles = []
+
+    def register():
+        handles.append(model[2].register_forward_hook(lambda mod, args, out: out * 2))
+
+    with pytest.raises(dwgraph.ArgumentError, match=r"forward hooks registered on '2' \(by pre_warmup_hook or "
+                                                    r"post_warmup_hook\); they would run during capture"):
+        dwgraph.make_graphed_callables(model, (torch.randn(B, H),), **{registered_in: register})
+    handles.pop().remove()
+    assert "dwgraph_graphed" not in model.__dict__
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),), pre_warmup_hook=register,
+                                       post_warmup_hook=lambda: handles.pop().remove())
+    for step in range(2):
+        x = torch.randn(B, H)
+        y, ye = g(x), eager(x)
+        assert torch.equal(y, ye), "the replays differ from eager"
+        y.square().sum().backward(), g.backward_dw()
+        ye.square().sum().backward(), eager_backward_dw(eager)
+        assert_same_as_eager(model, eager, f"step {step}")
+
+
+_STATE_SWITCHES = {
+    "grad_off": (lambda: torch.set_grad_enabled(False), lambda: torch.set_grad_enabled(True), "switched grad mode off"),
+    "autocast_on": (lambda: torch.set_autocast_enabled("cpu", True), lambda: torch.set_autocast_enabled("cpu", False),
+                    "changed the autocast state"),
+}
+
+
+@pytest.mark.parametrize("switch", list(_STATE_SWITCHES))
+@pytest.mark.parametrize("hook", ["pre_warmup_hook", "post_warmup_hook"])
+def test_a_warmup_hook_that_switches_grad_mode_or_autocast_is_refused(hook, switch):
+    # The core reads the grad mode and autocast state of the capture before the warmup
+    # hooks run: one that left grad off had the graphs captured without grad while the calls
+    # were compared with grad on, so calls with grad replayed outputs that did not require
+    # grad (silently no gradients). Refused before anything is captured; the retry captures.
+    on, off, message = _STATE_SWITCHES[switch]
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    try:
+        with pytest.raises(dwgraph.ArgumentError, match=f"argument '{hook}' {message}"):
+            dwgraph.make_graphed_callables(model, (torch.randn(B, H),), **{hook: on})
+    finally:
+        off()
+    assert model[0].num_queued_wgrad_units() == 0 and all(p.grad is None for p in model.parameters())
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),), **{hook: lambda: (on(), off())})
+    x = torch.randn(B, H)
+    y, ye = g(x), eager(x)
+    assert y.requires_grad and torch.equal(y, ye)
+    y.square().sum().backward(), g.backward_dw()
+    ye.square().sum().backward(), eager_backward_dw(eager)
+    assert_same_as_eager(model, eager, "after the retry")

@@ -311,17 +311,23 @@ def test_non_deferred_wgrad_hooks_fire_once_per_step_after_landing(device, mode)
          f"saw the landed gradient: {landed}")
 
 
+def _graphed_two_linears(device, delay):
+    """Two seeded dwgraph Linears in a Sequential, graphed, with an eager twin: (graphed
+    model, eager model, its GraphedCallable)."""
+    torch.manual_seed(0)
+    graphed_model = torch.nn.Sequential(make_module("linear", delay=delay, device=device),
+                                        make_module("linear", delay=delay, device=device))
+    eager_model = copy.deepcopy(graphed_model)
+    return graphed_model, eager_model, dwgraph.make_graphed_callables(graphed_model, sample(device=device))
+
+
 @pytest.mark.parametrize("delay", [True, False])
 def test_wgrad_hooks_added_and_removed_after_capture_follow_eager(device, delay):
     """A landing skips its per-module hook scan while no module in the process has a wgrad
     hook (contract C10): a hook registered after capture must still run from the next
     replay on, and one removed must stop, exactly as on the eager twin, with the gradients
     landed either way."""
-    torch.manual_seed(0)
-    graphed_model = torch.nn.Sequential(make_module("linear", delay=delay, device=device),
-                                        make_module("linear", delay=delay, device=device))
-    eager_model = copy.deepcopy(graphed_model)
-    g = dwgraph.make_graphed_callables(graphed_model, sample(device=device))
+    graphed_model, eager_model, g = _graphed_two_linears(device, delay)
     logs = {"graphed": [], "eager": []}
     handles = {}
     xs = [torch.randn(ROWS, HIDDEN, device=device) for _ in range(5)]
@@ -345,6 +351,33 @@ def test_wgrad_hooks_added_and_removed_after_capture_follow_eager(device, delay)
     for pg, pe in zip(graphed_model.parameters(), eager_model.parameters()):
         assert torch.equal(pg.grad, pe.grad)
 
+
+
+def test_a_wgrad_hook_registered_by_another_modules_hook_runs_as_in_eager(device):
+    """A backward-dw landing decided which modules had hooks before running any: a hook that
+    module 0's hook registered on module 1 did not run in that landing, where eager's
+    backward_dw() of module 1, after module 0's, runs it. Each module is now asked at its
+    turn."""
+    graphed_model, eager_model, g = _graphed_two_linears(device, delay=True)
+    logs = {"graphed": [], "eager": []}
+    for name, model in (("graphed", graphed_model), ("eager", eager_model)):
+        def first(mod, model=model, log=logs[name], registered=[]):
+            log.append("first")
+            if not registered:
+                registered.append(model[1].register_wgrad_hook(lambda mod, log=log: log.append("second")))
+
+        model[0].register_wgrad_hook(first)
+    for step in range(2):
+        x = torch.randn(ROWS, HIDDEN, device=device)
+        graphed_model(x).square().sum().backward()
+        g.backward_dw()
+        eager_model(x).square().sum().backward()
+        for m in eager_model:
+            m.backward_dw()
+        assert logs["graphed"] == logs["eager"], f"step {step}: {logs}"
+    assert logs["eager"] == ["first", "second"] * 2
+    for pg, pe in zip(graphed_model.parameters(), eager_model.parameters()):
+        assert torch.equal(pg.grad, pe.grad)
 
 # -------------------------------------------------------- (e) a non-dwgraph deferred module
 class _QueuedWgradLinear(torch.autograd.Function):

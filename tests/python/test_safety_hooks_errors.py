@@ -25,7 +25,8 @@ import pytest
 import torch
 
 import dwgraph
-from safety_common import SMALL_B, SMALL_H, assert_same_as_eager, deferred_bn_linear, eager_backward_dw, two_deferred
+from safety_common import (SMALL_B, SMALL_H, assert_same_as_eager, deferred_bn_linear, eager_backward_dw,
+                           step_graphed_and_eager, two_deferred)
 
 H = 16
 B = 8
@@ -204,6 +205,36 @@ def test_parameter_tensor_hooks_run_as_in_eager(action, when):
     assert logs["eager"]["2.weight"] == [None] * ran, "the deferred weight's hook saw a gradient in eager"
     assert all(len(v) == ran for v in logs["graphed"].values()), "a removed hook still ran"
 
+
+
+@pytest.mark.parametrize("registered_in", ["pre_warmup_hook", "forward_pre_hooks", "backward_pre_hooks"])
+def test_parameter_tensor_hooks_registered_during_warmup_or_capture_run_as_in_eager(registered_in):
+    # The guard took the parameters' tensor hooks off them once, before warmup: a hook a
+    # warmup hook or a capture-time hook registered afterwards ran inside the captured
+    # backward and again at every replay (a doubling hook doubled twice, silently). Each
+    # warmup and captured backward now takes such hooks off first; they run at the replays.
+    model = _tensor_hook_model()
+    eager = copy.deepcopy(model)
+    logs = {"graphed": [], "eager": []}
+
+    def register(mm, log):
+        mm[0].weight.register_hook(lambda g: (log.append(g.clone()), g * 2)[1])
+
+    once = []
+
+    def from_graphing(*_):
+        if not once:
+            once.append(register(model, logs["graphed"]))
+
+    hooks = {"pre_warmup_hook": from_graphing} if registered_in == "pre_warmup_hook" else \
+        {"capture_time_hooks": [{registered_in: {0: from_graphing}}]}
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),), num_warmup_iters=2, **hooks)
+    assert logs["graphed"] == [], "the hook ran during warmup or capture"
+    register(eager, logs["eager"])
+    for step in range(2):
+        step_graphed_and_eager(g, eager, torch.randn(B, H))
+        assert _same_logs({"h": logs["graphed"]}, {"h": logs["eager"]}), f"step {step}: the hook saw other gradients"
+        assert_same_as_eager(model, eager, f"step {step}")
 
 def test_submodule_hooks_after_capture_are_refused():
     m = deferred_bn_linear()

@@ -466,6 +466,56 @@ def test_graphed_backward_dw_lands_eager_units_in_fifo_order(eager_first, device
         m.backward_dw()
 
 
+
+# A pipeline's W steps out of backward order, one microbatch's call eager: (events, the eager one).
+_MIXED_PIPELINE = {
+    "eager_first_w_reversed": ([("F", 0), ("F", 1), ("B", 0), ("B", 1), ("W", 1), ("W", 0)], 0),
+    "eager_second_b_reversed": ([("F", 0), ("F", 1), ("B", 1), ("B", 0), ("W", 0), ("W", 1)], 1),
+}
+
+
+@pytest.mark.parametrize("why", ["input_requires_grad", "eval"])
+@pytest.mark.parametrize("events", list(_MIXED_PIPELINE))
+def test_pipeline_slot_lands_its_own_microbatch_when_another_ran_eagerly(events, why):
+    # Note [Deferred work of a pipeline slot]: each slot's backward_dw() lands its own
+    # microbatch's work. A slot whose graphed backward was pending yielded to an older eager
+    # unit (another microbatch's call that ran eagerly), landing that microbatch's gradient,
+    # and the eager microbatch's own W step then found nothing ("no backward is pending")
+    # with the graphed backward still pending.
+    events, eager_mb = _MIXED_PIPELINE[events]
+    torch.manual_seed(5)
+    lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+    eager, alone = copy.deepcopy(lin), [copy.deepcopy(lin) for _ in range(2)]
+    order = [1 if p == "F" else -1 if p == "B" else -1.5 for p, _ in
+             [("F", 0), ("F", 1), ("B", 0), ("B", 1), ("W", 0), ("W", 1)]]
+    slots = dwgraph.make_graphed_callables((lin,), tuple((torch.randn(B, H),) for _ in range(2)), order=order,
+                                           pool=dwgraph.graphs.graph_pool_handle("cpu"))
+    xs = [torch.randn(B, H, requires_grad=why == "input_requires_grad" and mb == eager_mb) for mb in range(2)]
+    xe = [x.detach().clone().requires_grad_(x.requires_grad) for x in xs]
+    for mb in range(2):  # each microbatch's own weight gradient, from a module of its own
+        alone[mb](xs[mb].detach()).square().sum().backward()
+        alone[mb].backward_dw()
+    outs, eouts = {}, {}
+    for phase, mb in events:
+        if phase == "F":
+            lin.train(not (why == "eval" and mb == eager_mb))
+            outs[mb], eouts[mb] = slots[mb](xs[mb]), eager(xe[mb])
+            lin.train()
+        elif phase == "B":
+            outs.pop(mb).square().sum().backward()
+            eouts.pop(mb).square().sum().backward()
+        else:
+            first = lin.weight.grad is None
+            slots[mb].backward_dw()
+            eager.backward_dw()
+            if first:
+                assert torch.equal(lin.weight.grad, alone[mb].weight.grad), \
+                    f"microbatch {mb}'s backward_dw() landed another microbatch's gradient"
+    assert lin.num_pending_wgrad_units() == 0, "a graphed backward was left pending"
+    # Two contributions add up bitwise in either order: the eager module's FIFO is the reference.
+    assert_same_grads_and_params(lin, eager, "after both W steps")
+    assert all(x.grad is None if not x.requires_grad else torch.equal(x.grad, y.grad) for x, y in zip(xs, xe))
+
 def test_replaced_buffer_is_refused():
     m = deferred_bn_linear()
     g = dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H),))

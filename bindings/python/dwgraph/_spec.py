@@ -219,19 +219,20 @@ def user_global_hook_kind():
     return hooks[0][0] if hooks else None
 
 
-def refuse_hooks(index: int, module: torch.nn.Module) -> None:
-    """Hooks present at capture would run inside the captured region and never at replay."""
+def refuse_hooks(index: int, module: torch.nn.Module, by: str = "") -> None:
+    """Hooks present at capture would run inside the captured region and never at replay.
+    `by` names who registered them when it is known (the warmup hooks)."""
     hook = first_hook(module, include_self=True)
     if hook is not None:
         raise ArgumentError(
             f"dwgraph.make_graphed_callables: module {index} ('{type(module).__name__}') has {hook[1]} registered "
-            f"on {hook[0]}; they would run during capture and never at replay. Register module hooks after "
+            f"on {hook[0]}{by}; they would run during capture and never at replay. Register module hooks after "
             "make_graphed_callables on the module itself (they then run around each replay), or pass capture-time "
             "hooks with capture_time_hooks=")
     kind = user_global_hook_kind()
     if kind is not None:
         raise ArgumentError(
-            f"dwgraph.make_graphed_callables: global module {kind[8:].replace('_', ' ')} are registered "
+            f"dwgraph.make_graphed_callables: global module {kind[8:].replace('_', ' ')} are registered{by} "
             "(torch.nn.modules.module.register_module_*_hook); they would run during capture and never at "
             "replay. Remove them while capturing")
     for name, buf in module.named_buffers():

@@ -240,6 +240,22 @@ def _resolve_pool(pool):
                         f"a torch.cuda.graph_pool_handle() or a torch.cuda.MemPool, got {type(pool).__name__}")
 
 
+def _refusing_hooks_after(post_warmup_hook, modules):
+    """The post_warmup_hook handed to the core, which calls it last before the captures: the
+    caller's, then the refusal of module hooks present at capture once more, since the warmup
+    hooks ran after the first (a hook one registers on a submodule would be captured into
+    the graphs, refused at every call as registered after capture, and its effect would stay
+    in the replays once removed)."""
+    def run():
+        if post_warmup_hook is not None:
+            post_warmup_hook()
+        for i, m in enumerate(modules):
+            if isinstance(m, torch.nn.Module):
+                _spec.refuse_hooks(i, m, " (by pre_warmup_hook or post_warmup_hook)")
+
+    return run
+
+
 # TransformerEngine's FP8 arguments of make_graphed_callables, current and older spellings.
 _TE_FP8_ARGUMENTS = ("enabled", "calibrating", "recipe", "amax_reduction_group", "cache_quantized_params",
                      "fp8_enabled", "fp8_calibrating", "fp8_recipe", "fp8_group", "fp8_weight_caching")
@@ -374,11 +390,10 @@ def make_graphed_callables(
         if not callable(m):
             raise ArgumentError(f"dwgraph.make_graphed_callables: modules[{i}] must be a torch.nn.Module or a "
                                 f"callable, got {type(m).__name__}")
+    if pre_warmup_hook is not None or post_warmup_hook is not None:
+        post_warmup_hook = _refusing_hooks_after(post_warmup_hook, modules)
     # The core decides every schedule and slot question (graphs/schedule.h).
-    each = isinstance(num_layers_per_chunk, int) and not isinstance(num_layers_per_chunk, bool)
-    schedule = _C.graphs.Schedule.from_arguments(
-        order, None if num_layers_per_chunk is None or each else [int(n) for n in num_layers_per_chunk], len(modules),
-        num_layers_per_chunk if each else None)
+    schedule = _C.graphs.Schedule.from_arguments(order, num_layers_per_chunk, len(modules))
     if order is None and len({id(m) for m in modules}) != len(modules):
         raise ArgumentError("dwgraph.make_graphed_callables: the same module appears twice; each callable of the "
                             "sequential schedule gets one slot (use 'order' for one slot per microbatch)")
