@@ -3,10 +3,12 @@
 #include "common/autograd_node.h"
 #include "common/check.h"
 #include "ops/autocast.h"
+#include "ops/fp8.h"
 #include "ops/gemm.h"
 #include "ops/impl/wgrad_landing.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
@@ -167,6 +169,19 @@ class DeferredGemmNode : public torch::autograd::Node {
   virtual detail::WgradGemm wgrad_gemm_for(size_t i, const at::Tensor& dy, const at::Tensor& x) = 0;
   // Column sum of dy for bias `i` when the weight needs no gradient.
   virtual at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) = 0;
+  // Called once per backward with the output gradient, before any GEMM (an FP8 node
+  // quantizes it here, once for dgrad and wgrad).
+  virtual void begin_backward(const at::Tensor& /*dy*/) {}
+  // The weights dgrad multiplies by: those materialised for backward, in the forward's
+  // autocast dtype.
+  virtual std::vector<at::Tensor> weights_for_dgrad() {
+    std::vector<at::Tensor> wb;
+    wb.reserve(weights_.size());
+    for (const auto& w : weights_) wb.push_back(autocast_operand(w->for_backward(), gemm_dtype_).contiguous());
+    return wb;
+  }
+  // The output gradient queued weight-gradient work keeps (checked for in-place changes).
+  virtual at::Tensor wgrad_grad_output(const at::Tensor& dy) { return dy; }
 
   variable_list apply(variable_list&& grads) override {
     // The forward's precision, whatever autocast region the backward runs in.
@@ -180,12 +195,8 @@ class DeferredGemmNode : public torch::autograd::Node {
     // Unpacking applies the saved-tensor hooks to the activation; the weights are ours.
     const at::Tensor x = x_.unpack();
 
-    if (task_should_compute_output(0)) {
-      std::vector<at::Tensor> wb;
-      wb.reserve(nw);
-      for (const auto& w : weights_) wb.push_back(autocast_operand(w->for_backward(), gemm_dtype_).contiguous());
-      out[0] = dgrad(dy, wb).view(x_sizes_);
-    }
+    begin_backward(dy);
+    if (task_should_compute_output(0)) out[0] = dgrad(dy, weights_for_dgrad()).view(x_sizes_);
 
     // Only what the engine asked for: a backward for the inputs alone (torch.autograd.grad
     // w.r.t. activations, as pipelining's shape inference and dI step run) has no weight
@@ -211,7 +222,8 @@ class DeferredGemmNode : public torch::autograd::Node {
     }
     if (!any_work) return out;
     auto check = [module = cfg_.module_name, weights = weights_] { check_main_grads(module, weights); };
-    auto stale = [module = cfg_.module_name, x, xv = x._version(), dy, dv = dy._version()] {
+    const at::Tensor kept_dy = wgrad_grad_output(dy);
+    auto stale = [module = cfg_.module_name, x, xv = x._version(), dy = kept_dy, dv = kept_dy._version()] {
       check_not_stale(module, x, xv, dy, dv);
     };
     auto work = [cfg = cfg_, weights = weights_, biases = biases_, need_b, gemms = std::move(gemms),
@@ -279,6 +291,75 @@ class LinearBackward final : public DeferredGemmNode {
   at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) override {
     return at::sum(dy, {0}, false, biases_[i]->param.scalar_type());
   }
+};
+
+// Note [FP8 Linear]: under fp8_autocast the forward quantizes its input and weight
+// (E4M3) with the module's scaling state (ops/fp8.h) and multiplies them in FP8 into FP32.
+// The node keeps the quantized input (as its saved activation, so saved-tensor hooks see
+// it) and the quantized weight, never their high-precision forms; its backward quantizes
+// the output gradient once (E5M2 under HYBRID) for both dgrad (dyq · wq) and the weight
+// gradient (dyqᵀ · xq), which a deferred unit keeps in FP8 until backward_dw(). The bias
+// gradient is the column sum of the unquantized output gradient, computed in the backward
+// and kept as [N] FP32 by a deferred unit.
+class Fp8LinearBackward final : public DeferredGemmNode {
+ public:
+  Fp8LinearBackward(WgradConfig cfg, std::vector<WeightRefPtr> weights, std::vector<WeightRefPtr> biases,
+                    Fp8Recipe recipe, Fp8Meta meta, int64_t column0, at::Tensor x_scale_inv, fp8::Quantized wq,
+                    at::ScalarType dx_dtype)
+      : DeferredGemmNode(std::move(cfg), std::move(weights), std::move(biases)),
+        recipe_(recipe),
+        meta_(std::move(meta)),
+        column0_(column0),
+        x_scale_inv_(std::move(x_scale_inv)),
+        wq_(std::move(wq)),
+        dx_dtype_(dx_dtype) {}
+  std::string name() const override { return "dwgraph::Fp8LinearBackward"; }
+  void release_variables() override {
+    DeferredGemmNode::release_variables();
+    wq_ = {};
+    dyq_ = {};
+    dbias_ = at::Tensor();
+  }
+
+ protected:
+  void begin_backward(const at::Tensor& dy) override {
+    dyq_ = fp8::quantize(dy, recipe_.backward_dtype(), recipe_, meta_, column0_ + fp8::kGradOutput);
+    dbias_ = biases_.empty() ? at::Tensor() : at::sum(dy, {0}, false, at::kFloat);
+  }
+  std::vector<at::Tensor> weights_for_dgrad() override { return {}; }
+  at::Tensor wgrad_grad_output(const at::Tensor&) override { return dyq_.data; }
+  at::Tensor dgrad(const at::Tensor&, const std::vector<at::Tensor>&) override {
+    DWGRAPH_CHECK_STATE(wq_.defined(), cfg_.module_name, ": the FP8 backward ran a second time without "
+                        "retain_graph=True; its quantized weight was released");
+    return fp8::mm(dyq_, wq_).to(dx_dtype_);
+  }
+  detail::WgradGemm wgrad_gemm_for(size_t, const at::Tensor&, const at::Tensor& x) override {
+    return [dyq = fp8::t(dyq_), xq = fp8::Quantized{x, x_scale_inv_}, dbias = dbias_](
+               const at::Tensor& out, bool accumulate, const at::Tensor& bias_out) {
+      const at::Tensor p = fp8::mm(dyq, xq);  // [N, K], FP32
+      if (!accumulate) {
+        out.copy_(p);
+      } else if (out.scalar_type() == at::kFloat) {
+        out.add_(p);  // main_grad: the FP32 product accumulates in FP32
+      } else {
+        out.copy_(at::add(out.to(at::kFloat), p));  // add in FP32, round once
+      }
+      if (bias_out.defined()) bias_out.copy_(dbias);
+    };
+  }
+  at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) override {
+    return at::sum(dy, {0}, false, biases_[i]->param.scalar_type());
+  }
+
+ private:
+  Fp8Recipe recipe_;
+  Fp8Meta meta_;
+  int64_t column0_;
+  at::Tensor x_scale_inv_;
+  fp8::Quantized wq_;
+  at::ScalarType dx_dtype_;
+  fp8::Quantized dyq_;
+  at::Tensor dbias_;
 };
 
 class GroupedLinearBackward final : public DeferredGemmNode {
@@ -377,8 +458,24 @@ std::vector<WeightRefPtr> non_null(std::initializer_list<WeightRefPtr> refs) {
 
 }  // namespace
 
-at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightRefPtr& bias,
-                  const WgradConfig& cfg) {
+namespace {
+
+// Which FP8 state a GEMM of a module uses: the thread's fp8_autocast state when the forward
+// ran, the module's scaling state and the GEMM's index in it.
+struct Fp8Slot {
+  Fp8State state;
+  Fp8Meta meta;
+  int64_t gemm = 0;
+};
+
+Fp8Slot fp8_slot(const std::string& module, const Fp8Meta& meta, int64_t gemms) {
+  Fp8Slot slot{Fp8State::current(), meta, 0};
+  if (slot.state.enabled) fp8::check_meta(module, meta, slot.state.recipe, gemms);
+  return slot;
+}
+
+at::Tensor linear_impl(const at::Tensor& x, const WeightRefPtr& weight, const WeightRefPtr& bias,
+                       const WgradConfig& cfg, const Fp8Slot& fp8) {
   check_config(cfg);
   DWGRAPH_CHECK_ARG(weight != nullptr && weight->param.defined() && weight->param.dim() == 2,
                     cfg.module_name, ": weight must be a 2-D [out_features, in_features] parameter");
@@ -389,6 +486,27 @@ at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightR
   check_fused_weights(cfg, {weight});
   const at::Tensor xin = autocast_operand(x, gemm_dtype);
   at::Tensor w, x2d, y;
+  if (fp8.state.enabled) {
+    // Note [FP8 Linear].
+    const Fp8Recipe& recipe = fp8.state.recipe;
+    const int64_t c0 = fp8::kRoles * fp8.gemm;
+    fp8::Quantized xq, wq;
+    {
+      BelowAutograd below;
+      w = weight->for_forward();
+      x2d = xin.reshape({-1, xin.size(-1)});
+      xq = fp8::quantize(x2d, recipe.forward_dtype(), recipe, fp8.meta, c0 + fp8::kInput);
+      wq = fp8::quantize(w, recipe.forward_dtype(), recipe, fp8.meta, c0 + fp8::kWeight);
+      at::Tensor y32 = fp8::mm(xq, fp8::t(wq));
+      if (bias) y32.add_(bias->param.to(at::kFloat));
+      std::vector<int64_t> shape = xin.sizes().vec();
+      shape.back() = w.size(0);
+      y = y32.to(xin.scalar_type()).view(shape);
+    }
+    connect<Fp8LinearBackward>(y, xin, xq.data, cfg, gemm_dtype, {weight}, {w}, non_null({bias}), recipe,
+                               fp8.meta, c0, xq.scale_inv, wq, xin.scalar_type());
+    return y;
+  }
   {
     BelowAutograd below;
     w = autocast_operand(weight->for_forward(), gemm_dtype).contiguous();
@@ -402,10 +520,20 @@ at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightR
   return y;
 }
 
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightRefPtr& bias, const WgradConfig& cfg,
+                  const Fp8Meta& fp8_meta) {
+  return linear_impl(x, weight, bias, cfg, fp8_slot(cfg.module_name, fp8_meta, 1));
+}
+
 at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_splits,
                           const std::vector<WeightRefPtr>& weights,
                           const std::vector<WeightRefPtr>& biases, const WgradConfig& cfg) {
   check_config(cfg);
+  DWGRAPH_CHECK_ARG(!Fp8State::current().enabled, cfg.module_name, ": FP8 GEMMs are not implemented for "
+                    "GroupedLinear yet (fp8_autocast is enabled: ", Fp8State::current().describe(),
+                    "); run it outside fp8_autocast");
   DWGRAPH_CHECK_ARG(!weights.empty(), cfg.module_name, ": at least one weight is required");
   const bool packed = weights.size() == 1 && weights[0]->param.dim() == 3;
   const at::Tensor& w0 = weights[0]->param;
@@ -491,9 +619,10 @@ Norm make_norm(const std::string& module, const at::Tensor& x, const at::Tensor&
 
 // The normalisation then the deferred-wgrad linear: (output, normalised input).
 std::pair<at::Tensor, at::Tensor> norm_then_linear(const at::Tensor& x, const Norm& norm, const WeightRefPtr& weight,
-                                                   const WeightRefPtr& bias, const WgradConfig& cfg) {
+                                                   const WeightRefPtr& bias, const WgradConfig& cfg,
+                                                   const Fp8Slot& fp8) {
   at::Tensor h = norm(x);
-  at::Tensor y = linear(h, weight, bias, cfg);
+  at::Tensor y = linear_impl(h, weight, bias, cfg, fp8);
   return {std::move(y), std::move(h)};
 }
 
@@ -502,10 +631,13 @@ std::pair<at::Tensor, at::Tensor> norm_then_linear(const at::Tensor& x, const No
 // backward queues one unit for the module).
 at::Tensor mlp_forward(const at::Tensor& x, const Norm& norm, const WeightRefPtr& fc1_weight,
                        const WeightRefPtr& fc1_bias, const std::string& activation, const WeightRefPtr& fc2_weight,
-                       const WeightRefPtr& fc2_bias, const WgradConfig& fc1_cfg, const WgradConfig& fc2_cfg) {
-  const at::Tensor a = norm_then_linear(x, norm, fc1_weight, fc1_bias, fc1_cfg).first;
+                       const WeightRefPtr& fc2_bias, const WgradConfig& fc1_cfg, const WgradConfig& fc2_cfg,
+                       const Fp8Slot& fp8 = {}) {
+  const at::Tensor a = norm_then_linear(x, norm, fc1_weight, fc1_bias, fc1_cfg, fp8).first;
   const at::Tensor act = activation == "relu" ? at::relu(a) : at::gelu(a, activation == "gelu_tanh" ? "tanh" : "none");
-  return linear(act, fc2_weight, fc2_bias, fc2_cfg);
+  Fp8Slot fc2 = fp8;
+  fc2.gemm = 1;
+  return linear_impl(act, fc2_weight, fc2_bias, fc2_cfg, fc2);
 }
 
 // An alias of `t` outside its autograd graph, a leaf requiring grad when `grad`, with the
@@ -637,20 +769,26 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
 std::pair<at::Tensor, at::Tensor> layernorm_linear(const at::Tensor& x, const at::Tensor& ln_weight,
                                                    const at::Tensor& ln_bias, double eps, const WeightRefPtr& weight,
                                                    const WeightRefPtr& bias, const WgradConfig& cfg,
-                                                   const std::string& normalization) {
+                                                   const std::string& normalization, const Fp8Meta& fp8_meta) {
   const Norm norm = make_norm(cfg.module_name, x, ln_weight, ln_bias, eps, normalization, "in_features");
-  return norm_then_linear(x, norm, weight, bias, cfg);
+  return norm_then_linear(x, norm, weight, bias, cfg, fp8_slot(cfg.module_name, fp8_meta, 1));
 }
 
 at::Tensor layernorm_mlp(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
                          double eps, const WeightRefPtr& fc1_weight, const WeightRefPtr& fc1_bias,
                          const std::string& activation, const WeightRefPtr& fc2_weight,
                          const WeightRefPtr& fc2_bias, const WgradConfig& cfg, bool checkpoint,
-                         const std::string& normalization) {
+                         const std::string& normalization, const Fp8Meta& fp8_meta) {
   check_activation(cfg.module_name, activation);
   const Norm norm = make_norm(cfg.module_name, x, ln_weight, ln_bias, eps, normalization, "hidden_size");
+  const Fp8Slot fp8 = fp8_slot(cfg.module_name, fp8_meta, 2);
+  // The recomputation would quantize again and move the scaling state twice per step.
+  DWGRAPH_CHECK_ARG(!checkpoint || !fp8.state.enabled, cfg.module_name,
+                    ": checkpoint=True is not supported under fp8_autocast (the backward's recomputation would "
+                    "update the FP8 scaling state a second time); build it with checkpoint=False, or run it outside "
+                    "fp8_autocast");
   if (!checkpoint || !at::GradMode::is_enabled()) {
-    return mlp_forward(x, norm, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg);
+    return mlp_forward(x, norm, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg, fp8);
   }
   CheckpointedMLPBackward::Parts parts{norm, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, cfg};
   // Checked here what the recomputation would refuse only in the backward.

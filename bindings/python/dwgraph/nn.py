@@ -34,6 +34,13 @@ def _set_added_to_main_grad(param: torch.Tensor) -> None:
     param.grad_added_to_main_grad = True
 
 
+@torch.compiler.assume_constant_result
+def _fp8_enabled() -> bool:
+    # Read while tracing, as torch.autocast's state is: a compiled forward under
+    # fp8_autocast runs the eager FP8 path (the traced GEMMs have no FP8).
+    return bool(_C.fp8.current_state().enabled)
+
+
 class _StepContext(threading.local):
     """The dwgraph modules a graphed step runs, seen by this thread (dwgraph.step)."""
 
@@ -185,6 +192,47 @@ class _DeferredWgradModule(torch.nn.Module):
         for fn in list(self._wgrad_hooks.values()):
             fn(self)
 
+    # -- FP8 (docs/fp8.md) ---------------------------------------------------------------
+    _fp8_gemms = 1  # GEMMs whose scaling state the module keeps (LayerNormMLP: fc1, fc2)
+
+    def _fp8_kwargs(self) -> dict:
+        """The module's delayed-scaling buffers for the C++ forward under fp8_autocast (made
+        on the first FP8 forward); nothing outside it or under current scaling."""
+        state = _C.fp8.current_state()
+        if not state.enabled or not state.recipe.delayed():
+            return {}
+        self._prepare_fp8(state.recipe)
+        return dict(fp8_amax_history=self.fp8_amax_history, fp8_scale=self.fp8_scale)
+
+    def _prepare_fp8(self, recipe) -> None:
+        """Registers the buffers ``fp8_amax_history`` and ``fp8_scale`` for ``recipe`` when
+        the module has none (a graph capture makes them before its warmup). A module keeps
+        them: a recipe with another history length is refused by the core until
+        ``reset_fp8_state()``."""
+        if recipe is None or not recipe.delayed() or "fp8_scale" in self._buffers:
+            return
+        device = next(self.parameters()).device
+        history, scale = _C.fp8.make_meta(self._fp8_gemms, recipe, device)
+        self.register_buffer("fp8_amax_history", history)
+        self.register_buffer("fp8_scale", scale)
+
+    def reset_fp8_state(self) -> None:
+        """Forgets the FP8 scaling state (the next FP8 forward starts from unit scales)."""
+        for name in ("fp8_amax_history", "fp8_scale"):
+            self._buffers.pop(name, None)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A checkpoint with FP8 state loads into a module that has not run in FP8 yet: the
+        # buffers are made with the stored shapes, then filled as any buffer.
+        stored = [state_dict.get(prefix + n) for n in ("fp8_amax_history", "fp8_scale")]
+        if all(isinstance(t, torch.Tensor) for t in stored) and "fp8_scale" not in self._buffers:
+            device = next(self.parameters()).device
+            self.register_buffer("fp8_amax_history", torch.zeros(stored[0].shape, dtype=torch.float32, device=device))
+            self.register_buffer("fp8_scale", torch.ones(stored[1].shape, dtype=torch.float32, device=device))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def _traceable(self) -> bool:
         """Under torch.compile, modules whose weight gradients land in the backward run the
         traceable forward of dwgraph._traced (same GEMMs); deferred or fused ones run eagerly
@@ -192,6 +240,8 @@ class _DeferredWgradModule(torch.nn.Module):
         if not torch.compiler.is_compiling():
             return False
         if self.delay_wgrad_compute or self.fuse_wgrad_accumulation or self._wgrad_hooks:
+            return False
+        if _fp8_enabled():
             return False
         return not any(isinstance(p, DistributedWeight) for p in self.parameters(recurse=False))
 
@@ -355,7 +405,7 @@ class Linear(_DeferredWgradModule):
     @torch.compiler.disable
     def _eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _C.nn.linear(x, self._ref("weight", self.weight, is_weight=True),
-                           self._ref("bias", self.bias, is_weight=False), **self._config())
+                           self._ref("bias", self.bias, is_weight=False), **self._config(), **self._fp8_kwargs())
         return self._after_forward(out)
 
     def extra_repr(self) -> str:
@@ -478,7 +528,8 @@ class LayerNormLinear(_DeferredWgradModule):
         out, ln_out = _C.nn.layernorm_linear(
             x, self.layer_norm_weight, self.layer_norm_bias, self.eps,
             self._ref("weight", self.weight, is_weight=True),
-            self._ref("bias", self.bias, is_weight=False), normalization=self.normalization, **self._config())
+            self._ref("bias", self.bias, is_weight=False), normalization=self.normalization, **self._config(),
+            **self._fp8_kwargs())
         return self._after_forward(out), ln_out
 
     def extra_repr(self) -> str:
@@ -502,6 +553,7 @@ class LayerNormMLP(_DeferredWgradModule):
     no ``layer_norm_bias``.
     """
 
+    _fp8_gemms = 2  # fc1, fc2
     # Class defaults: a module pickled before these settings existed loads with them.
     checkpoint = False
     normalization = "LayerNorm"
@@ -546,7 +598,7 @@ class LayerNormMLP(_DeferredWgradModule):
             self._ref("fc1_bias", self.fc1_bias, is_weight=False), self.activation,
             self._ref("fc2_weight", self.fc2_weight, is_weight=True),
             self._ref("fc2_bias", self.fc2_bias, is_weight=False), checkpoint=self.checkpoint,
-            normalization=self.normalization, **self._config())
+            normalization=self.normalization, **self._config(), **self._fp8_kwargs())
         return self._after_forward(out)
 
     def extra_repr(self) -> str:

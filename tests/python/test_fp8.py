@@ -1,0 +1,392 @@
+"""FP8 training (issue 25, docs/fp8.md): recipes and fp8_autocast, the FP8 GEMMs of
+dwgraph.nn.Linear / LayerNormLinear / LayerNormMLP against an independent plain-PyTorch
+reference, the scaling-state update, graphed == eager bitwise, and state_dict resumption.
+
+The reference quantizes with the same scales in plain PyTorch, dequantizes and multiplies
+in FP32. Bounds used (stated per case below):
+  * against the reference (same quantized operands): the FP32 accumulation error of a
+    K-term dot product, K * 2^-24 * (|a| @ |b|) elementwise, plus one rounding of the output
+    (2^-8 relative for bfloat16, which rounds to nearest with 8 significant bits); on this
+    CPU the two agree bitwise, the bound is what a different GEMM (cuBLASLt) may differ by;
+  * against the exact FP32 product (current scaling, where nothing saturates): each
+    operand's quantization error is at most u |t| + a / s elementwise, u = 2^-4 for E4M3 (3
+    mantissa bits, round to nearest) and 2^-3 for E5M2 (2 bits), a = half the subnormal
+    spacing (2^-10 for E4M3, 2^-17 for E5M2) divided by the tensor's scale s; the product's
+    error is then at most E_a @ |b| + |a| @ E_b + E_a @ E_b plus the FP32 terms above.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import dwgraph
+from dwgraph.fp8 import DelayedScaling, Float8CurrentScaling, Format, fp8_autocast
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FMAX = {E4M3: 448.0, E5M2: 57344.0}
+U = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}          # unit roundoff of the normal range
+HALF_SUB = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}  # half the subnormal spacing
+K, N = 48, 32
+
+
+# ----------------------------------------------------------------------------- the reference
+def quantize(t, scale, dtype):
+    return torch.clamp(t.float() * scale, -FMAX[dtype], FMAX[dtype]).to(dtype)
+
+
+def dequantize(q, scale):
+    return q.float() * torch.reciprocal(scale)
+
+
+def current_scale(t, dtype, margin=0):
+    amax = t.abs().amax().float()
+    s = torch.full((), FMAX[dtype]) / amax / 2.0 ** margin
+    return torch.where((amax > 0) & torch.isfinite(amax), s, torch.ones(()))
+
+
+def roundtrip(t, scale, dtype):
+    return dequantize(quantize(t, scale, dtype), scale)
+
+
+def accumulation_bound(a, b):
+    """|fp32(a @ b) - exact| for a [M, K] @ b [K, N] in FP32."""
+    return a.shape[1] * 2.0 ** -24 * (a.abs() @ b.abs())
+
+
+def assert_within(actual, expected, bound, what):
+    err = (actual.double() - expected.double()).abs()
+    excess = err - bound.double()
+    assert bool((excess <= 0).all()), f"{what}: error {err.max().item():.3e} exceeds its bound by {excess.max().item():.3e}"
+
+
+def output_bound(ref32, acc, dtype):
+    """The accumulation bound plus one rounding to `dtype` of an FP32 value."""
+    rounding = 0.0 if dtype == torch.float32 else 2.0 ** -8 * ref32.abs()
+    return acc + rounding + (0.0 if dtype == torch.float32 else 2.0 ** -8 * acc)
+
+
+def recipe_of(scaling, fmt, history=4):
+    if scaling == "delayed":
+        return DelayedScaling(fp8_format=fmt, amax_history_len=history)
+    return Float8CurrentScaling(fp8_format=fmt)
+
+
+def bwd_dtype(fmt):
+    return E5M2 if fmt == Format.HYBRID else E4M3
+
+
+def reference_update(history, scale, column, t, dtype, margin=0, algo="max"):
+    """Note [FP8 scaling state lives in tensors], in plain PyTorch."""
+    history, scale = history.clone(), scale.clone()
+    amax = t.abs().amax().float()
+    history[:, column] = torch.roll(history[:, column], 1, 0)
+    history[0, column] = amax
+    reduced = history[:, column].amax() if algo == "max" else amax
+    new = torch.full((), FMAX[dtype]) / reduced / 2.0 ** margin
+    scale[column] = torch.where((reduced > 0) & torch.isfinite(reduced), new, scale[column])
+    return history, scale
+
+
+# ----------------------------------------------------------------------------- recipes and state
+def test_recipes_and_fp8_autocast_state():
+    d = DelayedScaling(margin=1, fp8_format=Format.E4M3, amax_history_len=16, amax_compute_algo="most_recent")
+    assert (d.margin, d.fp8_format, d.amax_history_len, d.amax_compute_algo) == (1, Format.E4M3, 16, "most_recent")
+    assert repr(d) == "DelayedScaling(fp8_format=E4M3, margin=1, amax_history_len=16, amax_compute_algo='most_recent')"
+    assert DelayedScaling() == DelayedScaling(margin=0, fp8_format=Format.HYBRID, amax_history_len=1024)
+    assert DelayedScaling() != Float8CurrentScaling()
+    assert isinstance(Float8CurrentScaling(), dwgraph.fp8.Recipe)
+    import pickle
+    assert pickle.loads(pickle.dumps(d)) == d
+    for bad, match in ((dict(amax_history_len=0), "amax_history_len must be at least 1"),
+                       (dict(amax_compute_algo="mean"), "amax_compute_algo must be 'max' or 'most_recent'"),
+                       (dict(margin=-1), r"margin must be an integer in \[0, 64\]")):
+        with pytest.raises(dwgraph.ArgumentError, match=match):
+            DelayedScaling(**bad)
+
+    assert not dwgraph.fp8.is_fp8_enabled() and dwgraph.fp8.get_fp8_recipe() is None
+    with fp8_autocast():
+        assert dwgraph.fp8.get_fp8_recipe() == DelayedScaling()  # TransformerEngine's default
+        with fp8_autocast(recipe=Float8CurrentScaling()):
+            assert isinstance(dwgraph.fp8.get_fp8_recipe(), Float8CurrentScaling)
+            with fp8_autocast(enabled=False):
+                assert not dwgraph.fp8.is_fp8_enabled()
+            assert dwgraph.fp8.is_fp8_enabled()
+        with fp8_autocast(fp8_recipe=d):  # TransformerEngine's older spelling
+            assert dwgraph.fp8.get_fp8_recipe() == d
+        assert dwgraph.fp8.get_fp8_recipe() == DelayedScaling()
+    assert not dwgraph.fp8.is_fp8_enabled()
+    for bad, match in ((dict(recipe=object()), "recipe must be a dwgraph.fp8"), (dict(calibrating=True), "calibrating"),
+                       (dict(amax_reduction_group=object()), "amax reduction group"),
+                       (dict(enabled=1), "'enabled' must be a bool"),
+                       (dict(recipe=d, fp8_recipe=d), "not both")):
+        with pytest.raises(dwgraph.ArgumentError, match=match):
+            with fp8_autocast(**bad):
+                pass
+    assert not dwgraph.fp8.is_fp8_enabled()
+
+
+# ----------------------------------------------------------------------------- GEMMs vs reference
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3], ids=["hybrid", "e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("wgrad", ["deferred_fused", "deferred", "immediate"])
+def test_linear_gemms_match_the_reference(scaling, fmt, dtype, wgrad):
+    torch.manual_seed(1)
+    recipe = recipe_of(scaling, fmt)
+    m = dwgraph.nn.Linear(K, N, delay_wgrad_compute=wgrad != "immediate",
+                          fuse_wgrad_accumulation=wgrad == "deferred_fused", dtype=dtype)
+
+    def step(x, gy):
+        with fp8_autocast(recipe=recipe):
+            y = m(x)
+        y.backward(gy)
+        if m.delay_wgrad_compute:
+            m.backward_dw()
+        return y
+
+    # A first step moves delayed scaling off its unit scales.
+    step(torch.randn(4, 6, K, dtype=dtype, requires_grad=True), torch.randn(4, 6, N, dtype=dtype))
+    m.weight.grad = None
+    m.bias.grad = None
+    if wgrad == "deferred_fused":
+        m.weight.main_grad.copy_(torch.randn(N, K))  # an earlier accumulation the GEMM adds to
+    main_before = m.weight.main_grad.clone() if wgrad == "deferred_fused" else None
+
+    x = (3 * torch.randn(4, 6, K)).to(dtype).requires_grad_(True)
+    gy = torch.randn(4, 6, N, dtype=dtype)
+    x2d, gy2d, w = x.detach().reshape(-1, K), gy.reshape(-1, N), m.weight.detach()
+    if scaling == "delayed":
+        hist0, scale0 = m.fp8_amax_history.clone(), m.fp8_scale.clone()
+        sx, sw, sdy = scale0[0], scale0[1], scale0[2]
+    else:
+        sx, sw, sdy = current_scale(x2d, E4M3), current_scale(w, E4M3), current_scale(gy2d, bwd_dtype(fmt))
+    y = step(x, gy)
+
+    xr, wr, dyr = roundtrip(x2d, sx, E4M3), roundtrip(w, sw, E4M3), roundtrip(gy2d, sdy, bwd_dtype(fmt))
+    # forward: y = deq(xq) @ deq(wq).T + b, rounded once to the module dtype
+    y32 = xr @ wr.T + m.bias.detach().float()
+    assert y.dtype == dtype and y.shape == (4, 6, N)
+    assert_within(y.reshape(-1, N), y32, output_bound(y32, accumulation_bound(xr, wr.T), dtype), "forward")
+    # dgrad: dx = deq(dyq) @ deq(wq)
+    dx32 = dyr @ wr
+    assert x.grad.dtype == dtype
+    assert_within(x.grad.reshape(-1, K), dx32, output_bound(dx32, accumulation_bound(dyr, wr), dtype), "dgrad")
+    # wgrad: deq(dyq).T @ deq(xq), accumulated in FP32 into main_grad, or the parameter's .grad
+    dw32 = dyr.T @ xr
+    acc = accumulation_bound(dyr.T, xr)
+    if wgrad == "deferred_fused":
+        assert m.weight.grad is None
+        assert_within(m.weight.main_grad, main_before + dw32, acc + 2.0 ** -24 * (main_before + dw32).abs(), "wgrad")
+        assert m.weight.grad_added_to_main_grad
+    else:
+        assert m.weight.grad.dtype == dtype
+        assert_within(m.weight.grad, dw32, output_bound(dw32, acc, dtype), "wgrad")
+    # bias: the column sum of the unquantized output gradient
+    assert_within(m.bias.grad, gy2d.float().sum(0), output_bound(gy2d.float().sum(0), 2.0 ** -20 * gy2d.float().abs().sum(0), dtype),
+                  "bias grad")
+
+    if scaling == "delayed":
+        h, s = hist0, scale0
+        h, s = reference_update(h, s, 0, x2d, E4M3)
+        h, s = reference_update(h, s, 1, w, E4M3)
+        h, s = reference_update(h, s, 2, gy2d, bwd_dtype(fmt))
+        assert torch.equal(m.fp8_amax_history, h) and torch.equal(m.fp8_scale, s), "scaling state update"
+    else:
+        assert "fp8_scale" not in dict(m.named_buffers())  # current scaling keeps no state
+
+
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3], ids=["hybrid", "e4m3"])
+def test_current_scaling_is_within_fp8s_error_of_the_exact_product(fmt):
+    torch.manual_seed(2)
+    m = dwgraph.nn.Linear(K, N, bias=False)
+    x = torch.randn(24, K, requires_grad=True)
+    gy = torch.randn(24, N)
+    with fp8_autocast(recipe=Float8CurrentScaling(fp8_format=fmt)):
+        y = m(x)
+    y.backward(gy)
+    w = m.weight.detach()
+
+    def err(t, dtype):  # elementwise quantization error bound of t
+        return U[dtype] * t.abs() + HALF_SUB[dtype] / current_scale(t, dtype)
+
+    def bound(a, da, b, db):
+        return da @ b.abs() + a.abs() @ db + da @ db + accumulation_bound(a, b) * 2
+
+    xd = x.detach()
+    g = bwd_dtype(fmt)
+    assert_within(y, xd @ w.T, bound(xd, err(xd, E4M3), w.T, err(w, E4M3).T), "forward vs exact")
+    assert_within(x.grad, gy @ w, bound(gy, err(gy, g), w, err(w, E4M3)), "dgrad vs exact")
+    assert_within(m.weight.grad, gy.T @ xd, bound(gy.T, err(gy, g).T, xd, err(xd, E4M3)), "wgrad vs exact")
+
+
+def test_fp8_refusals():
+    m = dwgraph.nn.Linear(K, N)
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+        m(torch.randn(2, K))
+        with fp8_autocast(recipe=DelayedScaling(amax_history_len=8)):
+            with pytest.raises(dwgraph.ArgumentError, match=r"fp8_amax_history must be a float32 \[8, 3\].*reset_fp8_state"):
+                m(torch.randn(2, K))
+    m.reset_fp8_state()
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=8)):
+        m(torch.randn(2, K))
+    assert m.fp8_amax_history.shape == (8, 3)
+    mlp = dwgraph.nn.LayerNormMLP(K, N, checkpoint=True)
+    with fp8_autocast(), pytest.raises(dwgraph.ArgumentError, match="checkpoint=True is not supported under fp8"):
+        mlp(torch.randn(2, K, requires_grad=True))
+    grouped = dwgraph.nn.GroupedLinear(2, K, N)
+    with fp8_autocast(), pytest.raises(dwgraph.ArgumentError, match="not implemented for GroupedLinear"):
+        grouped(torch.randn(4, K), [1, 3])
+
+
+# ----------------------------------------------------------------------------- graphed == eager
+H, ROWS, STEPS, N_MICRO = 16, 8, 10, 3
+ORDER = [1, 2, 1, 2, 1, 2, -2, -1, -2.5, -1.5, -2, -1, -2.5, -1.5, -2, -1, -2.5, -1.5]
+
+
+def make_chunk(kind, seed):
+    torch.manual_seed(seed)
+    opts = dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    if kind == "Linear":
+        return torch.nn.Sequential(dwgraph.nn.Linear(H, H, **opts))
+    if kind == "LayerNormLinear":
+        return torch.nn.Sequential(dwgraph.nn.LayerNormLinear(H, H, **opts))
+    return torch.nn.Sequential(dwgraph.nn.LayerNormMLP(H, 2 * H, **opts))
+
+
+def dw_modules(chunk):
+    return [m for m in chunk.modules() if isinstance(m, dwgraph.nn._DeferredWgradModule)]
+
+
+def state_of(chunks):
+    """Every tensor a step leaves behind: parameters, main_grad, .grad, FP8 buffers."""
+    out = []
+    for c in chunks:
+        for n, p in c.named_parameters():
+            out += [(n, p.detach()), (n + ".grad", p.grad), (n + ".main_grad", getattr(p, "main_grad", None))]
+        out += [(n, b) for n, b in c.named_buffers()]
+    return out
+
+
+def assert_same_state(a, b, what):
+    assert [n for n, _ in a] == [n for n, _ in b], what
+    for (n, x), (_, y) in zip(a, b):
+        assert (x is None) == (y is None), f"{what}: {n}"
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: {n} differs"
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pipeline"])
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_graphed_fp8_equals_eager_bitwise_over_ten_steps(schedule, scaling, kind):
+    recipe = recipe_of(scaling, Format.HYBRID, history=4)
+    eager = [make_chunk(kind, 10), make_chunk(kind, 11)]
+    graphed = [make_chunk(kind, 10), make_chunk(kind, 11)]
+    sample = lambda: (torch.randn(ROWS, H, requires_grad=True),)  # noqa: E731
+    if schedule == "sequential":
+        g = dwgraph.make_graphed_callables(tuple(graphed), (sample(), sample()), enabled=True, recipe=recipe)
+        g_c1, g_c2 = [g[0]] * N_MICRO, [g[1]] * N_MICRO
+    else:
+        g = dwgraph.make_graphed_callables(tuple(graphed), tuple(sample() for _ in range(2 * N_MICRO)), order=ORDER,
+                                           num_layers_per_chunk=[1, 1], enabled=True, recipe=recipe)
+        g_c1, g_c2 = g[:N_MICRO], g[N_MICRO:]
+    # Capture left the scaling state where it was (fresh), as eager has not run yet.
+    for c in graphed:
+        for b in c.buffers():
+            assert torch.equal(b, torch.zeros_like(b)) or torch.equal(b, torch.ones_like(b))
+
+    def eager_call(c):
+        def call(x):
+            with fp8_autocast(recipe=recipe):
+                return c(x)
+        return call
+
+    e_c1, e_c2 = [eager_call(eager[0])] * N_MICRO, [eager_call(eager[1])] * N_MICRO
+    e_dw = [lambda c=c: [m.backward_dw() for m in dw_modules(c)] for c in eager]
+    opt_g = torch.optim.SGD([p for c in graphed for p in c.parameters()], lr=0.01)
+    opt_e = torch.optim.SGD([p for c in eager for p in c.parameters()], lr=0.01)
+
+    def run(c1, c2, dw1, dw2, inputs):
+        xs = [v.clone().requires_grad_(True) for v, _ in inputs]
+        ys = []
+        if schedule == "sequential":  # each microbatch forward, backward, backward_dw
+            for m, (_, w) in enumerate(inputs):
+                ys.append(c2[m](c1[m](xs[m])))
+                ((ys[m].float() * w).sum() / ROWS).backward()
+                dw2[m]()
+                dw1[m]()
+        else:  # forwards of every microbatch, then backwards and backward_dw (ORDER)
+            for m in range(len(inputs)):
+                ys.append(c2[m](c1[m](xs[m])))
+            for m, (_, w) in enumerate(inputs):
+                ((ys[m].float() * w).sum() / ROWS).backward()
+                dw2[m]()
+                dw1[m]()
+        return [y.detach() for y in ys], [x.grad for x in xs]
+
+    for step in range(STEPS):
+        for c in graphed + eager:
+            for p in c.parameters():
+                p.grad = None
+                if hasattr(p, "main_grad"):
+                    p.main_grad.zero_()
+        inputs = [(torch.randn(ROWS, H), torch.randn(ROWS, H)) for _ in range(N_MICRO)]
+        y_g, dx_g = run(g_c1, g_c2, [gg.backward_dw for gg in g_c1], [gg.backward_dw for gg in g_c2], inputs)
+        y_e, dx_e = run(e_c1, e_c2, [e_dw[0]] * N_MICRO, [e_dw[1]] * N_MICRO, inputs)
+        for m in range(N_MICRO):
+            assert torch.isfinite(y_e[m]).all(), f"step {step}: output {m} is not finite (lower the rate)"
+            assert torch.equal(y_g[m], y_e[m]), f"step {step}: output {m}"
+            assert torch.equal(dx_g[m], dx_e[m]), f"step {step}: input gradient {m}"
+        assert_same_state(state_of(graphed), state_of(eager), f"step {step} after backward_dw")
+        for c in graphed + eager:  # SGD on the FP32 main_grad, as Megatron-style optimizers do
+            for p in c.parameters():
+                if hasattr(p, "main_grad"):
+                    p.grad = p.main_grad.clone()
+        opt_g.step()
+        opt_e.step()
+        assert_same_state(state_of(graphed), state_of(eager), f"step {step} after the optimizer")
+    if scaling == "delayed":
+        assert any(not torch.equal(b, torch.ones_like(b)) for c in graphed for n, b in c.named_buffers()
+                   if n.endswith("fp8_scale"))
+
+
+# ----------------------------------------------------------------------------- state_dict
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_state_dict_resumes_fp8_training_bitwise(kind):
+    recipe = DelayedScaling(amax_history_len=3)
+    torch.manual_seed(5)
+    data = [(torch.randn(ROWS, H), torch.randn(ROWS, H)) for _ in range(6)]
+
+    def train(chunk, batches):
+        opt = torch.optim.SGD(chunk.parameters(), lr=0.01)
+        for x, w in batches:
+            opt.zero_grad(set_to_none=True)
+            with fp8_autocast(recipe=recipe):
+                y = chunk(x)
+            (y * w).sum().backward()
+            for m in dw_modules(chunk):
+                m.backward_dw()
+            for p in chunk.parameters():  # the FP32 main_grad is the weights' gradient
+                if hasattr(p, "main_grad"):
+                    p.grad = p.main_grad.clone()
+                    p.main_grad.zero_()
+            opt.step()
+        return chunk
+
+    straight = train(make_chunk(kind, 20), data)
+    first = train(make_chunk(kind, 20), data[:3])
+    sd = first.state_dict()
+    assert any(k.endswith("fp8_amax_history") for k in sd) and any(k.endswith("fp8_scale") for k in sd)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    resumed = make_chunk(kind, 99)  # never ran in FP8: no FP8 buffers yet
+    assert not list(resumed.buffers())
+    resumed.load_state_dict(torch.load(buf))
+    train(resumed, data[3:])
+    for (n, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), f"{n} after resuming"
