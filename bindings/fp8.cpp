@@ -107,6 +107,25 @@ void init_fp8(py::module_& parent) {
   m.def("current_state", &Fp8State::current);
   m.def("exchange_state", &ops::exchange_fp8_state, py::arg("state"));
 
+  // What a module passes to its C++ forward under fp8_autocast (ops::Fp8Meta): its
+  // delayed-scaling buffers and, with weight caching, one (data, scale_inv) cache per GEMM
+  // with the first-microbatch decision: `host_first` from an eager caller, else the
+  // `first` flag tensor a graph reads.
+  py::class_<ops::Fp8Meta>(m, "Meta")
+      .def(py::init([](const std::optional<at::Tensor>& amax_history, const std::optional<at::Tensor>& scale,
+                       const std::vector<std::pair<at::Tensor, at::Tensor>>& weight_cache,
+                       const std::optional<at::Tensor>& first, std::optional<bool> host_first) {
+             ops::Fp8Meta meta{amax_history.value_or(at::Tensor()), scale.value_or(at::Tensor()), {}};
+             for (const auto& [data, scale_inv] : weight_cache) {
+               meta.weight_cache.push_back(ops::Fp8WeightCache{data, scale_inv, first.value_or(at::Tensor()),
+                                                               host_first});
+             }
+             return meta;
+           }),
+           py::kw_only(), py::arg("amax_history") = py::none(), py::arg("scale") = py::none(),
+           py::arg("weight_cache") = std::vector<std::pair<at::Tensor, at::Tensor>>(), py::arg("first") = py::none(),
+           py::arg("host_first") = py::none());
+
   // A module's fresh delayed-scaling state: (amax_history [len, 3 * gemms] zeros, scale [3 * gemms] ones).
   m.def(
       "make_meta",

@@ -102,6 +102,8 @@ Fp8Meta make_meta(int64_t gemms, int64_t history_len, const at::Device& device) 
 }
 
 void check_meta(const std::string& module, const Fp8Meta& meta, const Fp8Recipe& recipe, int64_t gemms) {
+  DWGRAPH_CHECK_ARG(meta.weight_cache.empty() || static_cast<int64_t>(meta.weight_cache.size()) == gemms, module,
+                    ": expected one FP8 weight cache per GEMM (", gemms, "), got ", meta.weight_cache.size());
   if (recipe.scaling != Fp8Scaling::kDelayed) return;
   DWGRAPH_CHECK_ARG(meta.defined() && meta.amax_history.defined(), module,
                     ": delayed scaling needs the module's FP8 state (fp8_amax_history, fp8_scale), got none");
@@ -166,6 +168,55 @@ Quantized quantize(const at::Tensor& t, at::ScalarType dtype, const Fp8Recipe& r
   const at::Tensor reduced = recipe.amax_compute_algo == AmaxAlgo::kMax ? at::amax(col) : amax;
   scale.copy_(scale_from(reduced, fp8_max, recipe.margin, scale));
   return q;
+}
+
+void check_weight_cache(const std::string& module, const std::string& name, const Fp8WeightCache& cache,
+                        const at::Tensor& w, const Fp8Recipe& recipe) {
+  DWGRAPH_CHECK_ARG(cache.data.defined() && cache.data.sizes() == w.sizes() &&
+                        cache.data.scalar_type() == recipe.forward_dtype() && cache.data.is_contiguous() &&
+                        cache.data.device() == w.device(),
+                    module, ": the FP8 weight cache of '", name, "' must be a contiguous ", recipe.forward_dtype(), " ",
+                    w.sizes(), " tensor on ", w.device(), ", got ",
+                    cache.data.defined() ? cache.data.sizes() : at::IntArrayRef{});
+  DWGRAPH_CHECK_ARG(cache.scale_inv.defined() && cache.scale_inv.dim() == 0 &&
+                        cache.scale_inv.scalar_type() == at::kFloat,
+                    module, ": the FP8 weight cache of '", name, "' needs a float32 0-dim scale_inv");
+  DWGRAPH_CHECK_ARG(cache.host_first.has_value() || (cache.first.defined() && cache.first.dim() == 0 &&
+                                                     cache.first.scalar_type() == at::kBool),
+                    module, ": the FP8 weight cache of '", name, "' needs a bool 0-dim first-microbatch flag");
+}
+
+Quantized quantize_weight(const at::Tensor& w, const Fp8Recipe& recipe, const Fp8Meta& meta, int64_t column,
+                          const Fp8WeightCache& cache) {
+  if (!cache.defined()) return quantize(w, recipe.forward_dtype(), recipe, meta, column);
+  if (cache.host_first.has_value()) {
+    if (!*cache.host_first) return Quantized{cache.data.clone(), cache.scale_inv.clone()};
+    Quantized q = quantize(w, recipe.forward_dtype(), recipe, meta, column);
+    cache.data.copy_(q.data);
+    cache.scale_inv.copy_(q.scale_inv);
+    return q;
+  }
+  // In a graph: quantize, then keep the fresh results only where `first` holds.
+  const bool delayed = recipe.scaling == Fp8Scaling::kDelayed;
+  at::Tensor col, scale, old_col, old_scale;
+  if (delayed) {
+    col = meta.amax_history.select(1, column);
+    scale = meta.scale.select(0, column);
+    old_col = col.clone();
+    old_scale = scale.clone();
+  }
+  const Quantized q = quantize(w, recipe.forward_dtype(), recipe, meta, column);
+  if (delayed) {
+    col.copy_(at::where(cache.first, col, old_col));
+    scale.copy_(at::where(cache.first, scale, old_scale));
+  }
+  // Selected as bytes: where() on FP8 elements is not available on every backend.
+  const at::Tensor data =
+      at::where(cache.first, q.data.view(at::kByte), cache.data.view(at::kByte)).view(cache.data.scalar_type());
+  const at::Tensor scale_inv = at::where(cache.first, q.scale_inv, cache.scale_inv);
+  cache.data.copy_(data);
+  cache.scale_inv.copy_(scale_inv);
+  return Quantized{data, scale_inv};
 }
 
 Quantized t(const Quantized& a) { return Quantized{a.data.t(), a.scale_inv}; }

@@ -25,7 +25,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace dwgraph::ops {
 
@@ -86,11 +88,32 @@ class Fp8StateGuard {
 // manager's enter and exit; C++ callers use the guard).
 Fp8State exchange_fp8_state(const Fp8State& state);
 
-// A module's delayed-scaling state (Note [FP8 scaling state lives in tensors]): undefined
-// tensors under current scaling.
+// Note [FP8 weight cache]: with cache_quantized_params (TransformerEngine's weight caching)
+// a module quantizes its weight on a step's first microbatch and reuses that quantized
+// weight on the others. The cache is the module's own (data, scale_inv), never process-wide
+// state. Eager calls decide on the host (`host_first`: quantize and store, or reuse, with
+// no work for the weight otherwise); inside a graph the decision is the module's 0-dim
+// bool tensor `first`, written before each replay by the graphed callable from its
+// is_first_microbatch argument: the graph quantizes, then selects the fresh or the cached
+// weight and the updated or the old weight scaling state with at::where, so one captured
+// graph serves both kinds of microbatch and the results equal the eager ones bitwise.
+// Whether a reuse would be stale (the weight changed in place since the cache was filled)
+// is checked by the caller, on the host, before the call.
+struct Fp8WeightCache {
+  at::Tensor data;       // FP8, the weight's shape
+  at::Tensor scale_inv;  // FP32, 0-dim
+  at::Tensor first;      // bool, 0-dim: read inside a graph when host_first is unset
+  std::optional<bool> host_first;
+  bool defined() const { return data.defined(); }
+};
+
+// A module's FP8 state: its delayed-scaling state (Note [FP8 scaling state lives in
+// tensors]; undefined tensors under current scaling) and, with weight caching, one weight
+// cache per GEMM (empty: no caching).
 struct Fp8Meta {
   at::Tensor amax_history;  // [history_len, 3 * gemms], FP32
   at::Tensor scale;         // [3 * gemms], FP32
+  std::vector<Fp8WeightCache> weight_cache;
   bool defined() const { return scale.defined(); }
 };
 
@@ -121,6 +144,16 @@ struct Quantized {
 // scales by t's own amax. No host read either way.
 Quantized quantize(const at::Tensor& t, at::ScalarType dtype, const Fp8Recipe& recipe, const Fp8Meta& meta,
                    int64_t column);
+
+// The weight quantized through `cache` (Note [FP8 weight cache]); the returned tensors are
+// fresh, so a later refresh of the cache never changes what an earlier forward's backward
+// multiplies by.
+Quantized quantize_weight(const at::Tensor& w, const Fp8Recipe& recipe, const Fp8Meta& meta, int64_t column,
+                          const Fp8WeightCache& cache);
+
+// Checks that `cache` fits weight `w` (ArgumentError naming `module` and `name`).
+void check_weight_cache(const std::string& module, const std::string& name, const Fp8WeightCache& cache,
+                        const at::Tensor& w, const Fp8Recipe& recipe);
 
 // FP32 a · b for quantized a [M, K] and b [K, N] (any strides): at::_scaled_mm with the
 // operands' inverse scales, arranged as cuBLASLt needs them on CUDA.

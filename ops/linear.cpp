@@ -496,7 +496,13 @@ at::Tensor linear_impl(const at::Tensor& x, const WeightRefPtr& weight, const We
       w = weight->for_forward();
       x2d = xin.reshape({-1, xin.size(-1)});
       xq = fp8::quantize(x2d, recipe.forward_dtype(), recipe, fp8.meta, c0 + fp8::kInput);
-      wq = fp8::quantize(w, recipe.forward_dtype(), recipe, fp8.meta, c0 + fp8::kWeight);
+      if (fp8.meta.weight_cache.empty()) {
+        wq = fp8::quantize(w, recipe.forward_dtype(), recipe, fp8.meta, c0 + fp8::kWeight);
+      } else {
+        const Fp8WeightCache& cache = fp8.meta.weight_cache[fp8.gemm];
+        fp8::check_weight_cache(cfg.module_name, weight->name, cache, w, recipe);
+        wq = fp8::quantize_weight(w, recipe, fp8.meta, c0 + fp8::kWeight, cache);
+      }
       at::Tensor y32 = fp8::mm(xq, fp8::t(wq));
       if (bias) y32.add_(bias->param.to(at::kFloat));
       std::vector<int64_t> shape = xin.sizes().vec();

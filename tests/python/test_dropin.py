@@ -272,7 +272,10 @@ def test_transformer_engines_fp8_arguments_are_accepted_off_on_and_refused_where
         out = (got[-1] if n > 1 else got)(sample[0])
         assert out.shape == (B, H)
     # What dwgraph has no counterpart for is refused, naming it.
-    for bad, match in ((dict(enabled=True, cache_quantized_params=True), "cache_quantized_params"),
+    # Weight caching is accepted too; its calls then take is_first_microbatch (test_fp8.py).
+    cached = dwgraph.make_graphed_callables(copy.deepcopy(model), sample, enabled=True, cache_quantized_params=True)
+    assert cached(sample[0], is_first_microbatch=True).shape == (B, H)
+    for bad, match in ((dict(enabled=True, cache_quantized_params="yes"), "'cache_quantized_params' must be a bool"),
                        (dict(enabled=True, calibrating=True), "calibrating"),
                        (dict(enabled=True, amax_reduction_group=object()), "amax reduction group"),
                        (dict(enabled=True, recipe=object()), "recipe must be a dwgraph.fp8"),

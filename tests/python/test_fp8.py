@@ -267,7 +267,9 @@ def state_of(chunks):
     for c in chunks:
         for n, p in c.named_parameters():
             out += [(n, p.detach()), (n + ".grad", p.grad), (n + ".main_grad", getattr(p, "main_grad", None))]
-        out += [(n, b) for n, b in c.named_buffers()]
+        # The first-microbatch flag is what a graphed call writes for its graphs; eager
+        # calls decide on the host.
+        out += [(n, b) for n, b in c.named_buffers() if not n.endswith("_fp8_first_microbatch")]
     return out
 
 
@@ -282,30 +284,41 @@ def assert_same_state(a, b, what):
 @pytest.mark.parametrize("schedule", ["sequential", "pipeline"])
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
-def test_graphed_fp8_equals_eager_bitwise_over_ten_steps(schedule, scaling, kind):
+@pytest.mark.parametrize("cache", [False, True], ids=["requantize", "cache_weights"])
+def test_graphed_fp8_equals_eager_bitwise_over_ten_steps(schedule, scaling, kind, cache):
     recipe = recipe_of(scaling, Format.HYBRID, history=4)
     eager = [make_chunk(kind, 10), make_chunk(kind, 11)]
     graphed = [make_chunk(kind, 10), make_chunk(kind, 11)]
     sample = lambda: (torch.randn(ROWS, H, requires_grad=True),)  # noqa: E731
     if schedule == "sequential":
-        g = dwgraph.make_graphed_callables(tuple(graphed), (sample(), sample()), enabled=True, recipe=recipe)
+        g = dwgraph.make_graphed_callables(tuple(graphed), (sample(), sample()), enabled=True, recipe=recipe,
+                                           cache_quantized_params=cache)
         g_c1, g_c2 = [g[0]] * N_MICRO, [g[1]] * N_MICRO
     else:
         g = dwgraph.make_graphed_callables(tuple(graphed), tuple(sample() for _ in range(2 * N_MICRO)), order=ORDER,
-                                           num_layers_per_chunk=[1, 1], enabled=True, recipe=recipe)
+                                           num_layers_per_chunk=[1, 1], enabled=True, recipe=recipe,
+                                           cache_quantized_params=cache)
         g_c1, g_c2 = g[:N_MICRO], g[N_MICRO:]
     # Capture left the scaling state where it was (fresh), as eager has not run yet.
     for c in graphed:
         for b in c.buffers():
             assert torch.equal(b, torch.zeros_like(b)) or torch.equal(b, torch.ones_like(b))
 
+    def microbatch(call, m):  # with weight caching, TE's is_first_microbatch on every call
+        return (lambda x: call(x, is_first_microbatch=m == 0)) if cache else call
+
     def eager_call(c):
-        def call(x):
+        def call(x, **kw):
             with fp8_autocast(recipe=recipe):
-                return c(x)
+                return c[0](x, **kw)
         return call
 
-    e_c1, e_c2 = [eager_call(eager[0])] * N_MICRO, [eager_call(eager[1])] * N_MICRO
+    e_c1 = [microbatch(eager_call(eager[0]), m) for m in range(N_MICRO)]
+    e_c2 = [microbatch(eager_call(eager[1]), m) for m in range(N_MICRO)]
+    g_c1 = [microbatch(c, m) for m, c in enumerate(g_c1)]
+    g_c2 = [microbatch(c, m) for m, c in enumerate(g_c2)]
+    g_dw1 = [c.backward_dw for c in (g[:1] * N_MICRO if schedule == "sequential" else g[:N_MICRO])]
+    g_dw2 = [c.backward_dw for c in (g[1:2] * N_MICRO if schedule == "sequential" else g[N_MICRO:])]
     e_dw = [lambda c=c: [m.backward_dw() for m in dw_modules(c)] for c in eager]
     opt_g = torch.optim.SGD([p for c in graphed for p in c.parameters()], lr=0.01)
     opt_e = torch.optim.SGD([p for c in eager for p in c.parameters()], lr=0.01)
@@ -335,7 +348,7 @@ def test_graphed_fp8_equals_eager_bitwise_over_ten_steps(schedule, scaling, kind
                 if hasattr(p, "main_grad"):
                     p.main_grad.zero_()
         inputs = [(torch.randn(ROWS, H), torch.randn(ROWS, H)) for _ in range(N_MICRO)]
-        y_g, dx_g = run(g_c1, g_c2, [gg.backward_dw for gg in g_c1], [gg.backward_dw for gg in g_c2], inputs)
+        y_g, dx_g = run(g_c1, g_c2, g_dw1, g_dw2, inputs)
         y_e, dx_e = run(e_c1, e_c2, [e_dw[0]] * N_MICRO, [e_dw[1]] * N_MICRO, inputs)
         for m in range(N_MICRO):
             assert torch.isfinite(y_e[m]).all(), f"step {step}: output {m} is not finite (lower the rate)"
@@ -390,3 +403,79 @@ def test_state_dict_resumes_fp8_training_bitwise(kind):
     train(resumed, data[3:])
     for (n, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), f"{n} after resuming"
+
+
+# ----------------------------------------------------------------------------- weight caching
+def _cached_step(m, recipe, batches, first_flags):
+    outs = []
+    for x, first in zip(batches, first_flags):
+        with fp8_autocast(recipe=recipe):
+            outs.append(m(x, is_first_microbatch=first))
+    return outs
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_weight_cache_is_refreshed_on_each_steps_first_microbatch(scaling):
+    torch.manual_seed(7)
+    recipe = recipe_of(scaling, Format.HYBRID)
+    m = dwgraph.nn.Linear(K, N, bias=False)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    for step in range(3):
+        w = m.weight.detach().clone()
+        sw = m.fp8_scale[1].clone() if scaling == "delayed" and step else (
+            torch.ones(()) if scaling == "delayed" else current_scale(w, E4M3))
+        batches = [torch.randn(5, K) for _ in range(3)]
+        sx = [m.fp8_scale[0].clone() if scaling == "delayed" and step else None]
+        outs = _cached_step(m, recipe, batches, [True, False, False])
+        # Every microbatch multiplies by the weight as the step's first one quantized it.
+        wr = roundtrip(w, sw, E4M3)
+        x0 = batches[0]
+        sx0 = sx[0] if sx[0] is not None else (torch.ones(()) if scaling == "delayed" else current_scale(x0, E4M3))
+        y0 = roundtrip(x0, sx0, E4M3) @ wr.T
+        assert_within(outs[0], y0, accumulation_bound(roundtrip(x0, sx0, E4M3), wr.T), f"step {step} microbatch 0")
+        if scaling == "current":
+            for x, y in zip(batches[1:], outs[1:]):
+                xr = roundtrip(x, current_scale(x, E4M3), E4M3)
+                assert_within(y, xr @ wr.T, accumulation_bound(xr, wr.T), f"step {step}: a cached microbatch")
+        else:  # the weight's history moved once this step, the input's once per microbatch
+            assert int((m.fp8_amax_history[:, 1] != 0).sum()) == min(step + 1, 4)
+            assert int((m.fp8_amax_history[:, 0] != 0).sum()) == min(3 * (step + 1), 4)
+        sum(o.sum() for o in outs).backward()
+        opt.step()
+        opt.zero_grad()
+        # After the weight update a cached microbatch would be stale: refused, nothing changed.
+        before = [t.clone() for t in m.buffers()]
+        with fp8_autocast(recipe=recipe), pytest.raises(dwgraph.GraphStateError, match="stale FP8 copy of 'weight'"):
+            m(torch.randn(2, K), is_first_microbatch=False)
+        assert all(torch.equal(a, b) for a, b in zip(before, m.buffers()))
+
+
+def test_weight_cache_never_crosses_captures_and_refuses_stale_weights():
+    torch.manual_seed(8)
+    recipe = DelayedScaling(amax_history_len=4)
+    m = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+    x = torch.randn(ROWS, H)
+    _cached_step(m[0], recipe, [x], [True])  # an eager step filled the cache
+    g = dwgraph.make_graphed_callables(m, (torch.randn(ROWS, H, requires_grad=True),), enabled=True, recipe=recipe,
+                                       cache_quantized_params=True)
+    # The capture starts with no filled cache: reusing one from before it is refused.
+    with pytest.raises(dwgraph.GraphStateError, match="no microbatch has filled the FP8 weight cache"):
+        g(x, is_first_microbatch=False)
+    with pytest.raises(dwgraph.ArgumentError, match="needs is_first_microbatch=True"):
+        g(x)
+    g(x.clone().requires_grad_(True), is_first_microbatch=True).sum().backward()
+    g.backward_dw()
+    g(x.clone().requires_grad_(True), is_first_microbatch=False).sum().backward()
+    g.backward_dw()
+    with torch.no_grad():
+        m[0].weight.mul_(0.5)  # changed in place between microbatches
+    with pytest.raises(dwgraph.GraphStateError, match=r"changed in place \(version"):
+        g(x, is_first_microbatch=False)
+    # A second capture of the same module: again nothing to reuse until its first microbatch.
+    g2 = dwgraph.make_graphed_callables(m, (torch.randn(ROWS, H, requires_grad=True),), enabled=True,
+                                        recipe=recipe, cache_quantized_params=True)
+    with pytest.raises(dwgraph.GraphStateError, match="no microbatch has filled"):
+        g2(x, is_first_microbatch=False)
+    y = g2(x, is_first_microbatch=True)
+    with fp8_autocast(recipe=recipe):
+        assert y.shape == (ROWS, H)

@@ -97,10 +97,27 @@ class GraphedCallable:
         is_module = isinstance(target, torch.nn.Module)
         self._dw_modules = [m for m in target.modules() if _spec.is_dwgraph_module(m)] if is_module else []
 
+    _fp8_cache = False  # captured with cache_quantized_params=True
+
+    def _begin_fp8_microbatch(self, kwargs) -> None:
+        """Note [FP8 weight cache]: the call's is_first_microbatch goes into each module's
+        flag, which the graphs read, after the stale-cache check."""
+        first = kwargs.pop("is_first_microbatch", None)
+        if not isinstance(first, bool):
+            raise ArgumentError(f"graphed {self._native.name}: captured with cache_quantized_params=True, so every "
+                                "call needs is_first_microbatch=True (the step's first microbatch: quantize the "
+                                f"weights) or False (reuse them); got {first!r}")
+        for m in self._dw_modules:
+            m._fp8_check_cache(first)
+        for m in self._dw_modules:
+            m._fp8_first_microbatch.fill_(first)
+
     def __call__(self, *args, **kwargs):
         # Contract C10: O(1) host work here; the core decides replay or eager and runs its
         # checks only when something they watch changed (Note [Checks paid when state
         # changes]).
+        if self._fp8_cache:
+            self._begin_fp8_microbatch(kwargs)
         _guards.check_data_parallel(self._dw_modules)  # a replay runs no module forward
         in_sig = self._in_sig
         if not kwargs and len(args) == self._positional:
@@ -268,11 +285,24 @@ def _fp8_states(arguments: Dict[str, Any], num_callables: int):
     if len(per_callable) != num_callables:
         raise ArgumentError(f"dwgraph.make_graphed_callables: 'enabled' must be a bool or one bool per callable "
                             f"({num_callables}), got {len(per_callable)}")
-    if args.get("cache_quantized_params"):
-        raise ArgumentError("dwgraph.make_graphed_callables: cache_quantized_params=True (FP8 weight caching across "
-                            "microbatches) is not implemented yet; every microbatch quantizes its weights")
-    return [_fp8.make_state("dwgraph.make_graphed_callables", e, args.get("calibrating", False),
+    cache = args.get("cache_quantized_params", False)
+    if not isinstance(cache, bool):
+        raise ArgumentError("dwgraph.make_graphed_callables: 'cache_quantized_params' must be a bool, got "
+                            f"{type(cache).__name__}")
+    return cache, [_fp8.make_state("dwgraph.make_graphed_callables", e, args.get("calibrating", False),
                             args.get("recipe"), args.get("amax_reduction_group")) for e in per_callable]
+
+
+def _prepare_fp8_capture(m, state, cache: bool) -> None:
+    """Note [FP8 weight cache] (ops/fp8.h): a capture with cache_quantized_params=True
+    records the in-graph first-microbatch decision (warmup and capture quantize afresh),
+    and starts with no filled cache: the first replay must be a first microbatch."""
+    m._prepare_fp8(state.recipe)
+    m._fp8_graph_caching = bool(cache and state.enabled)
+    m._fp8_cache_versions = None
+    if m._fp8_graph_caching:
+        m._prepare_fp8_cache()
+        m._fp8_first_microbatch.fill_(True)
 
 
 def _under_fp8(fn: Callable, state) -> Callable:
@@ -394,7 +424,7 @@ def make_graphed_callables(
         if sample_kwargs is not None:
             sample_kwargs = (sample_kwargs,)
     modules = tuple(modules)
-    fp8_states = _fp8_states(fp8_arguments, len(modules))
+    fp8_cache, fp8_states = _fp8_states(fp8_arguments, len(modules))
     for i, m in enumerate(modules):
         if not callable(m):
             raise ArgumentError(f"dwgraph.make_graphed_callables: modules[{i}] must be a torch.nn.Module or a "
@@ -435,7 +465,7 @@ def make_graphed_callables(
     previous = [_strip_graphs(m) if isinstance(m, torch.nn.Module) else {} for m in modules]
     try:
         specs, forwards, out_sigs, natives = _capture_all(
-            modules, schedule, in_sigs, flat_args, hooks, fp8_states, num_warmup_iters=num_warmup_iters,
+            modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_cache, num_warmup_iters=num_warmup_iters,
             allow_unused_input=allow_unused_input, pool=pool, retain_graph_in_backward=retain_graph_in_backward,
             reuse_static_buffers=reuse_static_buffers, clone_outputs=clone_outputs,
             backward_under_autocast=bool(backward_under_autocast), pre_warmup_hook=pre_warmup_hook,
@@ -448,7 +478,9 @@ def make_graphed_callables(
     handles = []
     for native in natives:
         c = native.callable_index
-        handles.append(GraphedCallable(native, modules[c], forwards[c], in_sigs[c], out_sigs[c]))
+        handle = GraphedCallable(native, modules[c], forwards[c], in_sigs[c], out_sigs[c])
+        handle._fp8_cache = fp8_cache and fp8_states[c].enabled
+        handles.append(handle)
     if order is not None:
         return tuple(handles)
     out = []
@@ -484,7 +516,7 @@ def _state_checker(module: torch.nn.Module, name: str):
     return check
 
 
-def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, **options):
+def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_cache, **options):
     specs, forwards, out_sigs = [], [], []
     for i, module in enumerate(modules):
         is_module = isinstance(module, torch.nn.Module)
@@ -494,7 +526,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, **opt
             # buffers they find, and the graphs update them in place.
             for m in module.modules():
                 if _spec.is_dwgraph_module(m):
-                    m._prepare_fp8(fp8_states[i].recipe)
+                    _prepare_fp8_capture(m, fp8_states[i], fp8_cache)
         # The module's own forward; hooks of the module itself run around the replays, as
         # around eager calls.
         forward = module.forward if is_module else module

@@ -194,15 +194,68 @@ class _DeferredWgradModule(torch.nn.Module):
 
     # -- FP8 (docs/fp8.md) ---------------------------------------------------------------
     _fp8_gemms = 1  # GEMMs whose scaling state the module keeps (LayerNormMLP: fc1, fc2)
+    _fp8_weight_names = ("weight",)  # their weights, in GEMM order
+    _fp8_graph_caching = False  # captured with cache_quantized_params=True (graphed.py sets it)
+    _fp8_cache_versions = None  # (id, version) of each weight when its FP8 cache was filled
 
-    def _fp8_kwargs(self) -> dict:
-        """The module's delayed-scaling buffers for the C++ forward under fp8_autocast (made
-        on the first FP8 forward); nothing outside it or under current scaling."""
+    def _fp8_kwargs(self, is_first_microbatch: Optional[bool] = None) -> dict:
+        """The module's FP8 state for the C++ forward under fp8_autocast (buffers made on the
+        first FP8 forward); nothing outside it. ``is_first_microbatch`` (TransformerEngine's):
+        None, no weight caching; True, quantize the weights and cache them; False, reuse the
+        cache (Note [FP8 weight cache], ops/fp8.h)."""
         state = _C.fp8.current_state()
-        if not state.enabled or not state.recipe.delayed():
+        if not state.enabled:
             return {}
-        self._prepare_fp8(state.recipe)
-        return dict(fp8_amax_history=self.fp8_amax_history, fp8_scale=self.fp8_scale)
+        recipe = state.recipe
+        self._prepare_fp8(recipe)
+        kw = dict(amax_history=self.fp8_amax_history, scale=self.fp8_scale) if recipe.delayed() else {}
+        if is_first_microbatch is not None or self._fp8_graph_caching:
+            self._prepare_fp8_cache()
+            if is_first_microbatch is not None:
+                self._fp8_check_cache(bool(is_first_microbatch))
+            kw.update(weight_cache=[(getattr(self, f"_fp8_weight_cache{i}"), getattr(self, f"_fp8_weight_scale_inv{i}"))
+                                    for i in range(self._fp8_gemms)],
+                      first=self._fp8_first_microbatch,
+                      host_first=None if is_first_microbatch is None else bool(is_first_microbatch))
+        return dict(fp8=_C.fp8.Meta(**kw))
+
+    def _prepare_fp8_cache(self) -> None:
+        """Non-persistent buffers: one FP8 copy of each weight with its 1/scale, and the
+        first-microbatch flag a graph reads."""
+        if "_fp8_first_microbatch" in self._buffers:
+            return
+        for i, name in enumerate(self._fp8_weight_names):
+            w = getattr(self, name)
+            self.register_buffer(f"_fp8_weight_cache{i}", torch.zeros(w.shape, dtype=torch.float8_e4m3fn,
+                                                                      device=w.device), persistent=False)
+            self.register_buffer(f"_fp8_weight_scale_inv{i}", torch.ones((), device=w.device), persistent=False)
+        self.register_buffer("_fp8_first_microbatch", torch.ones((), dtype=torch.bool, device=self._fp8_device()),
+                             persistent=False)
+
+    def _fp8_device(self) -> torch.device:
+        return getattr(self, self._fp8_weight_names[0]).device
+
+    def _fp8_check_cache(self, first: bool) -> None:
+        """Before a microbatch with weight caching: a first one records the weights it
+        quantizes; a later one is refused when the cache would be stale (never filled since
+        the module was captured, or a weight replaced or changed in place since)."""
+        weights = [(n, getattr(self, n)) for n in self._fp8_weight_names]
+        now = [(id(w), w._version) for _, w in weights]
+        if first:
+            self._fp8_cache_versions = now
+            return
+        then = self._fp8_cache_versions
+        if then is None:
+            raise GraphStateError(
+                f"{self._display_name()}: is_first_microbatch=False, but no microbatch has filled the FP8 weight "
+                "cache since it was made or captured; pass is_first_microbatch=True on each step's first microbatch")
+        for (name, _), (i0, v0), (i1, v1) in zip(weights, then, now):
+            if i0 != i1 or v0 != v1:
+                raise GraphStateError(
+                    f"{self._display_name()}: is_first_microbatch=False would reuse a stale FP8 copy of '{name}': "
+                    + ("the parameter was replaced" if i0 != i1 else f"it was changed in place (version {v0}, now {v1})")
+                    + " since the step's first microbatch quantized it. Pass is_first_microbatch=True on the first "
+                    "microbatch after every weight update")
 
     def _prepare_fp8(self, recipe) -> None:
         """Registers the buffers ``fp8_amax_history`` and ``fp8_scale`` for ``recipe`` when
@@ -218,8 +271,12 @@ class _DeferredWgradModule(torch.nn.Module):
 
     def reset_fp8_state(self) -> None:
         """Forgets the FP8 scaling state (the next FP8 forward starts from unit scales)."""
-        for name in ("fp8_amax_history", "fp8_scale"):
+        for name in ("fp8_amax_history", "fp8_scale", "_fp8_first_microbatch"):
             self._buffers.pop(name, None)
+        for i in range(self._fp8_gemms):
+            self._buffers.pop(f"_fp8_weight_cache{i}", None)
+            self._buffers.pop(f"_fp8_weight_scale_inv{i}", None)
+        self._fp8_cache_versions = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -397,15 +454,16 @@ class Linear(_DeferredWgradModule):
         if self.fuse_wgrad_accumulation:
             self._allocate_main_grads()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         if self._traceable():
             return _traced.linear(x, self.weight, self.bias)
-        return self._eager_forward(x)
+        return self._eager_forward(x, is_first_microbatch)
 
     @torch.compiler.disable
-    def _eager_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _eager_forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         out = _C.nn.linear(x, self._ref("weight", self.weight, is_weight=True),
-                           self._ref("bias", self.bias, is_weight=False), **self._config(), **self._fp8_kwargs())
+                           self._ref("bias", self.bias, is_weight=False), **self._config(),
+                           **self._fp8_kwargs(is_first_microbatch))
         return self._after_forward(out)
 
     def extra_repr(self) -> str:
@@ -516,20 +574,20 @@ class LayerNormLinear(_DeferredWgradModule):
         if self.fuse_wgrad_accumulation:
             self._allocate_main_grads()
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         if self._traceable():
             out, ln_out = _traced.layernorm_linear(self, x)
         else:
-            out, ln_out = self._eager_forward(x)
+            out, ln_out = self._eager_forward(x, is_first_microbatch)
         return (out, ln_out) if self.return_layernorm_output else out
 
     @torch.compiler.disable
-    def _eager_forward(self, x: torch.Tensor):
+    def _eager_forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         out, ln_out = _C.nn.layernorm_linear(
             x, self.layer_norm_weight, self.layer_norm_bias, self.eps,
             self._ref("weight", self.weight, is_weight=True),
             self._ref("bias", self.bias, is_weight=False), normalization=self.normalization, **self._config(),
-            **self._fp8_kwargs())
+            **self._fp8_kwargs(is_first_microbatch))
         return self._after_forward(out), ln_out
 
     def extra_repr(self) -> str:
@@ -553,7 +611,8 @@ class LayerNormMLP(_DeferredWgradModule):
     no ``layer_norm_bias``.
     """
 
-    _fp8_gemms = 2  # fc1, fc2
+    _fp8_gemms = 2
+    _fp8_weight_names = ("fc1_weight", "fc2_weight")
     # Class defaults: a module pickled before these settings existed loads with them.
     checkpoint = False
     normalization = "LayerNorm"
@@ -585,20 +644,20 @@ class LayerNormMLP(_DeferredWgradModule):
         if self.fuse_wgrad_accumulation:
             self._allocate_main_grads()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         if self._traceable():
             return _traced.layernorm_mlp(self, x)
-        return self._eager_forward(x)
+        return self._eager_forward(x, is_first_microbatch)
 
     @torch.compiler.disable
-    def _eager_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _eager_forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         out = _C.nn.layernorm_mlp(
             x, self.layer_norm_weight, self.layer_norm_bias, self.eps,
             self._ref("fc1_weight", self.fc1_weight, is_weight=True),
             self._ref("fc1_bias", self.fc1_bias, is_weight=False), self.activation,
             self._ref("fc2_weight", self.fc2_weight, is_weight=True),
             self._ref("fc2_bias", self.fc2_bias, is_weight=False), checkpoint=self.checkpoint,
-            normalization=self.normalization, **self._config(), **self._fp8_kwargs())
+            normalization=self.normalization, **self._config(), **self._fp8_kwargs(is_first_microbatch))
         return self._after_forward(out)
 
     def extra_repr(self) -> str:
