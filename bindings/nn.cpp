@@ -127,13 +127,14 @@ void init_nn(py::module_& parent) {
       "grouped_linear",
       [](const at::Tensor& x, std::vector<int64_t> m_splits, const std::vector<RefPtr>& weights,
          const std::vector<RefPtr>& biases, bool delay, bool fuse, std::shared_ptr<WgradStore> store,
-         uint64_t unit, std::string module) {
+         uint64_t unit, std::string module, const std::optional<ops::Fp8Meta>& fp8) {
         return ops::grouped_linear(x, m_splits, as_const(weights), as_const(biases),
-                                   make_config(delay, fuse, std::move(store), unit, std::move(module)));
+                                   make_config(delay, fuse, std::move(store), unit, std::move(module)),
+                                   fp8.value_or(ops::Fp8Meta()));
       },
       py::arg("x"), py::arg("m_splits"), py::arg("weights"), py::arg("biases"), py::kw_only(),
       py::arg("delay_wgrad_compute"), py::arg("fuse_wgrad_accumulation"), py::arg("store"),
-      py::arg("unit_id"), py::arg("module"));
+      py::arg("unit_id"), py::arg("module"), py::arg("fp8") = py::none());
 
   m.def(
       "layernorm_mlp",

@@ -9,12 +9,14 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/relu.h>
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
@@ -293,6 +295,18 @@ class LinearBackward final : public DeferredGemmNode {
   }
 };
 
+// Writes an FP32 weight-gradient product into `out`, or adds it: in FP32 into an FP32 buffer
+// (main_grad), else in FP32 then rounded once.
+void write_product(const at::Tensor& out, const at::Tensor& p, bool accumulate) {
+  if (!accumulate) {
+    out.copy_(p);
+  } else if (out.scalar_type() == at::kFloat) {
+    out.add_(p);
+  } else {
+    out.copy_(at::add(out.to(at::kFloat), p));
+  }
+}
+
 // Note [FP8 Linear]: under fp8_autocast the forward quantizes its input and weight
 // (E4M3) with the module's scaling state (ops/fp8.h) and multiplies them in FP8 into FP32.
 // The node keeps the quantized input (as its saved activation, so saved-tensor hooks see
@@ -336,14 +350,7 @@ class Fp8LinearBackward final : public DeferredGemmNode {
   detail::WgradGemm wgrad_gemm_for(size_t, const at::Tensor&, const at::Tensor& x) override {
     return [dyq = fp8::t(dyq_), xq = fp8::Quantized{x, x_scale_inv_}, dbias = dbias_](
                const at::Tensor& out, bool accumulate, const at::Tensor& bias_out) {
-      const at::Tensor p = fp8::mm(dyq, xq);  // [N, K], FP32
-      if (!accumulate) {
-        out.copy_(p);
-      } else if (out.scalar_type() == at::kFloat) {
-        out.add_(p);  // main_grad: the FP32 product accumulates in FP32
-      } else {
-        out.copy_(at::add(out.to(at::kFloat), p));  // add in FP32, round once
-      }
+      write_product(out, fp8::mm(dyq, xq), accumulate);
       if (bias_out.defined()) bias_out.copy_(dbias);
     };
   }
@@ -362,7 +369,7 @@ class Fp8LinearBackward final : public DeferredGemmNode {
   at::Tensor dbias_;
 };
 
-class GroupedLinearBackward final : public DeferredGemmNode {
+class GroupedLinearBackward : public DeferredGemmNode {
  public:
   GroupedLinearBackward(WgradConfig cfg, std::vector<WeightRefPtr> weights,
                         std::vector<WeightRefPtr> biases, std::vector<int64_t> m_splits)
@@ -404,9 +411,118 @@ class GroupedLinearBackward final : public DeferredGemmNode {
     return at::stack(sums);
   }
 
- private:
   std::vector<int64_t> m_splits_;
   std::vector<int64_t> offsets_;
+};
+
+// A tensor's row groups, each quantized per tensor with its own scale (GEMM g's column),
+// the FP8 rows concatenated.
+struct GroupedQuantized {
+  at::Tensor data;
+  std::vector<at::Tensor> scale_inv;
+  fp8::Quantized group(const std::vector<int64_t>& offsets, size_t g) const {
+    return fp8::Quantized{data.narrow(0, offsets[g], offsets[g + 1] - offsets[g]), scale_inv[g]};
+  }
+};
+
+GroupedQuantized quantize_groups(const at::Tensor& t, const std::vector<int64_t>& offsets, at::ScalarType dtype,
+                                 const Fp8Recipe& recipe, const Fp8Meta& meta, int64_t role) {
+  GroupedQuantized out;
+  std::vector<at::Tensor> parts;
+  for (size_t g = 0; g + 1 < offsets.size(); ++g) {
+    fp8::Quantized q = fp8::quantize(t.narrow(0, offsets[g], offsets[g + 1] - offsets[g]), dtype, recipe, meta,
+                                     fp8::kRoles * static_cast<int64_t>(g) + role);
+    parts.push_back(q.data);
+    out.scale_inv.push_back(q.scale_inv);
+  }
+  out.data = parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+  return out;
+}
+
+// Per group g: out rows of group g = a_g · b_g (FP32), [rows, cols].
+at::Tensor grouped_products(const GroupedQuantized& a, const std::vector<fp8::Quantized>& b,
+                            const std::vector<int64_t>& offsets, int64_t cols) {
+  at::Tensor out = at::zeros({offsets.back(), cols}, a.data.options().dtype(at::kFloat));
+  for (size_t g = 0; g < b.size(); ++g) {
+    if (offsets[g + 1] == offsets[g]) continue;
+    out.narrow(0, offsets[g], offsets[g + 1] - offsets[g]).copy_(fp8::mm(a.group(offsets, g), b[g]));
+  }
+  return out;
+}
+
+// Note [FP8 Linear], per group: group g's rows, weight and output-gradient rows use GEMM g's
+// three columns of the scaling state.
+class Fp8GroupedLinearBackward final : public GroupedLinearBackward {
+ public:
+  Fp8GroupedLinearBackward(WgradConfig cfg, std::vector<WeightRefPtr> weights, std::vector<WeightRefPtr> biases,
+                           std::vector<int64_t> m_splits, Fp8Recipe recipe, Fp8Meta meta,
+                           std::vector<at::Tensor> x_scale_inv, std::vector<fp8::Quantized> wq, at::ScalarType dx_dtype)
+      : GroupedLinearBackward(std::move(cfg), std::move(weights), std::move(biases), std::move(m_splits)),
+        recipe_(recipe),
+        meta_(std::move(meta)),
+        x_scale_inv_(std::move(x_scale_inv)),
+        wq_(std::move(wq)),
+        dx_dtype_(dx_dtype) {}
+  std::string name() const override { return "dwgraph::Fp8GroupedLinearBackward"; }
+  void release_variables() override {
+    GroupedLinearBackward::release_variables();
+    wq_.clear();
+    dyq_ = {};
+    dbias_.clear();
+  }
+
+ protected:
+  void begin_backward(const at::Tensor& dy) override {
+    dyq_ = quantize_groups(dy, offsets_, recipe_.backward_dtype(), recipe_, meta_, fp8::kGradOutput);
+    dbias_.clear();
+    if (!biases_.empty()) {
+      for (size_t g = 0; g < m_splits_.size(); ++g) dbias_.push_back(at::sum(rows(dy, g), {0}, false, at::kFloat));
+    }
+  }
+  std::vector<at::Tensor> weights_for_dgrad() override { return {}; }
+  at::Tensor wgrad_grad_output(const at::Tensor&) override { return dyq_.data; }
+  at::Tensor dgrad(const at::Tensor&, const std::vector<at::Tensor>&) override {
+    DWGRAPH_CHECK_STATE(!wq_.empty(), cfg_.module_name, ": the FP8 backward ran a second time without "
+                        "retain_graph=True; its quantized weights were released");
+    return grouped_products(dyq_, wq_, offsets_, wq_[0].data.size(1)).to(dx_dtype_);
+  }
+  detail::WgradGemm wgrad_gemm_for(size_t i, const at::Tensor&, const at::Tensor& x) override {
+    const GroupedQuantized xq{x, x_scale_inv_};
+    // The groups this closure computes: all of a packed weight's, or weight i's.
+    std::vector<size_t> groups;
+    if (packed()) {
+      for (size_t g = 0; g < m_splits_.size(); ++g) groups.push_back(g);
+    } else {
+      groups.push_back(i);
+    }
+    std::vector<fp8::Quantized> dys, xs;
+    std::vector<at::Tensor> dbias;
+    for (size_t g : groups) {
+      dys.push_back(fp8::t(dyq_.group(offsets_, g)));
+      xs.push_back(xq.group(offsets_, g));
+      if (!dbias_.empty()) dbias.push_back(dbias_[g]);
+    }
+    return [dys, xs, dbias, packed = packed()](const at::Tensor& out, bool accumulate, const at::Tensor& bias_out) {
+      for (size_t k = 0; k < dys.size(); ++k) {
+        const at::Tensor o = packed ? out.select(0, static_cast<int64_t>(k)) : out;
+        if (dys[k].data.size(1) == 0) {  // an empty group: a zero product
+          if (!accumulate) o.zero_();
+        } else {
+          write_product(o, fp8::mm(dys[k], xs[k]), accumulate);
+        }
+        if (bias_out.defined()) (packed ? bias_out.select(0, static_cast<int64_t>(k)) : bias_out).copy_(dbias[k]);
+      }
+    };
+  }
+
+ private:
+  Fp8Recipe recipe_;
+  Fp8Meta meta_;
+  std::vector<at::Tensor> x_scale_inv_;
+  std::vector<fp8::Quantized> wq_;
+  at::ScalarType dx_dtype_;
+  GroupedQuantized dyq_;
+  std::vector<at::Tensor> dbias_;
 };
 
 // `x`: the GEMM's input as autograd sees it (after its autocast cast, which autograd
@@ -535,11 +651,8 @@ at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightR
 
 at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_splits,
                           const std::vector<WeightRefPtr>& weights,
-                          const std::vector<WeightRefPtr>& biases, const WgradConfig& cfg) {
+                          const std::vector<WeightRefPtr>& biases, const WgradConfig& cfg, const Fp8Meta& fp8_meta) {
   check_config(cfg);
-  DWGRAPH_CHECK_ARG(!Fp8State::current().enabled, cfg.module_name, ": FP8 GEMMs are not implemented for "
-                    "GroupedLinear yet (fp8_autocast is enabled: ", Fp8State::current().describe(),
-                    "); run it outside fp8_autocast");
   DWGRAPH_CHECK_ARG(!weights.empty(), cfg.module_name, ": at least one weight is required");
   const bool packed = weights.size() == 1 && weights[0]->param.dim() == 3;
   const at::Tensor& w0 = weights[0]->param;
@@ -566,6 +679,38 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
   const at::Tensor xin = autocast_operand(x, gemm_dtype);
   at::Tensor y, x2d;
   std::vector<at::Tensor> w;
+  const Fp8Slot fp8 = fp8_slot(cfg.module_name, fp8_meta, groups);
+  if (fp8.state.enabled) {
+    // Note [FP8 Linear], per group.
+    DWGRAPH_CHECK_ARG(fp8_meta.weight_cache.empty(), cfg.module_name,
+                      ": FP8 weight caching is not supported for GroupedLinear; every microbatch quantizes its weights");
+    const Fp8Recipe& recipe = fp8.state.recipe;
+    std::vector<int64_t> offsets{0};
+    for (int64_t m : m_splits) offsets.push_back(offsets.back() + m);
+    GroupedQuantized xq;
+    std::vector<fp8::Quantized> wq;
+    {
+      BelowAutograd below;
+      for (const auto& r : weights) w.push_back(r->for_forward());
+      x2d = xin.contiguous();
+      xq = quantize_groups(x2d, offsets, recipe.forward_dtype(), recipe, fp8.meta, fp8::kInput);
+      for (int64_t g = 0; g < groups; ++g) {
+        const at::Tensor wg = packed ? w[0].select(0, g) : w[g];
+        wq.push_back(fp8::quantize(wg, recipe.forward_dtype(), recipe, fp8.meta, fp8::kRoles * g + fp8::kWeight));
+      }
+      std::vector<fp8::Quantized> wt;
+      for (const auto& q : wq) wt.push_back(fp8::t(q));
+      at::Tensor y32 = grouped_products(xq, wt, offsets, wq[0].data.size(0));
+      for (int64_t g = 0; g < groups && !biases.empty(); ++g) {
+        const at::Tensor bg = packed ? biases[0]->param.select(0, g) : biases[g]->param;
+        y32.narrow(0, offsets[g], offsets[g + 1] - offsets[g]).add_(bg.to(at::kFloat));
+      }
+      y = y32.to(xin.scalar_type());
+    }
+    connect<Fp8GroupedLinearBackward>(y, xin, xq.data, cfg, gemm_dtype, weights, w, biases, m_splits, recipe,
+                                      fp8.meta, xq.scale_inv, wq, xin.scalar_type());
+    return y;
+  }
   {
     BelowAutograd below;
     for (const auto& r : weights) w.push_back(autocast_operand(r->for_forward(), gemm_dtype).contiguous());

@@ -35,7 +35,8 @@ at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightR
 // [N] or one ref of a packed [G, N].
 at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_splits,
                           const std::vector<WeightRefPtr>& weights,
-                          const std::vector<WeightRefPtr>& biases, const WgradConfig& cfg);
+                          const std::vector<WeightRefPtr>& biases, const WgradConfig& cfg,
+                          const Fp8Meta& fp8_meta = {});
 
 // LayerNorm (an ordinary autograd op; its weight and bias are not deferred) followed by
 // linear(): (output, LayerNorm output). The weight and bias follow `cfg`. `normalization`

@@ -195,6 +195,7 @@ class _DeferredWgradModule(torch.nn.Module):
     # -- FP8 (docs/fp8.md) ---------------------------------------------------------------
     _fp8_gemms = 1  # GEMMs whose scaling state the module keeps (LayerNormMLP: fc1, fc2)
     _fp8_weight_names = ("weight",)  # their weights, in GEMM order
+    _fp8_supports_cache = True  # GroupedLinear: not yet
     _fp8_graph_caching = False  # captured with cache_quantized_params=True (graphed.py sets it)
     _fp8_cache_versions = None  # (id, version) of each weight when its FP8 cache was filled
 
@@ -473,6 +474,8 @@ class Linear(_DeferredWgradModule):
 
 
 class GroupedLinear(_DeferredWgradModule):
+    _fp8_supports_cache = False
+
     """``num_gemms`` Linear layers over consecutive row groups: ``forward(x, m_splits)``.
 
     Rows ``m_splits[g]`` of ``x [tokens, in_features]`` go through weight ``g``. Weights
@@ -489,6 +492,7 @@ class GroupedLinear(_DeferredWgradModule):
         self.out_features = int(out_features)
         self.packed_weights = bool(packed_weights)
         self.use_bias = bool(bias)
+        self._fp8_gemms = self.num_gemms
         factory = dict(device=device, dtype=dtype)
         if self.packed_weights:
             self.weight = torch.nn.Parameter(torch.empty(num_gemms, out_features, in_features, **factory))
@@ -533,7 +537,7 @@ class GroupedLinear(_DeferredWgradModule):
             x, [int(m) for m in m_splits],
             [self._ref(n, p, is_weight=True) for n, p in self._weights()],
             [self._ref(n, p, is_weight=False) for n, p in self._biases()],
-            **self._config())
+            **self._config(), **self._fp8_kwargs())
         return self._after_forward(out)
 
     def extra_repr(self) -> str:
