@@ -395,9 +395,14 @@ def make_graphed_callables(
 
     TransformerEngine's FP8 arguments (``enabled``, ``calibrating``, ``recipe``,
     ``amax_reduction_group``, ``cache_quantized_params``, and the older ``fp8_enabled``,
-    ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group``, ``fp8_weight_caching``) are accepted
-    when they ask for no FP8 (false or None); asking for FP8 is an ArgumentError: dwgraph
-    has no FP8 recipes yet.
+    ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group``, ``fp8_weight_caching``):
+    ``enabled`` (a bool, or one per callable) and ``recipe`` (a ``dwgraph.fp8`` recipe; None:
+    ``DelayedScaling()``) give each callable's FP8 state, under which its warmup, capture and
+    any eager fallback run, whatever ``fp8_autocast`` the caller is in; the scaling state is
+    made before warmup and updated inside the graphs. ``cache_quantized_params=True`` caches
+    the quantized weights across microbatches: every call then takes
+    ``is_first_microbatch``. ``calibrating=True`` and an amax reduction group are refused
+    (docs/fp8.md).
 
     ``_unsafe_capture_with_caller_grad`` is for tests only: it captures backward-dw with
     the caller's ``.grad`` in place and skips the hand-off (the unfixed hazard).
