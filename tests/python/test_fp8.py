@@ -540,3 +540,28 @@ def test_weight_cache_never_crosses_captures_and_refuses_stale_weights():
     y = g2(x, is_first_microbatch=True)
     with fp8_autocast(recipe=recipe):
         assert y.shape == (ROWS, H)
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["requantize", "cache_weights"])
+def test_replays_update_the_scaling_state_without_running_python(cache, monkeypatch):
+    recipe = DelayedScaling(amax_history_len=4)
+    model = make_chunk("Linear", 30)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(ROWS, H, requires_grad=True),), enabled=True,
+                                       recipe=recipe, cache_quantized_params=cache)
+
+    def no_python(*args, **kwargs):
+        raise AssertionError("a replay ran the module's Python forward")
+
+    # After capture nothing of the scaling bookkeeping is left to the host: the module's
+    # forward (and with it the fp8 kwargs) never runs, yet the state moves at every replay.
+    monkeypatch.setattr(dwgraph.nn.Linear, "_eager_forward", no_python)
+    kw = (lambda m: dict(is_first_microbatch=m == 0)) if cache else (lambda m: {})
+    seen = [model[0].fp8_amax_history.clone()]
+    for m in range(3):
+        x = torch.randn(ROWS, H, requires_grad=True)
+        ((g(x, **kw(m)) * torch.randn(ROWS, H)).sum()).backward()
+        g.backward_dw()
+        seen.append(model[0].fp8_amax_history.clone())
+    for a, b in zip(seen, seen[1:]):  # each replay rolled the input's history and recorded its amax
+        assert torch.equal(b[1:, 0], a[:-1, 0]) and b[0, 0] > 0, "the input's history did not move at a replay"
+    assert int((model[0].fp8_amax_history[:, 1] != 0).sum()) == (1 if cache else 3)
