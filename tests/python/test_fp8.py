@@ -528,6 +528,12 @@ def test_weight_cache_never_crosses_captures_and_refuses_stale_weights():
     g.backward_dw()
     g(x.clone().requires_grad_(True), is_first_microbatch=False).sum().backward()
     g.backward_dw()
+    # The module called on its own (not through its graphed callable) with no
+    # is_first_microbatch quantizes afresh: the flag the last replay left (False) is not read.
+    history = m[0].fp8_amax_history.clone()
+    with fp8_autocast(recipe=recipe):
+        m[0](x)
+    assert torch.equal(m[0].fp8_amax_history[1:, 1], history[:-1, 1])
     with torch.no_grad():
         m[0].weight.mul_(0.5)  # changed in place between microbatches
     with pytest.raises(dwgraph.GraphStateError, match=r"changed in place \(version"):

@@ -12,6 +12,7 @@ scales each tensor by its own amax and keeps no state.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from . import _C
 from .errors import ArgumentError
@@ -47,6 +48,30 @@ def state_scope(state):
         yield
     finally:
         _C.fp8.exchange_state(previous)
+
+
+class _GraphedCall(threading.local):
+    depth = 0
+
+
+_graphed_call = _GraphedCall()
+
+
+@contextlib.contextmanager
+def graphed_call_scope(state):
+    """A graphed callable's warmup, capture or eager fallback: under its FP8 ``state``, and
+    modules captured with weight caching read the first-microbatch flag the call wrote
+    (Note [FP8 weight cache], ops/fp8.h); outside it they decide as eager modules do."""
+    _graphed_call.depth += 1
+    try:
+        with state_scope(state):
+            yield
+    finally:
+        _graphed_call.depth -= 1
+
+
+def in_graphed_call() -> bool:
+    return _graphed_call.depth > 0
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, recipe=None, amax_reduction_group=None, *,

@@ -313,7 +313,7 @@ def _under_fp8(fn: Callable, state) -> Callable:
     """``fn`` run under the C++ FP8 ``state``."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        with _fp8.state_scope(state):
+        with _fp8.graphed_call_scope(state):
             return fn(*args, **kwargs)
     return call
 

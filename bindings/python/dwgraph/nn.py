@@ -24,6 +24,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import _C, _guards, _traced
+from . import fp8 as _fp8
 from ._weights import DistributedWeight
 from .errors import ArgumentError, GraphStateError, _FoundMore
 
@@ -210,7 +211,9 @@ class _DeferredWgradModule(torch.nn.Module):
         recipe = state.recipe
         self._prepare_fp8(recipe)
         kw = dict(amax_history=self.fp8_amax_history, scale=self.fp8_scale) if recipe.delayed() else {}
-        if is_first_microbatch is not None or self._fp8_graph_caching:
+        # A module captured with weight caching reads its flag only inside its graphed
+        # callable (capture, eager fallback); called on its own it decides as any eager call.
+        if is_first_microbatch is not None or (self._fp8_graph_caching and _fp8.in_graphed_call()):
             self._prepare_fp8_cache()
             if is_first_microbatch is not None:
                 self._fp8_check_cache(bool(is_first_microbatch))
