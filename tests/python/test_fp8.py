@@ -571,3 +571,41 @@ def test_replays_update_the_scaling_state_without_running_python(cache, monkeypa
     for a, b in zip(seen, seen[1:]):  # each replay rolled the input's history and recorded its amax
         assert torch.equal(b[1:, 0], a[:-1, 0]) and b[0, 0] > 0, "the input's history did not move at a replay"
     assert int((model[0].fp8_amax_history[:, 1] != 0).sum()) == (1 if cache else 3)
+
+
+def test_layernorm_mlp_uses_fc1s_then_fc2s_scaling_columns():
+    torch.manual_seed(9)
+    recipe = DelayedScaling(amax_history_len=2)
+    m = dwgraph.nn.LayerNormMLP(K, N, activation="gelu")
+    for _ in range(2):  # two steps: every column off its unit scale
+        with fp8_autocast(recipe=recipe):
+            y = m(torch.randn(6, K, requires_grad=True))
+        y.sum().backward()
+    x = torch.randn(6, K)
+    s = m.fp8_scale.clone()
+    with fp8_autocast(recipe=recipe):
+        y = m(x)
+    p = {n: t.detach() for n, t in m.named_parameters()}
+    h = torch.nn.functional.layer_norm(x, (K,), p["layer_norm_weight"], p["layer_norm_bias"], m.eps)
+    hr, w1r = roundtrip(h, s[0], E4M3), roundtrip(p["fc1_weight"], s[1], E4M3)
+    a = torch.nn.functional.gelu(hr @ w1r.T + p["fc1_bias"])
+    ar, w2r = roundtrip(a, s[3], E4M3), roundtrip(p["fc2_weight"], s[4], E4M3)
+    ref = ar @ w2r.T + p["fc2_bias"]
+    assert_within(y, ref, accumulation_bound(ar, w2r.T), "LayerNormMLP forward")
+    assert not torch.equal(s[0:3], s[3:6])  # the two GEMMs keep their own state
+
+
+def test_fp8_under_torch_autocast_runs_in_the_autocast_dtype():
+    torch.manual_seed(4)
+    m = dwgraph.nn.Linear(K, N, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)  # FP32 parameters
+    x = torch.randn(6, K, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), fp8_autocast(recipe=Float8CurrentScaling()):
+        y = m(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    m.backward_dw()
+    assert x.grad.dtype == torch.float32 and m.weight.main_grad.dtype == torch.float32
+    xb = x.detach().bfloat16()
+    xr, wr = roundtrip(xb, current_scale(xb, E4M3), E4M3), roundtrip(m.weight.detach(), current_scale(m.weight.detach(), E4M3), E4M3)
+    y32 = xr @ wr.T + m.bias.detach()
+    assert_within(y, y32, output_bound(y32, accumulation_bound(xr, wr.T), torch.bfloat16), "forward under autocast")
