@@ -682,8 +682,6 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
   const Fp8Slot fp8 = fp8_slot(cfg.module_name, fp8_meta, groups);
   if (fp8.state.enabled) {
     // Note [FP8 Linear], per group.
-    DWGRAPH_CHECK_ARG(fp8_meta.weight_cache.empty(), cfg.module_name,
-                      ": FP8 weight caching is not supported for GroupedLinear; every microbatch quantizes its weights");
     const Fp8Recipe& recipe = fp8.state.recipe;
     std::vector<int64_t> offsets{0};
     for (int64_t m : m_splits) offsets.push_back(offsets.back() + m);
@@ -696,7 +694,15 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
       xq = quantize_groups(x2d, offsets, recipe.forward_dtype(), recipe, fp8.meta, fp8::kInput);
       for (int64_t g = 0; g < groups; ++g) {
         const at::Tensor wg = packed ? w[0].select(0, g) : w[g];
-        wq.push_back(fp8::quantize(wg, recipe.forward_dtype(), recipe, fp8.meta, fp8::kRoles * g + fp8::kWeight));
+        const int64_t column = fp8::kRoles * g + fp8::kWeight;
+        if (fp8.meta.weight_cache.empty()) {
+          wq.push_back(fp8::quantize(wg, recipe.forward_dtype(), recipe, fp8.meta, column));
+        } else {
+          const Fp8WeightCache& cache = fp8.meta.weight_cache[g];
+          const std::string name = packed ? weights[0]->name + "[" + std::to_string(g) + "]" : weights[g]->name;
+          fp8::check_weight_cache(cfg.module_name, name, cache, wg, recipe);
+          wq.push_back(fp8::quantize_weight(wg, recipe, fp8.meta, column, cache));
+        }
       }
       std::vector<fp8::Quantized> wt;
       for (const auto& q : wq) wt.push_back(fp8::t(q));

@@ -241,10 +241,6 @@ def test_fp8_refusals():
     mlp = dwgraph.nn.LayerNormMLP(K, N, checkpoint=True)
     with fp8_autocast(), pytest.raises(dwgraph.ArgumentError, match="checkpoint=True is not supported under fp8"):
         mlp(torch.randn(2, K, requires_grad=True))
-    grouped = torch.nn.Sequential(GroupedBlock(dwgraph.nn.GroupedLinear(3, H, H)))
-    with pytest.raises(dwgraph.ArgumentError, match="cache_quantized_params=True is not supported for dwgraph.nn.Grouped"):
-        dwgraph.make_graphed_callables(grouped, (torch.randn(ROWS, H, requires_grad=True),), enabled=True,
-                                       cache_quantized_params=True)
 
 
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
@@ -302,7 +298,7 @@ class GroupedBlock(torch.nn.Module):
         self.inner = inner
 
     def forward(self, x, is_first_microbatch=None):
-        return self.inner(x, [3, 0, ROWS - 3])
+        return self.inner(x, [3, 0, ROWS - 3], is_first_microbatch=is_first_microbatch)
 
 
 def make_chunk(kind, seed):
@@ -343,9 +339,8 @@ def assert_same_state(a, b, what):
 
 @pytest.mark.parametrize("schedule", ["sequential", "pipeline"])
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
-# GroupedLinear has no weight caching (refused: test_fp8_refusals).
-@pytest.mark.parametrize("kind,cache", [(k, c) for k in ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
-                                        for c in (False, True) if not (c and k == "GroupedLinear")])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+@pytest.mark.parametrize("cache", [False, True], ids=["requantize", "cache_weights"])
 def test_graphed_fp8_equals_eager_bitwise_over_ten_steps(schedule, scaling, kind, cache):
     recipe = recipe_of(scaling, Format.HYBRID, history=4)
     eager = [make_chunk(kind, 10), make_chunk(kind, 11)]
@@ -467,11 +462,11 @@ def test_state_dict_resumes_fp8_training_bitwise(kind):
 
 
 # ----------------------------------------------------------------------------- weight caching
-def _cached_step(m, recipe, batches, first_flags):
+def _cached_step(m, recipe, batches, first_flags, *args):
     outs = []
     for x, first in zip(batches, first_flags):
         with fp8_autocast(recipe=recipe):
-            outs.append(m(x, is_first_microbatch=first))
+            outs.append(m(x, *args, is_first_microbatch=first))
     return outs
 
 
@@ -609,3 +604,25 @@ def test_fp8_under_torch_autocast_runs_in_the_autocast_dtype():
     xr, wr = roundtrip(xb, current_scale(xb, E4M3), E4M3), roundtrip(m.weight.detach(), current_scale(m.weight.detach(), E4M3), E4M3)
     y32 = xr @ wr.T + m.bias.detach()
     assert_within(y, y32, output_bound(y32, accumulation_bound(xr, wr.T), torch.bfloat16), "forward under autocast")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["per_group", "packed"])
+def test_grouped_linear_caches_one_fp8_copy_per_group(packed):
+    recipe = DelayedScaling(amax_history_len=4)
+    m = dwgraph.nn.GroupedLinear(3, K, N, packed_weights=packed)
+    splits = [2, 0, 4]
+    outs = _cached_step(m, recipe, [torch.randn(6, K) for _ in range(3)], [True, False, False], splits)
+    weight_columns = m.fp8_amax_history[:, 1::3]
+    assert int((weight_columns != 0).sum()) == 3  # each group's weight quantized once
+    assert int((m.fp8_amax_history[:, 0] != 0).sum()) == 3  # group 0's input every microbatch
+    w0 = m.weight[0] if packed else m.weight0
+    s = m.fp8_scale.clone()
+    with fp8_autocast(recipe=recipe):
+        y = m(torch.zeros(6, K), splits, is_first_microbatch=False)
+    assert torch.equal(m.fp8_scale[1::3], s[1::3])
+    with torch.no_grad():
+        w0.mul_(2.0)
+    name = "weight" if packed else "weight0"
+    with fp8_autocast(recipe=recipe), pytest.raises(dwgraph.GraphStateError, match=f"stale FP8 copy of '{name}'"):
+        m(torch.zeros(6, K), splits, is_first_microbatch=False)
+    assert len(outs) == 3 and y.shape == (6, N)

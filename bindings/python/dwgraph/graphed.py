@@ -297,10 +297,6 @@ def _prepare_fp8_capture(m, state, cache: bool) -> None:
     """Note [FP8 weight cache] (ops/fp8.h): a capture with cache_quantized_params=True
     records the in-graph first-microbatch decision (warmup and capture quantize afresh),
     and starts with no filled cache: the first replay must be a first microbatch."""
-    if cache and state.enabled and not m._fp8_supports_cache:
-        raise ArgumentError(f"dwgraph.make_graphed_callables: cache_quantized_params=True is not supported for "
-                            f"{m._display_name()} (FP8 weight caching exists for Linear, LayerNormLinear and "
-                            "LayerNormMLP); capture without it")
     m._prepare_fp8(state.recipe)
     m._fp8_graph_caching = bool(cache and state.enabled)
     m._fp8_cache_versions = None

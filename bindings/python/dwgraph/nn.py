@@ -196,7 +196,6 @@ class _DeferredWgradModule(torch.nn.Module):
     # -- FP8 (docs/fp8.md) ---------------------------------------------------------------
     _fp8_gemms = 1  # GEMMs whose scaling state the module keeps (LayerNormMLP: fc1, fc2)
     _fp8_weight_names = ("weight",)  # their weights, in GEMM order
-    _fp8_supports_cache = True  # GroupedLinear: not yet
     _fp8_graph_caching = False  # captured with cache_quantized_params=True (graphed.py sets it)
     _fp8_cache_versions = None  # (id, version) of each weight when its FP8 cache was filled
 
@@ -228,13 +227,17 @@ class _DeferredWgradModule(torch.nn.Module):
         first-microbatch flag a graph reads."""
         if "_fp8_first_microbatch" in self._buffers:
             return
-        for i, name in enumerate(self._fp8_weight_names):
-            w = getattr(self, name)
-            self.register_buffer(f"_fp8_weight_cache{i}", torch.zeros(w.shape, dtype=torch.float8_e4m3fn,
-                                                                      device=w.device), persistent=False)
-            self.register_buffer(f"_fp8_weight_scale_inv{i}", torch.ones((), device=w.device), persistent=False)
+        device = self._fp8_device()
+        for i, shape in enumerate(self._fp8_cache_shapes()):
+            self.register_buffer(f"_fp8_weight_cache{i}", torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device),
+                                 persistent=False)
+            self.register_buffer(f"_fp8_weight_scale_inv{i}", torch.ones((), device=device), persistent=False)
         self.register_buffer("_fp8_first_microbatch", torch.ones((), dtype=torch.bool, device=self._fp8_device()),
                              persistent=False)
+
+    def _fp8_cache_shapes(self):
+        """The shape of each GEMM's weight (one cache each)."""
+        return [getattr(self, n).shape for n in self._fp8_weight_names]
 
     def _fp8_device(self) -> torch.device:
         return getattr(self, self._fp8_weight_names[0]).device
@@ -477,8 +480,6 @@ class Linear(_DeferredWgradModule):
 
 
 class GroupedLinear(_DeferredWgradModule):
-    _fp8_supports_cache = False
-
     """``num_gemms`` Linear layers over consecutive row groups: ``forward(x, m_splits)``.
 
     Rows ``m_splits[g]`` of ``x [tokens, in_features]`` go through weight ``g``. Weights
@@ -496,6 +497,7 @@ class GroupedLinear(_DeferredWgradModule):
         self.packed_weights = bool(packed_weights)
         self.use_bias = bool(bias)
         self._fp8_gemms = self.num_gemms
+        self._fp8_weight_names = ("weight",) if self.packed_weights else tuple(f"weight{g}" for g in range(num_gemms))
         factory = dict(device=device, dtype=dtype)
         if self.packed_weights:
             self.weight = torch.nn.Parameter(torch.empty(num_gemms, out_features, in_features, **factory))
@@ -516,6 +518,11 @@ class GroupedLinear(_DeferredWgradModule):
         if self.fuse_wgrad_accumulation:
             self._allocate_main_grads()
 
+    def _fp8_cache_shapes(self):
+        if self.packed_weights:  # one GEMM per group of the packed weight
+            return [self.weight.shape[1:]] * self.num_gemms
+        return super()._fp8_cache_shapes()
+
     def _weights(self):
         if self.packed_weights:
             return [("weight", self.weight)]
@@ -528,19 +535,20 @@ class GroupedLinear(_DeferredWgradModule):
             return [("bias", self.bias)]
         return [(f"bias{g}", getattr(self, f"bias{g}")) for g in range(self.num_gemms)]
 
-    def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         if self._traceable():
             return _traced.grouped_linear(x, m_splits, self.packed_weights, [p for _, p in self._weights()],
                                           [p for _, p in self._biases()])
-        return self._eager_forward(x, m_splits)
+        return self._eager_forward(x, m_splits, is_first_microbatch)
 
     @torch.compiler.disable
-    def _eager_forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
+    def _eager_forward(self, x: torch.Tensor, m_splits: Sequence[int],
+                       is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         out = _C.nn.grouped_linear(
             x, [int(m) for m in m_splits],
             [self._ref(n, p, is_weight=True) for n, p in self._weights()],
             [self._ref(n, p, is_weight=False) for n, p in self._biases()],
-            **self._config(), **self._fp8_kwargs())
+            **self._config(), **self._fp8_kwargs(is_first_microbatch))
         return self._after_forward(out)
 
     def extra_repr(self) -> str:
