@@ -626,3 +626,33 @@ def test_grouped_linear_caches_one_fp8_copy_per_group(packed):
     with fp8_autocast(recipe=recipe), pytest.raises(dwgraph.GraphStateError, match=f"stale FP8 copy of '{name}'"):
         m(torch.zeros(6, K), splits, is_first_microbatch=False)
     assert len(outs) == 3 and y.shape == (6, N)
+
+
+def test_graphed_step_trains_in_fp8_bitwise_and_keys_on_the_fp8_state():
+    recipe = DelayedScaling(amax_history_len=4)
+    runs = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        m = dwgraph.nn.Linear(H, H)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+
+        def step(x):
+            opt.zero_grad()
+            y = m(x)
+            loss = (y * y).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        f = dwgraph.graphed_step(step) if graphed else step
+        torch.manual_seed(1)
+        with fp8_autocast(recipe=recipe):
+            losses = [f(torch.randn(ROWS, H)).detach().clone() for _ in range(6)]
+        # Outside fp8_autocast the step is another graph (high precision), not an FP8 replay.
+        before = m.fp8_amax_history.clone()
+        f(torch.randn(ROWS, H))
+        assert torch.equal(m.fp8_amax_history, before)
+        runs.append((losses, m.weight.detach().clone(), m.fp8_scale.clone(), m.fp8_amax_history.clone()))
+    (le, we, se, he), (lg, wg, sg, hg) = runs
+    assert all(torch.equal(a, b) for a, b in zip(le, lg))
+    assert torch.equal(we, wg) and torch.equal(se, sg) and torch.equal(he, hg)
