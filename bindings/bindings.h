@@ -14,6 +14,7 @@ pybind11::dict pool_stats_dict(const allocator::PoolStats& s, const std::string&
 void init_errors(pybind11::module_& m);
 void init_log(pybind11::module_& m);
 void init_nn(pybind11::module_& m);
+void init_fp8(pybind11::module_& m);
 void init_graphs(pybind11::module_& m);
 void init_manager(pybind11::module_& m);  // after init_graphs
 void init_watch(pybind11::module_& m);    // after init_graphs

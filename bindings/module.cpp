@@ -14,6 +14,7 @@ PYBIND11_MODULE(_C, m) {
   dwgraph::bindings::init_errors(m);
   dwgraph::bindings::init_log(m);
   dwgraph::bindings::init_nn(m);
+  dwgraph::bindings::init_fp8(m);
   dwgraph::bindings::init_graphs(m);
   dwgraph::bindings::init_manager(m);
   dwgraph::bindings::init_watch(m);

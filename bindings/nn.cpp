@@ -113,24 +113,28 @@ void init_nn(py::module_& parent) {
   m.def(
       "linear",
       [](const at::Tensor& x, const RefPtr& weight, const RefPtr& bias, bool delay, bool fuse,
-         std::shared_ptr<WgradStore> store, uint64_t unit, std::string module) {
+         std::shared_ptr<WgradStore> store, uint64_t unit, std::string module,
+         const std::optional<ops::Fp8Meta>& fp8) {
         return ops::linear(x, as_const(weight), as_const(bias),
-                           make_config(delay, fuse, std::move(store), unit, std::move(module)));
+                           make_config(delay, fuse, std::move(store), unit, std::move(module)),
+                           fp8.value_or(ops::Fp8Meta()));
       },
       py::arg("x"), py::arg("weight"), py::arg("bias"), py::kw_only(), py::arg("delay_wgrad_compute"),
-      py::arg("fuse_wgrad_accumulation"), py::arg("store"), py::arg("unit_id"), py::arg("module"));
+      py::arg("fuse_wgrad_accumulation"), py::arg("store"), py::arg("unit_id"), py::arg("module"),
+      py::arg("fp8") = py::none());
 
   m.def(
       "grouped_linear",
       [](const at::Tensor& x, std::vector<int64_t> m_splits, const std::vector<RefPtr>& weights,
          const std::vector<RefPtr>& biases, bool delay, bool fuse, std::shared_ptr<WgradStore> store,
-         uint64_t unit, std::string module) {
+         uint64_t unit, std::string module, const std::optional<ops::Fp8Meta>& fp8) {
         return ops::grouped_linear(x, m_splits, as_const(weights), as_const(biases),
-                                   make_config(delay, fuse, std::move(store), unit, std::move(module)));
+                                   make_config(delay, fuse, std::move(store), unit, std::move(module)),
+                                   fp8.value_or(ops::Fp8Meta()));
       },
       py::arg("x"), py::arg("m_splits"), py::arg("weights"), py::arg("biases"), py::kw_only(),
       py::arg("delay_wgrad_compute"), py::arg("fuse_wgrad_accumulation"), py::arg("store"),
-      py::arg("unit_id"), py::arg("module"));
+      py::arg("unit_id"), py::arg("module"), py::arg("fp8") = py::none());
 
   m.def(
       "layernorm_mlp",
@@ -138,30 +142,32 @@ void init_nn(py::module_& parent) {
          const RefPtr& fc1_weight, const RefPtr& fc1_bias, const std::string& activation,
          const RefPtr& fc2_weight, const RefPtr& fc2_bias, bool delay, bool fuse,
          std::shared_ptr<WgradStore> store, uint64_t unit, std::string module, bool checkpoint,
-         const std::string& normalization) {
+         const std::string& normalization, const std::optional<ops::Fp8Meta>& fp8) {
         return ops::layernorm_mlp(x, ln_weight, ln_bias.value_or(at::Tensor()), eps, as_const(fc1_weight), as_const(fc1_bias),
                                   activation, as_const(fc2_weight), as_const(fc2_bias),
                                   make_config(delay, fuse, std::move(store), unit, std::move(module)), checkpoint,
-                                  normalization);
+                                  normalization, fp8.value_or(ops::Fp8Meta()));
       },
       py::arg("x"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("fc1_weight"),
       py::arg("fc1_bias"), py::arg("activation"), py::arg("fc2_weight"), py::arg("fc2_bias"),
       py::kw_only(), py::arg("delay_wgrad_compute"), py::arg("fuse_wgrad_accumulation"),
       py::arg("store"), py::arg("unit_id"), py::arg("module"), py::arg("checkpoint") = false,
-      py::arg("normalization") = "LayerNorm");
+      py::arg("normalization") = "LayerNorm", py::arg("fp8") = py::none());
 
   m.def(
       "layernorm_linear",
       [](const at::Tensor& x, const at::Tensor& ln_weight, const std::optional<at::Tensor>& ln_bias, double eps,
          const RefPtr& weight, const RefPtr& bias, bool delay, bool fuse, std::shared_ptr<WgradStore> store,
-         uint64_t unit, std::string module, const std::string& normalization) {
+         uint64_t unit, std::string module, const std::string& normalization,
+         const std::optional<ops::Fp8Meta>& fp8) {
         return ops::layernorm_linear(x, ln_weight, ln_bias.value_or(at::Tensor()), eps, as_const(weight), as_const(bias),
                                      make_config(delay, fuse, std::move(store), unit, std::move(module)),
-                                     normalization);
+                                     normalization, fp8.value_or(ops::Fp8Meta()));
       },
       py::arg("x"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("weight"), py::arg("bias"),
       py::kw_only(), py::arg("delay_wgrad_compute"), py::arg("fuse_wgrad_accumulation"), py::arg("store"),
-      py::arg("unit_id"), py::arg("module"), py::arg("normalization") = "LayerNorm");
+      py::arg("unit_id"), py::arg("module"), py::arg("normalization") = "LayerNorm",
+      py::arg("fp8") = py::none());
 
   m.def("check_activation", &ops::check_activation, py::arg("module"), py::arg("activation"));
   m.def("check_normalization", &ops::check_normalization, py::arg("module"), py::arg("normalization"));

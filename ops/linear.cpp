@@ -3,16 +3,20 @@
 #include "common/autograd_node.h"
 #include "common/check.h"
 #include "ops/autocast.h"
+#include "ops/fp8.h"
 #include "ops/gemm.h"
 #include "ops/impl/wgrad_landing.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/relu.h>
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
@@ -167,6 +171,19 @@ class DeferredGemmNode : public torch::autograd::Node {
   virtual detail::WgradGemm wgrad_gemm_for(size_t i, const at::Tensor& dy, const at::Tensor& x) = 0;
   // Column sum of dy for bias `i` when the weight needs no gradient.
   virtual at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) = 0;
+  // Called once per backward with the output gradient, before any GEMM (an FP8 node
+  // quantizes it here, once for dgrad and wgrad).
+  virtual void begin_backward(const at::Tensor& /*dy*/) {}
+  // The weights dgrad multiplies by: those materialised for backward, in the forward's
+  // autocast dtype.
+  virtual std::vector<at::Tensor> weights_for_dgrad() {
+    std::vector<at::Tensor> wb;
+    wb.reserve(weights_.size());
+    for (const auto& w : weights_) wb.push_back(autocast_operand(w->for_backward(), gemm_dtype_).contiguous());
+    return wb;
+  }
+  // The output gradient queued weight-gradient work keeps (checked for in-place changes).
+  virtual at::Tensor wgrad_grad_output(const at::Tensor& dy) { return dy; }
 
   variable_list apply(variable_list&& grads) override {
     // The forward's precision, whatever autocast region the backward runs in.
@@ -180,12 +197,8 @@ class DeferredGemmNode : public torch::autograd::Node {
     // Unpacking applies the saved-tensor hooks to the activation; the weights are ours.
     const at::Tensor x = x_.unpack();
 
-    if (task_should_compute_output(0)) {
-      std::vector<at::Tensor> wb;
-      wb.reserve(nw);
-      for (const auto& w : weights_) wb.push_back(autocast_operand(w->for_backward(), gemm_dtype_).contiguous());
-      out[0] = dgrad(dy, wb).view(x_sizes_);
-    }
+    begin_backward(dy);
+    if (task_should_compute_output(0)) out[0] = dgrad(dy, weights_for_dgrad()).view(x_sizes_);
 
     // Only what the engine asked for: a backward for the inputs alone (torch.autograd.grad
     // w.r.t. activations, as pipelining's shape inference and dI step run) has no weight
@@ -211,7 +224,8 @@ class DeferredGemmNode : public torch::autograd::Node {
     }
     if (!any_work) return out;
     auto check = [module = cfg_.module_name, weights = weights_] { check_main_grads(module, weights); };
-    auto stale = [module = cfg_.module_name, x, xv = x._version(), dy, dv = dy._version()] {
+    const at::Tensor kept_dy = wgrad_grad_output(dy);
+    auto stale = [module = cfg_.module_name, x, xv = x._version(), dy = kept_dy, dv = kept_dy._version()] {
       check_not_stale(module, x, xv, dy, dv);
     };
     auto work = [cfg = cfg_, weights = weights_, biases = biases_, need_b, gemms = std::move(gemms),
@@ -281,7 +295,81 @@ class LinearBackward final : public DeferredGemmNode {
   }
 };
 
-class GroupedLinearBackward final : public DeferredGemmNode {
+// Writes an FP32 weight-gradient product into `out`, or adds it: in FP32 into an FP32 buffer
+// (main_grad), else in FP32 then rounded once.
+void write_product(const at::Tensor& out, const at::Tensor& p, bool accumulate) {
+  if (!accumulate) {
+    out.copy_(p);
+  } else if (out.scalar_type() == at::kFloat) {
+    out.add_(p);
+  } else {
+    out.copy_(at::add(out.to(at::kFloat), p));
+  }
+}
+
+// Note [FP8 Linear]: under fp8_autocast the forward quantizes its input and weight
+// (E4M3) with the module's scaling state (ops/fp8.h) and multiplies them in FP8 into FP32.
+// The node keeps the quantized input (as its saved activation, so saved-tensor hooks see
+// it) and the quantized weight, never their high-precision forms; its backward quantizes
+// the output gradient once (E5M2 under HYBRID) for both dgrad (dyq · wq) and the weight
+// gradient (dyqᵀ · xq), which a deferred unit keeps in FP8 until backward_dw(). The bias
+// gradient is the column sum of the unquantized output gradient, computed in the backward
+// and kept as [N] FP32 by a deferred unit.
+class Fp8LinearBackward final : public DeferredGemmNode {
+ public:
+  Fp8LinearBackward(WgradConfig cfg, std::vector<WeightRefPtr> weights, std::vector<WeightRefPtr> biases,
+                    Fp8Recipe recipe, Fp8Meta meta, int64_t column0, at::Tensor x_scale_inv, fp8::Quantized wq,
+                    at::ScalarType dx_dtype)
+      : DeferredGemmNode(std::move(cfg), std::move(weights), std::move(biases)),
+        recipe_(recipe),
+        meta_(std::move(meta)),
+        column0_(column0),
+        x_scale_inv_(std::move(x_scale_inv)),
+        wq_(std::move(wq)),
+        dx_dtype_(dx_dtype) {}
+  std::string name() const override { return "dwgraph::Fp8LinearBackward"; }
+  void release_variables() override {
+    DeferredGemmNode::release_variables();
+    wq_ = {};
+    dyq_ = {};
+    dbias_ = at::Tensor();
+  }
+
+ protected:
+  void begin_backward(const at::Tensor& dy) override {
+    dyq_ = fp8::quantize(dy, recipe_.backward_dtype(), recipe_, meta_, column0_ + fp8::kGradOutput);
+    dbias_ = biases_.empty() ? at::Tensor() : at::sum(dy, {0}, false, at::kFloat);
+  }
+  std::vector<at::Tensor> weights_for_dgrad() override { return {}; }
+  at::Tensor wgrad_grad_output(const at::Tensor&) override { return dyq_.data; }
+  at::Tensor dgrad(const at::Tensor&, const std::vector<at::Tensor>&) override {
+    DWGRAPH_CHECK_STATE(wq_.defined(), cfg_.module_name, ": the FP8 backward ran a second time without "
+                        "retain_graph=True; its quantized weight was released");
+    return fp8::mm(dyq_, wq_).to(dx_dtype_);
+  }
+  detail::WgradGemm wgrad_gemm_for(size_t, const at::Tensor&, const at::Tensor& x) override {
+    return [dyq = fp8::t(dyq_), xq = fp8::Quantized{x, x_scale_inv_}, dbias = dbias_](
+               const at::Tensor& out, bool accumulate, const at::Tensor& bias_out) {
+      write_product(out, fp8::mm(dyq, xq), accumulate);
+      if (bias_out.defined()) bias_out.copy_(dbias);
+    };
+  }
+  at::Tensor bias_only_grad(size_t i, const at::Tensor& dy) override {
+    return at::sum(dy, {0}, false, biases_[i]->param.scalar_type());
+  }
+
+ private:
+  Fp8Recipe recipe_;
+  Fp8Meta meta_;
+  int64_t column0_;
+  at::Tensor x_scale_inv_;
+  fp8::Quantized wq_;
+  at::ScalarType dx_dtype_;
+  fp8::Quantized dyq_;
+  at::Tensor dbias_;
+};
+
+class GroupedLinearBackward : public DeferredGemmNode {
  public:
   GroupedLinearBackward(WgradConfig cfg, std::vector<WeightRefPtr> weights,
                         std::vector<WeightRefPtr> biases, std::vector<int64_t> m_splits)
@@ -323,9 +411,118 @@ class GroupedLinearBackward final : public DeferredGemmNode {
     return at::stack(sums);
   }
 
- private:
   std::vector<int64_t> m_splits_;
   std::vector<int64_t> offsets_;
+};
+
+// A tensor's row groups, each quantized per tensor with its own scale (GEMM g's column),
+// the FP8 rows concatenated.
+struct GroupedQuantized {
+  at::Tensor data;
+  std::vector<at::Tensor> scale_inv;
+  fp8::Quantized group(const std::vector<int64_t>& offsets, size_t g) const {
+    return fp8::Quantized{data.narrow(0, offsets[g], offsets[g + 1] - offsets[g]), scale_inv[g]};
+  }
+};
+
+GroupedQuantized quantize_groups(const at::Tensor& t, const std::vector<int64_t>& offsets, at::ScalarType dtype,
+                                 const Fp8Recipe& recipe, const Fp8Meta& meta, int64_t role) {
+  GroupedQuantized out;
+  std::vector<at::Tensor> parts;
+  for (size_t g = 0; g + 1 < offsets.size(); ++g) {
+    fp8::Quantized q = fp8::quantize(t.narrow(0, offsets[g], offsets[g + 1] - offsets[g]), dtype, recipe, meta,
+                                     fp8::kRoles * static_cast<int64_t>(g) + role);
+    parts.push_back(q.data);
+    out.scale_inv.push_back(q.scale_inv);
+  }
+  out.data = parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+  return out;
+}
+
+// Per group g: out rows of group g = a_g · b_g (FP32), [rows, cols].
+at::Tensor grouped_products(const GroupedQuantized& a, const std::vector<fp8::Quantized>& b,
+                            const std::vector<int64_t>& offsets, int64_t cols) {
+  at::Tensor out = at::zeros({offsets.back(), cols}, a.data.options().dtype(at::kFloat));
+  for (size_t g = 0; g < b.size(); ++g) {
+    if (offsets[g + 1] == offsets[g]) continue;
+    out.narrow(0, offsets[g], offsets[g + 1] - offsets[g]).copy_(fp8::mm(a.group(offsets, g), b[g]));
+  }
+  return out;
+}
+
+// Note [FP8 Linear], per group: group g's rows, weight and output-gradient rows use GEMM g's
+// three columns of the scaling state.
+class Fp8GroupedLinearBackward final : public GroupedLinearBackward {
+ public:
+  Fp8GroupedLinearBackward(WgradConfig cfg, std::vector<WeightRefPtr> weights, std::vector<WeightRefPtr> biases,
+                           std::vector<int64_t> m_splits, Fp8Recipe recipe, Fp8Meta meta,
+                           std::vector<at::Tensor> x_scale_inv, std::vector<fp8::Quantized> wq, at::ScalarType dx_dtype)
+      : GroupedLinearBackward(std::move(cfg), std::move(weights), std::move(biases), std::move(m_splits)),
+        recipe_(recipe),
+        meta_(std::move(meta)),
+        x_scale_inv_(std::move(x_scale_inv)),
+        wq_(std::move(wq)),
+        dx_dtype_(dx_dtype) {}
+  std::string name() const override { return "dwgraph::Fp8GroupedLinearBackward"; }
+  void release_variables() override {
+    GroupedLinearBackward::release_variables();
+    wq_.clear();
+    dyq_ = {};
+    dbias_.clear();
+  }
+
+ protected:
+  void begin_backward(const at::Tensor& dy) override {
+    dyq_ = quantize_groups(dy, offsets_, recipe_.backward_dtype(), recipe_, meta_, fp8::kGradOutput);
+    dbias_.clear();
+    if (!biases_.empty()) {
+      for (size_t g = 0; g < m_splits_.size(); ++g) dbias_.push_back(at::sum(rows(dy, g), {0}, false, at::kFloat));
+    }
+  }
+  std::vector<at::Tensor> weights_for_dgrad() override { return {}; }
+  at::Tensor wgrad_grad_output(const at::Tensor&) override { return dyq_.data; }
+  at::Tensor dgrad(const at::Tensor&, const std::vector<at::Tensor>&) override {
+    DWGRAPH_CHECK_STATE(!wq_.empty(), cfg_.module_name, ": the FP8 backward ran a second time without "
+                        "retain_graph=True; its quantized weights were released");
+    return grouped_products(dyq_, wq_, offsets_, wq_[0].data.size(1)).to(dx_dtype_);
+  }
+  detail::WgradGemm wgrad_gemm_for(size_t i, const at::Tensor&, const at::Tensor& x) override {
+    const GroupedQuantized xq{x, x_scale_inv_};
+    // The groups this closure computes: all of a packed weight's, or weight i's.
+    std::vector<size_t> groups;
+    if (packed()) {
+      for (size_t g = 0; g < m_splits_.size(); ++g) groups.push_back(g);
+    } else {
+      groups.push_back(i);
+    }
+    std::vector<fp8::Quantized> dys, xs;
+    std::vector<at::Tensor> dbias;
+    for (size_t g : groups) {
+      dys.push_back(fp8::t(dyq_.group(offsets_, g)));
+      xs.push_back(xq.group(offsets_, g));
+      if (!dbias_.empty()) dbias.push_back(dbias_[g]);
+    }
+    return [dys, xs, dbias, packed = packed()](const at::Tensor& out, bool accumulate, const at::Tensor& bias_out) {
+      for (size_t k = 0; k < dys.size(); ++k) {
+        const at::Tensor o = packed ? out.select(0, static_cast<int64_t>(k)) : out;
+        if (dys[k].data.size(1) == 0) {  // an empty group: a zero product
+          if (!accumulate) o.zero_();
+        } else {
+          write_product(o, fp8::mm(dys[k], xs[k]), accumulate);
+        }
+        if (bias_out.defined()) (packed ? bias_out.select(0, static_cast<int64_t>(k)) : bias_out).copy_(dbias[k]);
+      }
+    };
+  }
+
+ private:
+  Fp8Recipe recipe_;
+  Fp8Meta meta_;
+  std::vector<at::Tensor> x_scale_inv_;
+  std::vector<fp8::Quantized> wq_;
+  at::ScalarType dx_dtype_;
+  GroupedQuantized dyq_;
+  std::vector<at::Tensor> dbias_;
 };
 
 // `x`: the GEMM's input as autograd sees it (after its autocast cast, which autograd
@@ -377,8 +574,24 @@ std::vector<WeightRefPtr> non_null(std::initializer_list<WeightRefPtr> refs) {
 
 }  // namespace
 
-at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightRefPtr& bias,
-                  const WgradConfig& cfg) {
+namespace {
+
+// Which FP8 state a GEMM of a module uses: the thread's fp8_autocast state when the forward
+// ran, the module's scaling state and the GEMM's index in it.
+struct Fp8Slot {
+  Fp8State state;
+  Fp8Meta meta;
+  int64_t gemm = 0;
+};
+
+Fp8Slot fp8_slot(const std::string& module, const Fp8Meta& meta, int64_t gemms) {
+  Fp8Slot slot{Fp8State::current(), meta, 0};
+  if (slot.state.enabled) fp8::check_meta(module, meta, slot.state.recipe, gemms);
+  return slot;
+}
+
+at::Tensor linear_impl(const at::Tensor& x, const WeightRefPtr& weight, const WeightRefPtr& bias,
+                       const WgradConfig& cfg, const Fp8Slot& fp8) {
   check_config(cfg);
   DWGRAPH_CHECK_ARG(weight != nullptr && weight->param.defined() && weight->param.dim() == 2,
                     cfg.module_name, ": weight must be a 2-D [out_features, in_features] parameter");
@@ -389,6 +602,33 @@ at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightR
   check_fused_weights(cfg, {weight});
   const at::Tensor xin = autocast_operand(x, gemm_dtype);
   at::Tensor w, x2d, y;
+  if (fp8.state.enabled) {
+    // Note [FP8 Linear].
+    const Fp8Recipe& recipe = fp8.state.recipe;
+    const int64_t c0 = fp8::kRoles * fp8.gemm;
+    fp8::Quantized xq, wq;
+    {
+      BelowAutograd below;
+      w = weight->for_forward();
+      x2d = xin.reshape({-1, xin.size(-1)});
+      xq = fp8::quantize(x2d, recipe.forward_dtype(), recipe, fp8.meta, c0 + fp8::kInput);
+      if (fp8.meta.weight_cache.empty()) {
+        wq = fp8::quantize(w, recipe.forward_dtype(), recipe, fp8.meta, c0 + fp8::kWeight);
+      } else {
+        const Fp8WeightCache& cache = fp8.meta.weight_cache[fp8.gemm];
+        fp8::check_weight_cache(cfg.module_name, weight->name, cache, w, recipe);
+        wq = fp8::quantize_weight(w, recipe, fp8.meta, c0 + fp8::kWeight, cache);
+      }
+      at::Tensor y32 = fp8::mm(xq, fp8::t(wq));
+      if (bias) y32.add_(bias->param.to(at::kFloat));
+      std::vector<int64_t> shape = xin.sizes().vec();
+      shape.back() = w.size(0);
+      y = y32.to(xin.scalar_type()).view(shape);
+    }
+    connect<Fp8LinearBackward>(y, xin, xq.data, cfg, gemm_dtype, {weight}, {w}, non_null({bias}), recipe,
+                               fp8.meta, c0, xq.scale_inv, wq, xin.scalar_type());
+    return y;
+  }
   {
     BelowAutograd below;
     w = autocast_operand(weight->for_forward(), gemm_dtype).contiguous();
@@ -402,9 +642,16 @@ at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightR
   return y;
 }
 
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightRefPtr& bias, const WgradConfig& cfg,
+                  const Fp8Meta& fp8_meta) {
+  return linear_impl(x, weight, bias, cfg, fp8_slot(cfg.module_name, fp8_meta, 1));
+}
+
 at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_splits,
                           const std::vector<WeightRefPtr>& weights,
-                          const std::vector<WeightRefPtr>& biases, const WgradConfig& cfg) {
+                          const std::vector<WeightRefPtr>& biases, const WgradConfig& cfg, const Fp8Meta& fp8_meta) {
   check_config(cfg);
   DWGRAPH_CHECK_ARG(!weights.empty(), cfg.module_name, ": at least one weight is required");
   const bool packed = weights.size() == 1 && weights[0]->param.dim() == 3;
@@ -432,6 +679,44 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
   const at::Tensor xin = autocast_operand(x, gemm_dtype);
   at::Tensor y, x2d;
   std::vector<at::Tensor> w;
+  const Fp8Slot fp8 = fp8_slot(cfg.module_name, fp8_meta, groups);
+  if (fp8.state.enabled) {
+    // Note [FP8 Linear], per group.
+    const Fp8Recipe& recipe = fp8.state.recipe;
+    std::vector<int64_t> offsets{0};
+    for (int64_t m : m_splits) offsets.push_back(offsets.back() + m);
+    GroupedQuantized xq;
+    std::vector<fp8::Quantized> wq;
+    {
+      BelowAutograd below;
+      for (const auto& r : weights) w.push_back(r->for_forward());
+      x2d = xin.contiguous();
+      xq = quantize_groups(x2d, offsets, recipe.forward_dtype(), recipe, fp8.meta, fp8::kInput);
+      for (int64_t g = 0; g < groups; ++g) {
+        const at::Tensor wg = packed ? w[0].select(0, g) : w[g];
+        const int64_t column = fp8::kRoles * g + fp8::kWeight;
+        if (fp8.meta.weight_cache.empty()) {
+          wq.push_back(fp8::quantize(wg, recipe.forward_dtype(), recipe, fp8.meta, column));
+        } else {
+          const Fp8WeightCache& cache = fp8.meta.weight_cache[g];
+          const std::string name = packed ? weights[0]->name + "[" + std::to_string(g) + "]" : weights[g]->name;
+          fp8::check_weight_cache(cfg.module_name, name, cache, wg, recipe);
+          wq.push_back(fp8::quantize_weight(wg, recipe, fp8.meta, column, cache));
+        }
+      }
+      std::vector<fp8::Quantized> wt;
+      for (const auto& q : wq) wt.push_back(fp8::t(q));
+      at::Tensor y32 = grouped_products(xq, wt, offsets, wq[0].data.size(0));
+      for (int64_t g = 0; g < groups && !biases.empty(); ++g) {
+        const at::Tensor bg = packed ? biases[0]->param.select(0, g) : biases[g]->param;
+        y32.narrow(0, offsets[g], offsets[g + 1] - offsets[g]).add_(bg.to(at::kFloat));
+      }
+      y = y32.to(xin.scalar_type());
+    }
+    connect<Fp8GroupedLinearBackward>(y, xin, xq.data, cfg, gemm_dtype, weights, w, biases, m_splits, recipe,
+                                      fp8.meta, xq.scale_inv, wq, xin.scalar_type());
+    return y;
+  }
   {
     BelowAutograd below;
     for (const auto& r : weights) w.push_back(autocast_operand(r->for_forward(), gemm_dtype).contiguous());
@@ -491,9 +776,10 @@ Norm make_norm(const std::string& module, const at::Tensor& x, const at::Tensor&
 
 // The normalisation then the deferred-wgrad linear: (output, normalised input).
 std::pair<at::Tensor, at::Tensor> norm_then_linear(const at::Tensor& x, const Norm& norm, const WeightRefPtr& weight,
-                                                   const WeightRefPtr& bias, const WgradConfig& cfg) {
+                                                   const WeightRefPtr& bias, const WgradConfig& cfg,
+                                                   const Fp8Slot& fp8) {
   at::Tensor h = norm(x);
-  at::Tensor y = linear(h, weight, bias, cfg);
+  at::Tensor y = linear_impl(h, weight, bias, cfg, fp8);
   return {std::move(y), std::move(h)};
 }
 
@@ -502,10 +788,13 @@ std::pair<at::Tensor, at::Tensor> norm_then_linear(const at::Tensor& x, const No
 // backward queues one unit for the module).
 at::Tensor mlp_forward(const at::Tensor& x, const Norm& norm, const WeightRefPtr& fc1_weight,
                        const WeightRefPtr& fc1_bias, const std::string& activation, const WeightRefPtr& fc2_weight,
-                       const WeightRefPtr& fc2_bias, const WgradConfig& fc1_cfg, const WgradConfig& fc2_cfg) {
-  const at::Tensor a = norm_then_linear(x, norm, fc1_weight, fc1_bias, fc1_cfg).first;
+                       const WeightRefPtr& fc2_bias, const WgradConfig& fc1_cfg, const WgradConfig& fc2_cfg,
+                       const Fp8Slot& fp8 = {}) {
+  const at::Tensor a = norm_then_linear(x, norm, fc1_weight, fc1_bias, fc1_cfg, fp8).first;
   const at::Tensor act = activation == "relu" ? at::relu(a) : at::gelu(a, activation == "gelu_tanh" ? "tanh" : "none");
-  return linear(act, fc2_weight, fc2_bias, fc2_cfg);
+  Fp8Slot fc2 = fp8;
+  fc2.gemm = 1;
+  return linear_impl(act, fc2_weight, fc2_bias, fc2_cfg, fc2);
 }
 
 // An alias of `t` outside its autograd graph, a leaf requiring grad when `grad`, with the
@@ -637,20 +926,26 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
 std::pair<at::Tensor, at::Tensor> layernorm_linear(const at::Tensor& x, const at::Tensor& ln_weight,
                                                    const at::Tensor& ln_bias, double eps, const WeightRefPtr& weight,
                                                    const WeightRefPtr& bias, const WgradConfig& cfg,
-                                                   const std::string& normalization) {
+                                                   const std::string& normalization, const Fp8Meta& fp8_meta) {
   const Norm norm = make_norm(cfg.module_name, x, ln_weight, ln_bias, eps, normalization, "in_features");
-  return norm_then_linear(x, norm, weight, bias, cfg);
+  return norm_then_linear(x, norm, weight, bias, cfg, fp8_slot(cfg.module_name, fp8_meta, 1));
 }
 
 at::Tensor layernorm_mlp(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
                          double eps, const WeightRefPtr& fc1_weight, const WeightRefPtr& fc1_bias,
                          const std::string& activation, const WeightRefPtr& fc2_weight,
                          const WeightRefPtr& fc2_bias, const WgradConfig& cfg, bool checkpoint,
-                         const std::string& normalization) {
+                         const std::string& normalization, const Fp8Meta& fp8_meta) {
   check_activation(cfg.module_name, activation);
   const Norm norm = make_norm(cfg.module_name, x, ln_weight, ln_bias, eps, normalization, "hidden_size");
+  const Fp8Slot fp8 = fp8_slot(cfg.module_name, fp8_meta, 2);
+  // The recomputation would quantize again and move the scaling state twice per step.
+  DWGRAPH_CHECK_ARG(!checkpoint || !fp8.state.enabled, cfg.module_name,
+                    ": checkpoint=True is not supported under fp8_autocast (the backward's recomputation would "
+                    "update the FP8 scaling state a second time); build it with checkpoint=False, or run it outside "
+                    "fp8_autocast");
   if (!checkpoint || !at::GradMode::is_enabled()) {
-    return mlp_forward(x, norm, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg);
+    return mlp_forward(x, norm, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg, fp8);
   }
   CheckpointedMLPBackward::Parts parts{norm, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, cfg};
   // Checked here what the recomputation would refuse only in the backward.

@@ -12,6 +12,7 @@
 // Weights are WeightRefs held by the node, not saved tensors: Note [Weights are plain
 // references] in ops/weight_ref.h.
 
+#include "ops/fp8.h"
 #include "ops/weight_ref.h"
 #include "ops/wgrad_store.h"
 
@@ -24,15 +25,18 @@
 namespace dwgraph::ops {
 
 // y[..., N] = x[..., K] · wᵀ (+ b). `bias` may be null.
+// Under fp8_autocast (ops/fp8.h) the GEMMs run in FP8 (Note [FP8 Linear] in linear.cpp),
+// with `fp8_meta` the module's scaling state (needed for delayed scaling).
 at::Tensor linear(const at::Tensor& x, const WeightRefPtr& weight, const WeightRefPtr& bias,
-                  const WgradConfig& cfg);
+                  const WgradConfig& cfg, const Fp8Meta& fp8_meta = {});
 
 // Grouped: rows m_splits[g] of x [M, K] use weight g. `weights` holds G refs of [N, K]
 // parameters, or one ref of a packed [G, N, K] parameter; `biases` is empty, G refs of
 // [N] or one ref of a packed [G, N].
 at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_splits,
                           const std::vector<WeightRefPtr>& weights,
-                          const std::vector<WeightRefPtr>& biases, const WgradConfig& cfg);
+                          const std::vector<WeightRefPtr>& biases, const WgradConfig& cfg,
+                          const Fp8Meta& fp8_meta = {});
 
 // LayerNorm (an ordinary autograd op; its weight and bias are not deferred) followed by
 // linear(): (output, LayerNorm output). The weight and bias follow `cfg`. `normalization`
@@ -40,18 +44,21 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
 std::pair<at::Tensor, at::Tensor> layernorm_linear(const at::Tensor& x, const at::Tensor& ln_weight,
                                                    const at::Tensor& ln_bias, double eps, const WeightRefPtr& weight,
                                                    const WeightRefPtr& bias, const WgradConfig& cfg,
-                                                   const std::string& normalization = "LayerNorm");
+                                                   const std::string& normalization = "LayerNorm",
+                                                   const Fp8Meta& fp8_meta = {});
 
 // LayerNorm (an ordinary autograd op; its weight and bias are not deferred; or RMSNorm), fc1,
 // activation ("gelu" (erf), "gelu_tanh" or "relu"), fc2. Both FC weights and biases
 // follow `cfg`; one forward queues one unit holding fc2's and fc1's work. With `checkpoint`
 // the forward keeps only its input and the backward recomputes the rest (Note
 // [Checkpointed LayerNormMLP] in linear.cpp): the same gradients and units, bit for bit.
+// Under fp8_autocast `fp8_meta` holds two GEMMs' state (fc1's, then fc2's); checkpoint is
+// refused there.
 at::Tensor layernorm_mlp(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
                          double eps, const WeightRefPtr& fc1_weight, const WeightRefPtr& fc1_bias,
                          const std::string& activation, const WeightRefPtr& fc2_weight,
                          const WeightRefPtr& fc2_bias, const WgradConfig& cfg, bool checkpoint = false,
-                         const std::string& normalization = "LayerNorm");
+                         const std::string& normalization = "LayerNorm", const Fp8Meta& fp8_meta = {});
 
 // Checks `activation` names a supported activation (ArgumentError otherwise).
 void check_activation(const std::string& module, const std::string& activation);

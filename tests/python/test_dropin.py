@@ -269,21 +269,39 @@ def test_clone_param_grads_on_return_is_accepted_and_grads_are_always_the_caller
         dwgraph.make_graphed_callables(copy.deepcopy(eager), (torch.randn(B, H),), clone_param_grads_on_return="no")
 
 
-def test_transformer_engines_fp8_arguments_are_accepted_off_and_refused_on():
+def test_transformer_engines_fp8_arguments_are_accepted_off_on_and_refused_where_unsupported():
     model = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
     sample = (torch.randn(B, H, requires_grad=True),)
-    off = dict(enabled=False, calibrating=False, recipe=None, amax_reduction_group=None, cache_quantized_params=False,
-               fp8_enabled=False, fp8_weight_caching=False)
+    off = dict(enabled=False, calibrating=False, recipe=None, amax_reduction_group=None, cache_quantized_params=False)
     g = dwgraph.make_graphed_callables(copy.deepcopy(model), sample, **off)
     assert g(sample[0]).shape == (B, H)
+    old_off = dict(fp8_enabled=False, fp8_calibrating=False, fp8_recipe=None, fp8_group=None, fp8_weight_caching=False)
+    assert dwgraph.make_graphed_callables(copy.deepcopy(model), sample, **old_off)(sample[0]).shape == (B, H)
     # TE's `enabled` may be one bool per module.
     pair = dwgraph.make_graphed_callables((copy.deepcopy(model), copy.deepcopy(model)), (sample, sample),
                                           enabled=(False, False))
     assert pair[1](sample[0]).shape == (B, H)
-    for on in (dict(enabled=True), dict(fp8_enabled=True), dict(recipe=object()), dict(cache_quantized_params=True),
-               dict(enabled=(False, True))):
-        with pytest.raises(dwgraph.ArgumentError, match=f"'{next(iter(on))}' ask for FP8"):
-            dwgraph.make_graphed_callables(copy.deepcopy(model), sample, **on)
+    # Asking for FP8 is accepted (tests/python/test_fp8.py checks what it computes), in both spellings.
+    recipe = dwgraph.fp8.DelayedScaling(amax_history_len=4)
+    for on in (dict(enabled=True, recipe=recipe), dict(fp8_enabled=True, fp8_recipe=recipe),
+               dict(enabled=(False, True), recipe=dwgraph.fp8.Float8CurrentScaling())):
+        n = len(on["enabled"]) if isinstance(on.get("enabled"), tuple) else 1
+        mods = tuple(copy.deepcopy(model) for _ in range(n))
+        got = dwgraph.make_graphed_callables(mods if n > 1 else mods[0], (sample,) * n if n > 1 else sample, **on)
+        out = (got[-1] if n > 1 else got)(sample[0])
+        assert out.shape == (B, H)
+    # What dwgraph has no counterpart for is refused, naming it.
+    # Weight caching is accepted too; its calls then take is_first_microbatch (test_fp8.py).
+    cached = dwgraph.make_graphed_callables(copy.deepcopy(model), sample, enabled=True, cache_quantized_params=True)
+    assert cached(sample[0], is_first_microbatch=True).shape == (B, H)
+    for bad, match in ((dict(enabled=True, cache_quantized_params="yes"), "'cache_quantized_params' must be a bool"),
+                       (dict(enabled=True, calibrating=True), "calibrating"),
+                       (dict(enabled=True, amax_reduction_group=object()), "amax reduction group"),
+                       (dict(enabled=True, recipe=object()), "recipe must be a dwgraph.fp8"),
+                       (dict(enabled=(True,) * 2), "one bool per callable"),
+                       (dict(enabled=True, fp8_enabled=True), "or its older spelling")):
+        with pytest.raises(dwgraph.ArgumentError, match=match):
+            dwgraph.make_graphed_callables(copy.deepcopy(model), sample, **bad)
     with pytest.raises(TypeError, match="unexpected keyword argument 'fp8_mode'"):
         dwgraph.make_graphed_callables(copy.deepcopy(model), sample, fp8_mode=True)
 

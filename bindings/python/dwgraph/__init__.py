@@ -10,6 +10,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 from .errors import ArgumentError, DanglingCaptureError, DwgraphError, GraphStateError
 from . import _C
 from . import ops
+from . import fp8
 from . import nn
 from . import graphs
 from . import graphed as _graphed
@@ -55,6 +56,7 @@ __all__ = [
     "cuda_built",
     "cuda_available",
     "ops",
+    "fp8",
     "nn",
     "graphs",
     "make_graphed_callables",

@@ -16,12 +16,14 @@ turns pytrees into the flat tensor lists it works on.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
 from . import _C, _guards, _spec, _watch
+from . import fp8 as _fp8
 from .errors import ArgumentError
 from .graphs import RefuseHostReads, compiled_code_as_captured
 
@@ -95,10 +97,27 @@ class GraphedCallable:
         is_module = isinstance(target, torch.nn.Module)
         self._dw_modules = [m for m in target.modules() if _spec.is_dwgraph_module(m)] if is_module else []
 
+    _fp8_cache = False  # captured with cache_quantized_params=True
+
+    def _begin_fp8_microbatch(self, kwargs) -> None:
+        """Note [FP8 weight cache]: the call's is_first_microbatch goes into each module's
+        flag, which the graphs read, after the stale-cache check."""
+        first = kwargs.pop("is_first_microbatch", None)
+        if not isinstance(first, bool):
+            raise ArgumentError(f"graphed {self._native.name}: captured with cache_quantized_params=True, so every "
+                                "call needs is_first_microbatch=True (the step's first microbatch: quantize the "
+                                f"weights) or False (reuse them); got {first!r}")
+        for m in self._dw_modules:
+            m._fp8_check_cache(first)
+        for m in self._dw_modules:
+            m._fp8_first_microbatch.fill_(first)
+
     def __call__(self, *args, **kwargs):
         # Contract C10: O(1) host work here; the core decides replay or eager and runs its
         # checks only when something they watch changed (Note [Checks paid when state
         # changes]).
+        if self._fp8_cache:
+            self._begin_fp8_microbatch(kwargs)
         _guards.check_data_parallel(self._dw_modules)  # a replay runs no module forward
         in_sig = self._in_sig
         if not kwargs and len(args) == self._positional:
@@ -261,18 +280,54 @@ _TE_FP8_ARGUMENTS = ("enabled", "calibrating", "recipe", "amax_reduction_group",
                      "fp8_enabled", "fp8_calibrating", "fp8_recipe", "fp8_group", "fp8_weight_caching")
 
 
-def _refuse_fp8(arguments: Dict[str, Any]) -> None:
+def _fp8_states(arguments: Dict[str, Any], num_callables: int):
+    """One C++ FP8 state per callable from TransformerEngine's arguments: each callable's
+    warmup, capture and any eager fallback run under it, whatever fp8_autocast the caller
+    is in (the graphs bake it in, as TransformerEngine's do)."""
     unknown = sorted(set(arguments) - set(_TE_FP8_ARGUMENTS))
     if unknown:
         raise TypeError(f"make_graphed_callables() got an unexpected keyword argument '{unknown[0]}'")
-    def off(v) -> bool:  # TE's `enabled` may be one bool per module
-        return v is None or v is False or (isinstance(v, (tuple, list)) and all(x is False for x in v))
+    args = dict(arguments)
+    for old, new in (("fp8_enabled", "enabled"), ("fp8_calibrating", "calibrating"), ("fp8_recipe", "recipe"),
+                     ("fp8_group", "amax_reduction_group"), ("fp8_weight_caching", "cache_quantized_params")):
+        if old in args:
+            if new in args:
+                raise ArgumentError(f"dwgraph.make_graphed_callables: pass '{new}' or its older spelling '{old}', "
+                                    "not both")
+            args[new] = args.pop(old)
+    enabled = args.get("enabled", False)
+    # TE's `enabled` may be one bool per callable.
+    per_callable = list(enabled) if isinstance(enabled, (tuple, list)) else [enabled] * num_callables
+    if len(per_callable) != num_callables:
+        raise ArgumentError(f"dwgraph.make_graphed_callables: 'enabled' must be a bool or one bool per callable "
+                            f"({num_callables}), got {len(per_callable)}")
+    cache = args.get("cache_quantized_params", False)
+    if not isinstance(cache, bool):
+        raise ArgumentError("dwgraph.make_graphed_callables: 'cache_quantized_params' must be a bool, got "
+                            f"{type(cache).__name__}")
+    return cache, [_fp8.make_state("dwgraph.make_graphed_callables", e, args.get("calibrating", False),
+                            args.get("recipe"), args.get("amax_reduction_group")) for e in per_callable]
 
-    asked = sorted(k for k, v in arguments.items() if not off(v))
-    if asked:
-        raise ArgumentError(f"dwgraph.make_graphed_callables: {', '.join(repr(k) for k in asked)} ask for FP8 "
-                            "(TransformerEngine's arguments), which dwgraph does not have yet; leave them unset "
-                            "(or False/None) to capture in the modules' own precision")
+
+def _prepare_fp8_capture(m, state, cache: bool) -> None:
+    """Note [FP8 weight cache] (ops/fp8.h): a capture with cache_quantized_params=True
+    records the in-graph first-microbatch decision (warmup and capture quantize afresh),
+    and starts with no filled cache: the first replay must be a first microbatch."""
+    m._prepare_fp8(state.recipe)
+    m._fp8_graph_caching = bool(cache and state.enabled)
+    m._fp8_cache_versions = None
+    if m._fp8_graph_caching:
+        m._prepare_fp8_cache()
+        m._fp8_first_microbatch.fill_(True)
+
+
+def _under_fp8(fn: Callable, state) -> Callable:
+    """``fn`` run under the C++ FP8 ``state``."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with _fp8.graphed_call_scope(state):
+            return fn(*args, **kwargs)
+    return call
 
 
 def make_graphed_callables(
@@ -352,9 +407,14 @@ def make_graphed_callables(
 
     TransformerEngine's FP8 arguments (``enabled``, ``calibrating``, ``recipe``,
     ``amax_reduction_group``, ``cache_quantized_params``, and the older ``fp8_enabled``,
-    ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group``, ``fp8_weight_caching``) are accepted
-    when they ask for no FP8 (false or None); asking for FP8 is an ArgumentError: dwgraph
-    has no FP8 recipes yet.
+    ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group``, ``fp8_weight_caching``):
+    ``enabled`` (a bool, or one per callable) and ``recipe`` (a ``dwgraph.fp8`` recipe; None:
+    ``DelayedScaling()``) give each callable's FP8 state, under which its warmup, capture and
+    any eager fallback run, whatever ``fp8_autocast`` the caller is in; the scaling state is
+    made before warmup and updated inside the graphs. ``cache_quantized_params=True`` caches
+    the quantized weights across microbatches: every call then takes
+    ``is_first_microbatch``. ``calibrating=True`` and an amax reduction group are refused
+    (docs/fp8.md).
 
     ``_unsafe_capture_with_caller_grad`` is for tests only: it captures backward-dw with
     the caller's ``.grad`` in place and skips the hand-off (the unfixed hazard).
@@ -365,7 +425,6 @@ def make_graphed_callables(
             raise ArgumentError(f"dwgraph.make_graphed_callables: pass '{name}' or '_{name}', not both")
     if _reuse_graph_input_output_buffers is not None:
         reuse_static_buffers = bool(_reuse_graph_input_output_buffers)
-    _refuse_fp8(fp8_arguments)
     if _clone_param_grads_on_return is not None:
         clone_param_grads_on_return = _clone_param_grads_on_return
     if not isinstance(clone_param_grads_on_return, bool):
@@ -386,6 +445,7 @@ def make_graphed_callables(
         if sample_kwargs is not None:
             sample_kwargs = (sample_kwargs,)
     modules = tuple(modules)
+    fp8_cache, fp8_states = _fp8_states(fp8_arguments, len(modules))
     for i, m in enumerate(modules):
         if not callable(m):
             raise ArgumentError(f"dwgraph.make_graphed_callables: modules[{i}] must be a torch.nn.Module or a "
@@ -425,7 +485,7 @@ def make_graphed_callables(
     previous = [_strip_graphs(m) if isinstance(m, torch.nn.Module) else {} for m in modules]
     try:
         specs, forwards, out_sigs, natives = _capture_all(
-            modules, schedule, in_sigs, flat_args, hooks, num_warmup_iters=num_warmup_iters,
+            modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_cache, num_warmup_iters=num_warmup_iters,
             allow_unused_input=allow_unused_input, pool=pool, retain_graph_in_backward=retain_graph_in_backward,
             reuse_static_buffers=reuse_static_buffers, clone_outputs=clone_outputs,
             backward_under_autocast=bool(backward_under_autocast), pre_warmup_hook=pre_warmup_hook,
@@ -438,7 +498,9 @@ def make_graphed_callables(
     handles = []
     for native in natives:
         c = native.callable_index
-        handles.append(GraphedCallable(native, modules[c], forwards[c], in_sigs[c], out_sigs[c]))
+        handle = GraphedCallable(native, modules[c], forwards[c], in_sigs[c], out_sigs[c])
+        handle._fp8_cache = fp8_cache and fp8_states[c].enabled
+        handles.append(handle)
     if order is not None:
         return tuple(handles)
     out = []
@@ -474,12 +536,17 @@ def _state_checker(module: torch.nn.Module, name: str):
     return check
 
 
-def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
+def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_cache, **options):
     specs, forwards, out_sigs = [], [], []
     for i, module in enumerate(modules):
         is_module = isinstance(module, torch.nn.Module)
         if is_module:
             _spec.refuse_hooks(i, module)
+            # The FP8 scaling state exists before warmup: warmup and capture restore the
+            # buffers they find, and the graphs update them in place.
+            for m in module.modules():
+                if _spec.is_dwgraph_module(m):
+                    _prepare_fp8_capture(m, fp8_states[i], fp8_cache)
         # The module's own forward; hooks of the module itself run around the replays, as
         # around eager calls.
         forward = module.forward if is_module else module
@@ -491,6 +558,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
             # A plain callable, a forward set on the instance or bound some other way
             # (functools.partialmethod): held as given, strongly.
             call = forward
+        call = _under_fp8(call, fp8_states[i])
 
         def run(tensors, call=call, in_sig=in_sigs[i], out_sig=out_sig, i=i):
             args, kwargs = in_sig.rebuild(tensors)
@@ -534,7 +602,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, **options):
 
             spec.capture_time_hook = capture_time_hook
         specs.append(spec)
-        forwards.append(forward)
+        forwards.append(_under_fp8(forward, fp8_states[i]))
         out_sigs.append(out_sig)
 
     pool = _resolve_pool(options.pop("pool"))

@@ -24,6 +24,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import _C, _guards, _traced
+from . import fp8 as _fp8
 from ._weights import DistributedWeight
 from .errors import ArgumentError, GraphStateError, _FoundMore
 
@@ -32,6 +33,13 @@ __all__ = ["DistributedWeight", "Linear", "GroupedLinear", "LayerNormLinear", "L
 
 def _set_added_to_main_grad(param: torch.Tensor) -> None:
     param.grad_added_to_main_grad = True
+
+
+@torch.compiler.assume_constant_result
+def _fp8_enabled() -> bool:
+    # Read while tracing, as torch.autocast's state is: a compiled forward under
+    # fp8_autocast runs the eager FP8 path (the traced GEMMs have no FP8).
+    return bool(_C.fp8.current_state().enabled)
 
 
 class _StepContext(threading.local):
@@ -185,6 +193,110 @@ class _DeferredWgradModule(torch.nn.Module):
         for fn in list(self._wgrad_hooks.values()):
             fn(self)
 
+    # -- FP8 (docs/fp8.md) ---------------------------------------------------------------
+    _fp8_gemms = 1  # GEMMs whose scaling state the module keeps (LayerNormMLP: fc1, fc2)
+    _fp8_weight_names = ("weight",)  # their weights, in GEMM order
+    _fp8_graph_caching = False  # captured with cache_quantized_params=True (graphed.py sets it)
+    _fp8_cache_versions = None  # (id, version) of each weight when its FP8 cache was filled
+
+    def _fp8_kwargs(self, is_first_microbatch: Optional[bool] = None) -> dict:
+        """The module's FP8 state for the C++ forward under fp8_autocast (buffers made on the
+        first FP8 forward); nothing outside it. ``is_first_microbatch`` (TransformerEngine's):
+        None, no weight caching; True, quantize the weights and cache them; False, reuse the
+        cache (Note [FP8 weight cache], ops/fp8.h)."""
+        state = _C.fp8.current_state()
+        if not state.enabled:
+            return {}
+        recipe = state.recipe
+        self._prepare_fp8(recipe)
+        kw = dict(amax_history=self.fp8_amax_history, scale=self.fp8_scale) if recipe.delayed() else {}
+        # A module captured with weight caching reads its flag only inside its graphed
+        # callable (capture, eager fallback); called on its own it decides as any eager call.
+        if is_first_microbatch is not None or (self._fp8_graph_caching and _fp8.in_graphed_call()):
+            self._prepare_fp8_cache()
+            if is_first_microbatch is not None:
+                self._fp8_check_cache(bool(is_first_microbatch))
+            kw.update(weight_cache=[(getattr(self, f"_fp8_weight_cache{i}"), getattr(self, f"_fp8_weight_scale_inv{i}"))
+                                    for i in range(self._fp8_gemms)],
+                      first=self._fp8_first_microbatch,
+                      host_first=None if is_first_microbatch is None else bool(is_first_microbatch))
+        return dict(fp8=_C.fp8.Meta(**kw))
+
+    def _prepare_fp8_cache(self) -> None:
+        """Non-persistent buffers: one FP8 copy of each weight with its 1/scale, and the
+        first-microbatch flag a graph reads."""
+        if "_fp8_first_microbatch" in self._buffers:
+            return
+        device = self._fp8_device()
+        for i, shape in enumerate(self._fp8_cache_shapes()):
+            self.register_buffer(f"_fp8_weight_cache{i}", torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device),
+                                 persistent=False)
+            self.register_buffer(f"_fp8_weight_scale_inv{i}", torch.ones((), device=device), persistent=False)
+        self.register_buffer("_fp8_first_microbatch", torch.ones((), dtype=torch.bool, device=self._fp8_device()),
+                             persistent=False)
+
+    def _fp8_cache_shapes(self):
+        """The shape of each GEMM's weight (one cache each)."""
+        return [getattr(self, n).shape for n in self._fp8_weight_names]
+
+    def _fp8_device(self) -> torch.device:
+        return getattr(self, self._fp8_weight_names[0]).device
+
+    def _fp8_check_cache(self, first: bool) -> None:
+        """Before a microbatch with weight caching: a first one records the weights it
+        quantizes; a later one is refused when the cache would be stale (never filled since
+        the module was captured, or a weight replaced or changed in place since)."""
+        weights = [(n, getattr(self, n)) for n in self._fp8_weight_names]
+        now = [(id(w), w._version) for _, w in weights]
+        if first:
+            self._fp8_cache_versions = now
+            return
+        then = self._fp8_cache_versions
+        if then is None:
+            raise GraphStateError(
+                f"{self._display_name()}: is_first_microbatch=False, but no microbatch has filled the FP8 weight "
+                "cache since it was made or captured; pass is_first_microbatch=True on each step's first microbatch")
+        for (name, _), (i0, v0), (i1, v1) in zip(weights, then, now):
+            if i0 != i1 or v0 != v1:
+                raise GraphStateError(
+                    f"{self._display_name()}: is_first_microbatch=False would reuse a stale FP8 copy of '{name}': "
+                    + ("the parameter was replaced" if i0 != i1 else f"it was changed in place (version {v0}, now {v1})")
+                    + " since the step's first microbatch quantized it. Pass is_first_microbatch=True on the first "
+                    "microbatch after every weight update")
+
+    def _prepare_fp8(self, recipe) -> None:
+        """Registers the buffers ``fp8_amax_history`` and ``fp8_scale`` for ``recipe`` when
+        the module has none (a graph capture makes them before its warmup). A module keeps
+        them: a recipe with another history length is refused by the core until
+        ``reset_fp8_state()``."""
+        if recipe is None or not recipe.delayed() or "fp8_scale" in self._buffers:
+            return
+        device = next(self.parameters()).device
+        history, scale = _C.fp8.make_meta(self._fp8_gemms, recipe, device)
+        self.register_buffer("fp8_amax_history", history)
+        self.register_buffer("fp8_scale", scale)
+
+    def reset_fp8_state(self) -> None:
+        """Forgets the FP8 scaling state (the next FP8 forward starts from unit scales)."""
+        for name in ("fp8_amax_history", "fp8_scale", "_fp8_first_microbatch"):
+            self._buffers.pop(name, None)
+        for i in range(self._fp8_gemms):
+            self._buffers.pop(f"_fp8_weight_cache{i}", None)
+            self._buffers.pop(f"_fp8_weight_scale_inv{i}", None)
+        self._fp8_cache_versions = None
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A checkpoint with FP8 state loads into a module that has not run in FP8 yet: the
+        # buffers are made with the stored shapes, then filled as any buffer.
+        stored = [state_dict.get(prefix + n) for n in ("fp8_amax_history", "fp8_scale")]
+        if all(isinstance(t, torch.Tensor) for t in stored) and "fp8_scale" not in self._buffers:
+            device = next(self.parameters()).device
+            self.register_buffer("fp8_amax_history", torch.zeros(stored[0].shape, dtype=torch.float32, device=device))
+            self.register_buffer("fp8_scale", torch.ones(stored[1].shape, dtype=torch.float32, device=device))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def _traceable(self) -> bool:
         """Under torch.compile, modules whose weight gradients land in the backward run the
         traceable forward of dwgraph._traced (same GEMMs); deferred or fused ones run eagerly
@@ -192,6 +304,8 @@ class _DeferredWgradModule(torch.nn.Module):
         if not torch.compiler.is_compiling():
             return False
         if self.delay_wgrad_compute or self.fuse_wgrad_accumulation or self._wgrad_hooks:
+            return False
+        if _fp8_enabled():
             return False
         return not any(isinstance(p, DistributedWeight) for p in self.parameters(recurse=False))
 
@@ -347,15 +461,16 @@ class Linear(_DeferredWgradModule):
         if self.fuse_wgrad_accumulation:
             self._allocate_main_grads()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         if self._traceable():
             return _traced.linear(x, self.weight, self.bias)
-        return self._eager_forward(x)
+        return self._eager_forward(x, is_first_microbatch)
 
     @torch.compiler.disable
-    def _eager_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _eager_forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         out = _C.nn.linear(x, self._ref("weight", self.weight, is_weight=True),
-                           self._ref("bias", self.bias, is_weight=False), **self._config())
+                           self._ref("bias", self.bias, is_weight=False), **self._config(),
+                           **self._fp8_kwargs(is_first_microbatch))
         return self._after_forward(out)
 
     def extra_repr(self) -> str:
@@ -381,6 +496,8 @@ class GroupedLinear(_DeferredWgradModule):
         self.out_features = int(out_features)
         self.packed_weights = bool(packed_weights)
         self.use_bias = bool(bias)
+        self._fp8_gemms = self.num_gemms
+        self._fp8_weight_names = ("weight",) if self.packed_weights else tuple(f"weight{g}" for g in range(num_gemms))
         factory = dict(device=device, dtype=dtype)
         if self.packed_weights:
             self.weight = torch.nn.Parameter(torch.empty(num_gemms, out_features, in_features, **factory))
@@ -401,6 +518,11 @@ class GroupedLinear(_DeferredWgradModule):
         if self.fuse_wgrad_accumulation:
             self._allocate_main_grads()
 
+    def _fp8_cache_shapes(self):
+        if self.packed_weights:  # one GEMM per group of the packed weight
+            return [self.weight.shape[1:]] * self.num_gemms
+        return super()._fp8_cache_shapes()
+
     def _weights(self):
         if self.packed_weights:
             return [("weight", self.weight)]
@@ -413,19 +535,20 @@ class GroupedLinear(_DeferredWgradModule):
             return [("bias", self.bias)]
         return [(f"bias{g}", getattr(self, f"bias{g}")) for g in range(self.num_gemms)]
 
-    def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         if self._traceable():
             return _traced.grouped_linear(x, m_splits, self.packed_weights, [p for _, p in self._weights()],
                                           [p for _, p in self._biases()])
-        return self._eager_forward(x, m_splits)
+        return self._eager_forward(x, m_splits, is_first_microbatch)
 
     @torch.compiler.disable
-    def _eager_forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
+    def _eager_forward(self, x: torch.Tensor, m_splits: Sequence[int],
+                       is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         out = _C.nn.grouped_linear(
             x, [int(m) for m in m_splits],
             [self._ref(n, p, is_weight=True) for n, p in self._weights()],
             [self._ref(n, p, is_weight=False) for n, p in self._biases()],
-            **self._config())
+            **self._config(), **self._fp8_kwargs(is_first_microbatch))
         return self._after_forward(out)
 
     def extra_repr(self) -> str:
@@ -466,19 +589,20 @@ class LayerNormLinear(_DeferredWgradModule):
         if self.fuse_wgrad_accumulation:
             self._allocate_main_grads()
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         if self._traceable():
             out, ln_out = _traced.layernorm_linear(self, x)
         else:
-            out, ln_out = self._eager_forward(x)
+            out, ln_out = self._eager_forward(x, is_first_microbatch)
         return (out, ln_out) if self.return_layernorm_output else out
 
     @torch.compiler.disable
-    def _eager_forward(self, x: torch.Tensor):
+    def _eager_forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         out, ln_out = _C.nn.layernorm_linear(
             x, self.layer_norm_weight, self.layer_norm_bias, self.eps,
             self._ref("weight", self.weight, is_weight=True),
-            self._ref("bias", self.bias, is_weight=False), normalization=self.normalization, **self._config())
+            self._ref("bias", self.bias, is_weight=False), normalization=self.normalization, **self._config(),
+            **self._fp8_kwargs(is_first_microbatch))
         return self._after_forward(out), ln_out
 
     def extra_repr(self) -> str:
@@ -502,6 +626,8 @@ class LayerNormMLP(_DeferredWgradModule):
     no ``layer_norm_bias``.
     """
 
+    _fp8_gemms = 2
+    _fp8_weight_names = ("fc1_weight", "fc2_weight")
     # Class defaults: a module pickled before these settings existed loads with them.
     checkpoint = False
     normalization = "LayerNorm"
@@ -533,20 +659,20 @@ class LayerNormMLP(_DeferredWgradModule):
         if self.fuse_wgrad_accumulation:
             self._allocate_main_grads()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         if self._traceable():
             return _traced.layernorm_mlp(self, x)
-        return self._eager_forward(x)
+        return self._eager_forward(x, is_first_microbatch)
 
     @torch.compiler.disable
-    def _eager_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _eager_forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         out = _C.nn.layernorm_mlp(
             x, self.layer_norm_weight, self.layer_norm_bias, self.eps,
             self._ref("fc1_weight", self.fc1_weight, is_weight=True),
             self._ref("fc1_bias", self.fc1_bias, is_weight=False), self.activation,
             self._ref("fc2_weight", self.fc2_weight, is_weight=True),
             self._ref("fc2_bias", self.fc2_bias, is_weight=False), checkpoint=self.checkpoint,
-            normalization=self.normalization, **self._config())
+            normalization=self.normalization, **self._config(), **self._fp8_kwargs(is_first_microbatch))
         return self._after_forward(out)
 
     def extra_repr(self) -> str:

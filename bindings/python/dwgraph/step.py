@@ -585,7 +585,7 @@ class GraphedStep:
         # (_variant_state), as they are known only after the warmup calls.
         autocast = [(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
         key = (f"args {key_args}|kwargs {key_kwargs}|aliases {where}|grad {torch.is_grad_enabled()}"
-               f"|autocast {autocast}")
+               f"|autocast {autocast}|fp8 {_C.fp8.current_state()!r}")
         # Eager calls (warmup) run the step on the caller's own arguments, so what it does
         # to them (an append to a list argument, an attribute set on a batch object) is
         # what the undecorated function does; a capture runs it on a rebuilt copy holding

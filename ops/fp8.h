@@ -1,0 +1,166 @@
+#pragma once
+// FP8 training for dwgraph's GEMMs (issue 25): recipes, the calling thread's fp8_autocast
+// state, per-tensor quantization and the scaling-state update, all as tensor ops.
+//
+// Note [FP8 scaling state lives in tensors]: a delayed-scaling module keeps its state in
+// two FP32 buffers, amax_history [history_len, 3 * gemms] (row 0 the newest) and scale
+// [3 * gemms]; column 3 * g + role belongs to GEMM g's input (role 0), weight (1) and
+// output gradient (2). Each quantization of a tensor (each forward for the input and
+// weight, each backward for the output gradient)
+//   1. quantizes with scale[c] as it stands (set by earlier calls),
+//   2. rolls column c of the history by one and writes amax(|t|) into row 0,
+//   3. sets scale[c] = fp8_max / reduce(history[:, c]) / 2^margin (reduce: max over the
+//      history, or row 0 for "most_recent"), keeping the old scale where that amax is 0
+//      or not finite.
+// Every step is an ATen op on those buffers: nothing is read back to the host, so a
+// captured graph replays the bookkeeping with the GEMMs (TransformerEngine's graphs do it
+// eagerly after each replay). Current scaling keeps no state: each tensor's scale comes
+// from its own amax just before it is quantized.
+//
+// The GEMMs: operands quantized per tensor (E4M3 for the forward's input and weight; the
+// output gradient E5M2 under HYBRID, E4M3 under E4M3), multiplied with at::_scaled_mm
+// (ATen's CPU kernel, cuBLASLt FP8 on CUDA) into FP32, bias added in FP32, rounded once to
+// the output dtype. The weight gradient's FP32 product accumulates into main_grad.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dwgraph::ops {
+
+// TransformerEngine's recipe.Format: E4M3 everywhere, or HYBRID (E4M3 forward, E5M2 gradients).
+enum class Fp8Format { kE4M3, kHybrid };
+enum class Fp8Scaling { kDelayed, kCurrent };
+enum class AmaxAlgo { kMax, kMostRecent };
+
+struct Fp8Recipe {
+  Fp8Scaling scaling = Fp8Scaling::kDelayed;
+  Fp8Format format = Fp8Format::kHybrid;
+  int64_t margin = 0;
+  int64_t amax_history_len = 1024;  // delayed scaling only
+  AmaxAlgo amax_compute_algo = AmaxAlgo::kMax;
+
+  // TransformerEngine's DelayedScaling / Float8CurrentScaling; ArgumentError on a bad value.
+  static Fp8Recipe delayed(Fp8Format format, int64_t margin, int64_t amax_history_len, const std::string& algo);
+  static Fp8Recipe current(Fp8Format format, int64_t margin);
+
+  bool operator==(const Fp8Recipe& o) const;
+  bool operator!=(const Fp8Recipe& o) const { return !(*this == o); }
+  // "DelayedScaling(fp8_format=HYBRID, margin=0, amax_history_len=16, amax_compute_algo='max')"
+  std::string describe() const;
+
+  // The FP8 dtype of the forward's operands and of the output gradient.
+  at::ScalarType forward_dtype() const { return at::kFloat8_e4m3fn; }
+  at::ScalarType backward_dtype() const {
+    return format == Fp8Format::kHybrid ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn;
+  }
+};
+
+// The calling thread's fp8_autocast state (dwgraph.fp8.fp8_autocast sets it). The modules'
+// forwards read it, as they read torch.autocast's; a backward uses the recipe its forward
+// saved, wherever it runs.
+struct Fp8State {
+  bool enabled = false;
+  Fp8Recipe recipe;
+
+  static Fp8State current();
+  bool operator==(const Fp8State& o) const { return enabled == o.enabled && (!enabled || recipe == o.recipe); }
+  bool operator!=(const Fp8State& o) const { return !(*this == o); }
+  std::string describe() const;  // "off", "on (DelayedScaling(...))"
+};
+
+// Sets the calling thread's FP8 state while alive and puts the previous one back.
+class Fp8StateGuard {
+ public:
+  explicit Fp8StateGuard(const Fp8State& state);
+  ~Fp8StateGuard();
+  Fp8StateGuard(const Fp8StateGuard&) = delete;
+  Fp8StateGuard& operator=(const Fp8StateGuard&) = delete;
+
+ private:
+  Fp8State saved_;
+};
+
+// Sets the calling thread's state and returns the previous one (the Python context
+// manager's enter and exit; C++ callers use the guard).
+Fp8State exchange_fp8_state(const Fp8State& state);
+
+// Note [FP8 weight cache]: with cache_quantized_params (TransformerEngine's weight caching)
+// a module quantizes its weight on a step's first microbatch and reuses that quantized
+// weight on the others. The cache is the module's own (data, scale_inv), never process-wide
+// state. Eager calls decide on the host (`host_first`: quantize and store, or reuse, with
+// no work for the weight otherwise); inside a graph the decision is the module's 0-dim
+// bool tensor `first`, written before each replay by the graphed callable from its
+// is_first_microbatch argument: the graph quantizes, then selects the fresh or the cached
+// weight and the updated or the old weight scaling state with at::where, so one captured
+// graph serves both kinds of microbatch and the results equal the eager ones bitwise.
+// Whether a reuse would be stale (the weight changed in place since the cache was filled)
+// is checked by the caller, on the host, before the call.
+struct Fp8WeightCache {
+  at::Tensor data;       // FP8, the weight's shape
+  at::Tensor scale_inv;  // FP32, 0-dim
+  at::Tensor first;      // bool, 0-dim: read inside a graph when host_first is unset
+  std::optional<bool> host_first;
+  bool defined() const { return data.defined(); }
+};
+
+// A module's FP8 state: its delayed-scaling state (Note [FP8 scaling state lives in
+// tensors]; undefined tensors under current scaling) and, with weight caching, one weight
+// cache per GEMM (empty: no caching).
+struct Fp8Meta {
+  at::Tensor amax_history;  // [history_len, 3 * gemms], FP32
+  at::Tensor scale;         // [3 * gemms], FP32
+  std::vector<Fp8WeightCache> weight_cache;
+  bool defined() const { return scale.defined(); }
+};
+
+namespace fp8 {
+
+constexpr int64_t kInput = 0, kWeight = 1, kGradOutput = 2, kRoles = 3;
+
+// Zero history, unit scales for `gemms` GEMMs on `device` (the state of a module that has
+// not quantized yet; TransformerEngine's initial state).
+Fp8Meta make_meta(int64_t gemms, int64_t history_len, const at::Device& device);
+
+// Checks that `meta` holds state for `gemms` GEMMs under `recipe` (ArgumentError naming
+// `module` otherwise).
+void check_meta(const std::string& module, const Fp8Meta& meta, const Fp8Recipe& recipe, int64_t gemms);
+
+// The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2).
+double max_of(at::ScalarType dtype);
+
+// A tensor quantized per tensor: data (FP8, contiguous) and 1 / scale (FP32, 0-dim).
+struct Quantized {
+  at::Tensor data;
+  at::Tensor scale_inv;
+  bool defined() const { return data.defined(); }
+};
+
+// Quantizes `t` into `dtype` for column `column` of `meta` under `recipe`: delayed scaling
+// uses meta's scale then updates the state (the three steps of the Note); current scaling
+// scales by t's own amax. No host read either way.
+Quantized quantize(const at::Tensor& t, at::ScalarType dtype, const Fp8Recipe& recipe, const Fp8Meta& meta,
+                   int64_t column);
+
+// The weight quantized through `cache` (Note [FP8 weight cache]); the returned tensors are
+// fresh, so a later refresh of the cache never changes what an earlier forward's backward
+// multiplies by.
+Quantized quantize_weight(const at::Tensor& w, const Fp8Recipe& recipe, const Fp8Meta& meta, int64_t column,
+                          const Fp8WeightCache& cache);
+
+// Checks that `cache` fits weight `w` (ArgumentError naming `module` and `name`).
+void check_weight_cache(const std::string& module, const std::string& name, const Fp8WeightCache& cache,
+                        const at::Tensor& w, const Fp8Recipe& recipe);
+
+// FP32 a · b for quantized a [M, K] and b [K, N] (any strides): at::_scaled_mm with the
+// operands' inverse scales, arranged as cuBLASLt needs them on CUDA.
+at::Tensor mm(const Quantized& a, const Quantized& b);
+
+// a.data transposed, still quantized with a's scale.
+Quantized t(const Quantized& a);
+
+}  // namespace fp8
+}  // namespace dwgraph::ops

@@ -1,0 +1,658 @@
+"""FP8 training (issue 25, docs/fp8.md): recipes and fp8_autocast, the FP8 GEMMs of
+dwgraph.nn.Linear / LayerNormLinear / LayerNormMLP against an independent plain-PyTorch
+reference, the scaling-state update, graphed == eager bitwise, and state_dict resumption.
+
+The reference quantizes with the same scales in plain PyTorch, dequantizes and multiplies
+in FP32. Bounds used (stated per case below):
+  * against the reference (same quantized operands): the FP32 accumulation error of a
+    K-term dot product, K * 2^-24 * (|a| @ |b|) elementwise, plus one rounding of the output
+    (2^-8 relative for bfloat16, which rounds to nearest with 8 significant bits); on this
+    CPU the two agree bitwise, the bound is what a different GEMM (cuBLASLt) may differ by;
+  * against the exact FP32 product (current scaling, where nothing saturates): each
+    operand's quantization error is at most u |t| + a / s elementwise, u = 2^-4 for E4M3 (3
+    mantissa bits, round to nearest) and 2^-3 for E5M2 (2 bits), a = half the subnormal
+    spacing (2^-10 for E4M3, 2^-17 for E5M2) divided by the tensor's scale s; the product's
+    error is then at most E_a @ |b| + |a| @ E_b + E_a @ E_b plus the FP32 terms above.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import dwgraph
+from dwgraph.fp8 import DelayedScaling, Float8CurrentScaling, Format, fp8_autocast
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FMAX = {E4M3: 448.0, E5M2: 57344.0}
+U = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}          # unit roundoff of the normal range
+HALF_SUB = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}  # half the subnormal spacing
+K, N = 48, 32
+
+
+# ----------------------------------------------------------------------------- the reference
+def quantize(t, scale, dtype):
+    return torch.clamp(t.float() * scale, -FMAX[dtype], FMAX[dtype]).to(dtype)
+
+
+def dequantize(q, scale):
+    return q.float() * torch.reciprocal(scale)
+
+
+def amax_of(t):
+    return t.abs().amax().float() if t.numel() else torch.zeros(())
+
+
+def current_scale(t, dtype, margin=0):
+    amax = amax_of(t)
+    s = torch.full((), FMAX[dtype]) / amax / 2.0 ** margin
+    return torch.where((amax > 0) & torch.isfinite(amax), s, torch.ones(()))
+
+
+def roundtrip(t, scale, dtype):
+    return dequantize(quantize(t, scale, dtype), scale)
+
+
+def accumulation_bound(a, b):
+    """|fp32(a @ b) - exact| for a [M, K] @ b [K, N] in FP32."""
+    return a.shape[1] * 2.0 ** -24 * (a.abs() @ b.abs())
+
+
+def assert_within(actual, expected, bound, what):
+    err = (actual.double() - expected.double()).abs()
+    excess = err - bound.double()
+    assert bool((excess <= 0).all()), f"{what}: error {err.max().item():.3e} exceeds its bound by {excess.max().item():.3e}"
+
+
+def output_bound(ref32, acc, dtype):
+    """The accumulation bound plus one rounding to `dtype` of an FP32 value."""
+    rounding = 0.0 if dtype == torch.float32 else 2.0 ** -8 * ref32.abs()
+    return acc + rounding + (0.0 if dtype == torch.float32 else 2.0 ** -8 * acc)
+
+
+def recipe_of(scaling, fmt, history=4):
+    if scaling == "delayed":
+        return DelayedScaling(fp8_format=fmt, amax_history_len=history)
+    return Float8CurrentScaling(fp8_format=fmt)
+
+
+def bwd_dtype(fmt):
+    return E5M2 if fmt == Format.HYBRID else E4M3
+
+
+def reference_update(history, scale, column, t, dtype, margin=0, algo="max"):
+    """Note [FP8 scaling state lives in tensors], in plain PyTorch."""
+    history, scale = history.clone(), scale.clone()
+    amax = amax_of(t)
+    history[:, column] = torch.roll(history[:, column], 1, 0)
+    history[0, column] = amax
+    reduced = history[:, column].amax() if algo == "max" else amax
+    new = torch.full((), FMAX[dtype]) / reduced / 2.0 ** margin
+    scale[column] = torch.where((reduced > 0) & torch.isfinite(reduced), new, scale[column])
+    return history, scale
+
+
+# ----------------------------------------------------------------------------- recipes and state
+def test_recipes_and_fp8_autocast_state():
+    d = DelayedScaling(margin=1, fp8_format=Format.E4M3, amax_history_len=16, amax_compute_algo="most_recent")
+    assert (d.margin, d.fp8_format, d.amax_history_len, d.amax_compute_algo) == (1, Format.E4M3, 16, "most_recent")
+    assert repr(d) == "DelayedScaling(fp8_format=E4M3, margin=1, amax_history_len=16, amax_compute_algo='most_recent')"
+    assert DelayedScaling() == DelayedScaling(margin=0, fp8_format=Format.HYBRID, amax_history_len=1024)
+    assert DelayedScaling() != Float8CurrentScaling()
+    assert isinstance(Float8CurrentScaling(), dwgraph.fp8.Recipe)
+    import pickle
+    assert pickle.loads(pickle.dumps(d)) == d
+    for bad, match in ((dict(amax_history_len=0), "amax_history_len must be at least 1"),
+                       (dict(amax_compute_algo="mean"), "amax_compute_algo must be 'max' or 'most_recent'"),
+                       (dict(margin=-1), r"margin must be an integer in \[0, 64\]")):
+        with pytest.raises(dwgraph.ArgumentError, match=match):
+            DelayedScaling(**bad)
+
+    assert not dwgraph.fp8.is_fp8_enabled() and dwgraph.fp8.get_fp8_recipe() is None
+    with fp8_autocast():
+        assert dwgraph.fp8.get_fp8_recipe() == DelayedScaling()  # TransformerEngine's default
+        with fp8_autocast(recipe=Float8CurrentScaling()):
+            assert isinstance(dwgraph.fp8.get_fp8_recipe(), Float8CurrentScaling)
+            with fp8_autocast(enabled=False):
+                assert not dwgraph.fp8.is_fp8_enabled()
+            assert dwgraph.fp8.is_fp8_enabled()
+        with fp8_autocast(fp8_recipe=d):  # TransformerEngine's older spelling
+            assert dwgraph.fp8.get_fp8_recipe() == d
+        assert dwgraph.fp8.get_fp8_recipe() == DelayedScaling()
+    assert not dwgraph.fp8.is_fp8_enabled()
+    for bad, match in ((dict(recipe=object()), "recipe must be a dwgraph.fp8"), (dict(calibrating=True), "calibrating"),
+                       (dict(amax_reduction_group=object()), "amax reduction group"),
+                       (dict(enabled=1), "'enabled' must be a bool"),
+                       (dict(recipe=d, fp8_recipe=d), "not both")):
+        with pytest.raises(dwgraph.ArgumentError, match=match):
+            with fp8_autocast(**bad):
+                pass
+    assert not dwgraph.fp8.is_fp8_enabled()
+
+
+# ----------------------------------------------------------------------------- GEMMs vs reference
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3], ids=["hybrid", "e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("wgrad", ["deferred_fused", "deferred", "immediate"])
+def test_linear_gemms_match_the_reference(scaling, fmt, dtype, wgrad):
+    torch.manual_seed(1)
+    recipe = recipe_of(scaling, fmt)
+    m = dwgraph.nn.Linear(K, N, delay_wgrad_compute=wgrad != "immediate",
+                          fuse_wgrad_accumulation=wgrad == "deferred_fused", dtype=dtype)
+
+    def step(x, gy):
+        with fp8_autocast(recipe=recipe):
+            y = m(x)
+        y.backward(gy)
+        if m.delay_wgrad_compute:
+            m.backward_dw()
+        return y
+
+    # A first step moves delayed scaling off its unit scales.
+    step(torch.randn(4, 6, K, dtype=dtype, requires_grad=True), torch.randn(4, 6, N, dtype=dtype))
+    m.weight.grad = None
+    m.bias.grad = None
+    if wgrad == "deferred_fused":
+        m.weight.main_grad.copy_(torch.randn(N, K))  # an earlier accumulation the GEMM adds to
+    main_before = m.weight.main_grad.clone() if wgrad == "deferred_fused" else None
+
+    x = (3 * torch.randn(4, 6, K)).to(dtype).requires_grad_(True)
+    gy = torch.randn(4, 6, N, dtype=dtype)
+    x2d, gy2d, w = x.detach().reshape(-1, K), gy.reshape(-1, N), m.weight.detach()
+    if scaling == "delayed":
+        hist0, scale0 = m.fp8_amax_history.clone(), m.fp8_scale.clone()
+        sx, sw, sdy = scale0[0], scale0[1], scale0[2]
+    else:
+        sx, sw, sdy = current_scale(x2d, E4M3), current_scale(w, E4M3), current_scale(gy2d, bwd_dtype(fmt))
+    y = step(x, gy)
+
+    xr, wr, dyr = roundtrip(x2d, sx, E4M3), roundtrip(w, sw, E4M3), roundtrip(gy2d, sdy, bwd_dtype(fmt))
+    # forward: y = deq(xq) @ deq(wq).T + b, rounded once to the module dtype
+    y32 = xr @ wr.T + m.bias.detach().float()
+    assert y.dtype == dtype and y.shape == (4, 6, N)
+    assert_within(y.reshape(-1, N), y32, output_bound(y32, accumulation_bound(xr, wr.T), dtype), "forward")
+    # dgrad: dx = deq(dyq) @ deq(wq)
+    dx32 = dyr @ wr
+    assert x.grad.dtype == dtype
+    assert_within(x.grad.reshape(-1, K), dx32, output_bound(dx32, accumulation_bound(dyr, wr), dtype), "dgrad")
+    # wgrad: deq(dyq).T @ deq(xq), accumulated in FP32 into main_grad, or the parameter's .grad
+    dw32 = dyr.T @ xr
+    acc = accumulation_bound(dyr.T, xr)
+    if wgrad == "deferred_fused":
+        assert m.weight.grad is None
+        assert_within(m.weight.main_grad, main_before + dw32, acc + 2.0 ** -24 * (main_before + dw32).abs(), "wgrad")
+        assert m.weight.grad_added_to_main_grad
+    else:
+        assert m.weight.grad.dtype == dtype
+        assert_within(m.weight.grad, dw32, output_bound(dw32, acc, dtype), "wgrad")
+    # bias: the column sum of the unquantized output gradient
+    assert_within(m.bias.grad, gy2d.float().sum(0), output_bound(gy2d.float().sum(0), 2.0 ** -20 * gy2d.float().abs().sum(0), dtype),
+                  "bias grad")
+
+    if scaling == "delayed":
+        h, s = hist0, scale0
+        h, s = reference_update(h, s, 0, x2d, E4M3)
+        h, s = reference_update(h, s, 1, w, E4M3)
+        h, s = reference_update(h, s, 2, gy2d, bwd_dtype(fmt))
+        assert torch.equal(m.fp8_amax_history, h) and torch.equal(m.fp8_scale, s), "scaling state update"
+    else:
+        assert "fp8_scale" not in dict(m.named_buffers())  # current scaling keeps no state
+
+
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3], ids=["hybrid", "e4m3"])
+def test_current_scaling_is_within_fp8s_error_of_the_exact_product(fmt):
+    torch.manual_seed(2)
+    m = dwgraph.nn.Linear(K, N, bias=False)
+    x = torch.randn(24, K, requires_grad=True)
+    gy = torch.randn(24, N)
+    with fp8_autocast(recipe=Float8CurrentScaling(fp8_format=fmt)):
+        y = m(x)
+    y.backward(gy)
+    w = m.weight.detach()
+
+    def err(t, dtype):  # elementwise quantization error bound of t
+        return U[dtype] * t.abs() + HALF_SUB[dtype] / current_scale(t, dtype)
+
+    def bound(a, da, b, db):
+        return da @ b.abs() + a.abs() @ db + da @ db + accumulation_bound(a, b) * 2
+
+    xd = x.detach()
+    g = bwd_dtype(fmt)
+    assert_within(y, xd @ w.T, bound(xd, err(xd, E4M3), w.T, err(w, E4M3).T), "forward vs exact")
+    assert_within(x.grad, gy @ w, bound(gy, err(gy, g), w, err(w, E4M3)), "dgrad vs exact")
+    assert_within(m.weight.grad, gy.T @ xd, bound(gy.T, err(gy, g).T, xd, err(xd, E4M3)), "wgrad vs exact")
+
+
+def test_fp8_refusals():
+    m = dwgraph.nn.Linear(K, N)
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+        m(torch.randn(2, K))
+        with fp8_autocast(recipe=DelayedScaling(amax_history_len=8)):
+            with pytest.raises(dwgraph.ArgumentError, match=r"fp8_amax_history must be a float32 \[8, 3\].*reset_fp8_state"):
+                m(torch.randn(2, K))
+    m.reset_fp8_state()
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=8)):
+        m(torch.randn(2, K))
+    assert m.fp8_amax_history.shape == (8, 3)
+    mlp = dwgraph.nn.LayerNormMLP(K, N, checkpoint=True)
+    with fp8_autocast(), pytest.raises(dwgraph.ArgumentError, match="checkpoint=True is not supported under fp8"):
+        mlp(torch.randn(2, K, requires_grad=True))
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("packed", [False, True], ids=["per_group", "packed"])
+def test_grouped_linear_gemms_match_the_reference(scaling, packed):
+    torch.manual_seed(3)
+    splits = [5, 0, 7]
+    recipe = recipe_of(scaling, Format.HYBRID)
+    m = dwgraph.nn.GroupedLinear(3, K, N, packed_weights=packed, delay_wgrad_compute=True,
+                                 fuse_wgrad_accumulation=True)
+    with fp8_autocast(recipe=recipe):  # a first step moves delayed scaling off its unit scales
+        m(torch.randn(12, K, requires_grad=True), splits).sum().backward()
+    m.backward_dw()
+    for p in m.parameters():
+        p.grad = None
+        if hasattr(p, "main_grad"):
+            p.main_grad.zero_()
+    x = torch.randn(12, K, requires_grad=True)
+    gy = torch.randn(12, N)
+    scale0 = m.fp8_scale.clone() if scaling == "delayed" else None
+    with fp8_autocast(recipe=recipe):
+        y = m(x, splits)
+    y.backward(gy)
+    m.backward_dw()
+    weights = [m.weight[g] for g in range(3)] if packed else [getattr(m, f"weight{g}") for g in range(3)]
+    biases = [m.bias[g] for g in range(3)] if packed else [getattr(m, f"bias{g}") for g in range(3)]
+    start = 0
+    for g, rows in enumerate(splits):
+        xs, dys, w = x.detach()[start:start + rows], gy[start:start + rows], weights[g].detach()
+        if scaling == "delayed":
+            sx, sw, sdy = scale0[3 * g], scale0[3 * g + 1], scale0[3 * g + 2]
+        else:
+            sx, sw, sdy = current_scale(xs, E4M3), current_scale(w, E4M3), current_scale(dys, E5M2)
+        xr, wr, dyr = roundtrip(xs, sx, E4M3), roundtrip(w, sw, E4M3), roundtrip(dys, sdy, E5M2)
+        y32 = xr @ wr.T + biases[g].detach()
+        assert_within(y[start:start + rows], y32, accumulation_bound(xr, wr.T), f"group {g} forward")
+        assert_within(x.grad[start:start + rows], dyr @ wr, accumulation_bound(dyr, wr), f"group {g} dgrad")
+        mg = m.weight.main_grad[g] if packed else getattr(m, f"weight{g}").main_grad
+        assert_within(mg, dyr.T @ xr, accumulation_bound(dyr.T, xr), f"group {g} wgrad")
+        bias_grad = m.bias.grad[g] if packed else getattr(m, f"bias{g}").grad
+        assert_within(bias_grad, dys.sum(0), 2.0 ** -20 * dys.abs().sum(0), f"group {g} bias grad")
+        start += rows
+
+
+# ----------------------------------------------------------------------------- graphed == eager
+H, ROWS, STEPS, N_MICRO = 16, 8, 10, 3
+ORDER = [1, 2, 1, 2, 1, 2, -2, -1, -2.5, -1.5, -2, -1, -2.5, -1.5, -2, -1, -2.5, -1.5]
+
+
+class GroupedBlock(torch.nn.Module):
+    """GroupedLinear with fixed m_splits (one group empty), called as f(x)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, is_first_microbatch=None):
+        return self.inner(x, [3, 0, ROWS - 3], is_first_microbatch=is_first_microbatch)
+
+
+def make_chunk(kind, seed):
+    torch.manual_seed(seed)
+    opts = dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    if kind == "Linear":
+        return torch.nn.Sequential(dwgraph.nn.Linear(H, H, **opts))
+    if kind == "GroupedLinear":
+        return torch.nn.Sequential(GroupedBlock(dwgraph.nn.GroupedLinear(3, H, H, **opts)))
+    if kind == "LayerNormLinear":
+        return torch.nn.Sequential(dwgraph.nn.LayerNormLinear(H, H, **opts))
+    return torch.nn.Sequential(dwgraph.nn.LayerNormMLP(H, 2 * H, **opts))
+
+
+def dw_modules(chunk):
+    return [m for m in chunk.modules() if isinstance(m, dwgraph.nn._DeferredWgradModule)]
+
+
+def state_of(chunks):
+    """Every tensor a step leaves behind: parameters, main_grad, .grad, FP8 buffers."""
+    out = []
+    for c in chunks:
+        for n, p in c.named_parameters():
+            out += [(n, p.detach()), (n + ".grad", p.grad), (n + ".main_grad", getattr(p, "main_grad", None))]
+        # The first-microbatch flag is what a graphed call writes for its graphs; eager
+        # calls decide on the host.
+        out += [(n, b) for n, b in c.named_buffers() if not n.endswith("_fp8_first_microbatch")]
+    return out
+
+
+def assert_same_state(a, b, what):
+    assert [n for n, _ in a] == [n for n, _ in b], what
+    for (n, x), (_, y) in zip(a, b):
+        assert (x is None) == (y is None), f"{what}: {n}"
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: {n} differs"
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pipeline"])
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+@pytest.mark.parametrize("cache", [False, True], ids=["requantize", "cache_weights"])
+def test_graphed_fp8_equals_eager_bitwise_over_ten_steps(schedule, scaling, kind, cache):
+    recipe = recipe_of(scaling, Format.HYBRID, history=4)
+    eager = [make_chunk(kind, 10), make_chunk(kind, 11)]
+    graphed = [make_chunk(kind, 10), make_chunk(kind, 11)]
+    sample = lambda: (torch.randn(ROWS, H, requires_grad=True),)  # noqa: E731
+    if schedule == "sequential":
+        g = dwgraph.make_graphed_callables(tuple(graphed), (sample(), sample()), enabled=True, recipe=recipe,
+                                           cache_quantized_params=cache)
+        g_c1, g_c2 = [g[0]] * N_MICRO, [g[1]] * N_MICRO
+    else:
+        g = dwgraph.make_graphed_callables(tuple(graphed), tuple(sample() for _ in range(2 * N_MICRO)), order=ORDER,
+                                           num_layers_per_chunk=[1, 1], enabled=True, recipe=recipe,
+                                           cache_quantized_params=cache)
+        g_c1, g_c2 = g[:N_MICRO], g[N_MICRO:]
+    # Capture left the scaling state where it was (fresh), as eager has not run yet.
+    for c in graphed:
+        for b in c.buffers():
+            assert torch.equal(b, torch.zeros_like(b)) or torch.equal(b, torch.ones_like(b))
+
+    def microbatch(call, m):  # with weight caching, TE's is_first_microbatch on every call
+        return (lambda x: call(x, is_first_microbatch=m == 0)) if cache else call
+
+    def eager_call(c):
+        def call(x, **kw):
+            with fp8_autocast(recipe=recipe):
+                return c[0](x, **kw)
+        return call
+
+    e_c1 = [microbatch(eager_call(eager[0]), m) for m in range(N_MICRO)]
+    e_c2 = [microbatch(eager_call(eager[1]), m) for m in range(N_MICRO)]
+    g_c1 = [microbatch(c, m) for m, c in enumerate(g_c1)]
+    g_c2 = [microbatch(c, m) for m, c in enumerate(g_c2)]
+    g_dw1 = [c.backward_dw for c in (g[:1] * N_MICRO if schedule == "sequential" else g[:N_MICRO])]
+    g_dw2 = [c.backward_dw for c in (g[1:2] * N_MICRO if schedule == "sequential" else g[N_MICRO:])]
+    e_dw = [lambda c=c: [m.backward_dw() for m in dw_modules(c)] for c in eager]
+    opt_g = torch.optim.SGD([p for c in graphed for p in c.parameters()], lr=0.01)
+    opt_e = torch.optim.SGD([p for c in eager for p in c.parameters()], lr=0.01)
+
+    def run(c1, c2, dw1, dw2, inputs):
+        xs = [v.clone().requires_grad_(True) for v, _ in inputs]
+        ys = []
+        if schedule == "sequential":  # each microbatch forward, backward, backward_dw
+            for m, (_, w) in enumerate(inputs):
+                ys.append(c2[m](c1[m](xs[m])))
+                ((ys[m].float() * w).sum() / ROWS).backward()
+                dw2[m]()
+                dw1[m]()
+        else:  # forwards of every microbatch, then backwards and backward_dw (ORDER)
+            for m in range(len(inputs)):
+                ys.append(c2[m](c1[m](xs[m])))
+            for m, (_, w) in enumerate(inputs):
+                ((ys[m].float() * w).sum() / ROWS).backward()
+                dw2[m]()
+                dw1[m]()
+        return [y.detach() for y in ys], [x.grad for x in xs]
+
+    for step in range(STEPS):
+        for c in graphed + eager:
+            for p in c.parameters():
+                p.grad = None
+                if hasattr(p, "main_grad"):
+                    p.main_grad.zero_()
+        inputs = [(torch.randn(ROWS, H), torch.randn(ROWS, H)) for _ in range(N_MICRO)]
+        y_g, dx_g = run(g_c1, g_c2, g_dw1, g_dw2, inputs)
+        y_e, dx_e = run(e_c1, e_c2, [e_dw[0]] * N_MICRO, [e_dw[1]] * N_MICRO, inputs)
+        for m in range(N_MICRO):
+            assert torch.isfinite(y_e[m]).all(), f"step {step}: output {m} is not finite (lower the rate)"
+            assert torch.equal(y_g[m], y_e[m]), f"step {step}: output {m}"
+            assert torch.equal(dx_g[m], dx_e[m]), f"step {step}: input gradient {m}"
+        assert_same_state(state_of(graphed), state_of(eager), f"step {step} after backward_dw")
+        for c in graphed + eager:  # SGD on the FP32 main_grad, as Megatron-style optimizers do
+            for p in c.parameters():
+                if hasattr(p, "main_grad"):
+                    p.grad = p.main_grad.clone()
+        opt_g.step()
+        opt_e.step()
+        assert_same_state(state_of(graphed), state_of(eager), f"step {step} after the optimizer")
+    if scaling == "delayed":
+        assert any(not torch.equal(b, torch.ones_like(b)) for c in graphed for n, b in c.named_buffers()
+                   if n.endswith("fp8_scale"))
+
+
+# ----------------------------------------------------------------------------- state_dict
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_state_dict_resumes_fp8_training_bitwise(kind):
+    recipe = DelayedScaling(amax_history_len=3)
+    torch.manual_seed(5)
+    data = [(torch.randn(ROWS, H), torch.randn(ROWS, H)) for _ in range(6)]
+
+    def train(chunk, batches):
+        opt = torch.optim.SGD(chunk.parameters(), lr=0.01)
+        for x, w in batches:
+            opt.zero_grad(set_to_none=True)
+            with fp8_autocast(recipe=recipe):
+                y = chunk(x)
+            (y * w).sum().backward()
+            for m in dw_modules(chunk):
+                m.backward_dw()
+            for p in chunk.parameters():  # the FP32 main_grad is the weights' gradient
+                if hasattr(p, "main_grad"):
+                    p.grad = p.main_grad.clone()
+                    p.main_grad.zero_()
+            opt.step()
+        return chunk
+
+    straight = train(make_chunk(kind, 20), data)
+    first = train(make_chunk(kind, 20), data[:3])
+    sd = first.state_dict()
+    assert any(k.endswith("fp8_amax_history") for k in sd) and any(k.endswith("fp8_scale") for k in sd)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    resumed = make_chunk(kind, 99)  # never ran in FP8: no FP8 buffers yet
+    assert not list(resumed.buffers())
+    resumed.load_state_dict(torch.load(buf))
+    train(resumed, data[3:])
+    for (n, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), f"{n} after resuming"
+
+
+# ----------------------------------------------------------------------------- weight caching
+def _cached_step(m, recipe, batches, first_flags, *args):
+    outs = []
+    for x, first in zip(batches, first_flags):
+        with fp8_autocast(recipe=recipe):
+            outs.append(m(x, *args, is_first_microbatch=first))
+    return outs
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_weight_cache_is_refreshed_on_each_steps_first_microbatch(scaling):
+    torch.manual_seed(7)
+    recipe = recipe_of(scaling, Format.HYBRID)
+    m = dwgraph.nn.Linear(K, N, bias=False)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    for step in range(3):
+        w = m.weight.detach().clone()
+        sw = m.fp8_scale[1].clone() if scaling == "delayed" and step else (
+            torch.ones(()) if scaling == "delayed" else current_scale(w, E4M3))
+        batches = [torch.randn(5, K) for _ in range(3)]
+        sx = [m.fp8_scale[0].clone() if scaling == "delayed" and step else None]
+        outs = _cached_step(m, recipe, batches, [True, False, False])
+        # Every microbatch multiplies by the weight as the step's first one quantized it.
+        wr = roundtrip(w, sw, E4M3)
+        x0 = batches[0]
+        sx0 = sx[0] if sx[0] is not None else (torch.ones(()) if scaling == "delayed" else current_scale(x0, E4M3))
+        y0 = roundtrip(x0, sx0, E4M3) @ wr.T
+        assert_within(outs[0], y0, accumulation_bound(roundtrip(x0, sx0, E4M3), wr.T), f"step {step} microbatch 0")
+        if scaling == "current":
+            for x, y in zip(batches[1:], outs[1:]):
+                xr = roundtrip(x, current_scale(x, E4M3), E4M3)
+                assert_within(y, xr @ wr.T, accumulation_bound(xr, wr.T), f"step {step}: a cached microbatch")
+        else:  # the weight's history moved once this step, the input's once per microbatch
+            assert int((m.fp8_amax_history[:, 1] != 0).sum()) == min(step + 1, 4)
+            assert int((m.fp8_amax_history[:, 0] != 0).sum()) == min(3 * (step + 1), 4)
+        sum(o.sum() for o in outs).backward()
+        opt.step()
+        opt.zero_grad()
+        # After the weight update a cached microbatch would be stale: refused, nothing changed.
+        before = [t.clone() for t in m.buffers()]
+        with fp8_autocast(recipe=recipe), pytest.raises(dwgraph.GraphStateError, match="stale FP8 copy of 'weight'"):
+            m(torch.randn(2, K), is_first_microbatch=False)
+        assert all(torch.equal(a, b) for a, b in zip(before, m.buffers()))
+
+
+def test_weight_cache_never_crosses_captures_and_refuses_stale_weights():
+    torch.manual_seed(8)
+    recipe = DelayedScaling(amax_history_len=4)
+    m = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+    x = torch.randn(ROWS, H)
+    _cached_step(m[0], recipe, [x], [True])  # an eager step filled the cache
+    g = dwgraph.make_graphed_callables(m, (torch.randn(ROWS, H, requires_grad=True),), enabled=True, recipe=recipe,
+                                       cache_quantized_params=True)
+    # The capture starts with no filled cache: reusing one from before it is refused.
+    with pytest.raises(dwgraph.GraphStateError, match="no microbatch has filled the FP8 weight cache"):
+        g(x, is_first_microbatch=False)
+    with pytest.raises(dwgraph.ArgumentError, match="needs is_first_microbatch=True"):
+        g(x)
+    g(x.clone().requires_grad_(True), is_first_microbatch=True).sum().backward()
+    g.backward_dw()
+    g(x.clone().requires_grad_(True), is_first_microbatch=False).sum().backward()
+    g.backward_dw()
+    # The module called on its own (not through its graphed callable) with no
+    # is_first_microbatch quantizes afresh: the flag the last replay left (False) is not read.
+    history = m[0].fp8_amax_history.clone()
+    with fp8_autocast(recipe=recipe):
+        m[0](x)
+    assert torch.equal(m[0].fp8_amax_history[1:, 1], history[:-1, 1])
+    with torch.no_grad():
+        m[0].weight.mul_(0.5)  # changed in place between microbatches
+    with pytest.raises(dwgraph.GraphStateError, match=r"changed in place \(version"):
+        g(x, is_first_microbatch=False)
+    # A second capture of the same module: again nothing to reuse until its first microbatch.
+    g2 = dwgraph.make_graphed_callables(m, (torch.randn(ROWS, H, requires_grad=True),), enabled=True,
+                                        recipe=recipe, cache_quantized_params=True)
+    with pytest.raises(dwgraph.GraphStateError, match="no microbatch has filled"):
+        g2(x, is_first_microbatch=False)
+    y = g2(x, is_first_microbatch=True)
+    with fp8_autocast(recipe=recipe):
+        assert y.shape == (ROWS, H)
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["requantize", "cache_weights"])
+def test_replays_update_the_scaling_state_without_running_python(cache, monkeypatch):
+    recipe = DelayedScaling(amax_history_len=4)
+    model = make_chunk("Linear", 30)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(ROWS, H, requires_grad=True),), enabled=True,
+                                       recipe=recipe, cache_quantized_params=cache)
+
+    def no_python(*args, **kwargs):
+        raise AssertionError("a replay ran the module's Python forward")
+
+    # After capture nothing of the scaling bookkeeping is left to the host: the module's
+    # forward (and with it the fp8 kwargs) never runs, yet the state moves at every replay.
+    monkeypatch.setattr(dwgraph.nn.Linear, "_eager_forward", no_python)
+    kw = (lambda m: dict(is_first_microbatch=m == 0)) if cache else (lambda m: {})
+    seen = [model[0].fp8_amax_history.clone()]
+    for m in range(3):
+        x = torch.randn(ROWS, H, requires_grad=True)
+        ((g(x, **kw(m)) * torch.randn(ROWS, H)).sum()).backward()
+        g.backward_dw()
+        seen.append(model[0].fp8_amax_history.clone())
+    for a, b in zip(seen, seen[1:]):  # each replay rolled the input's history and recorded its amax
+        assert torch.equal(b[1:, 0], a[:-1, 0]) and b[0, 0] > 0, "the input's history did not move at a replay"
+    assert int((model[0].fp8_amax_history[:, 1] != 0).sum()) == (1 if cache else 3)
+
+
+def test_layernorm_mlp_uses_fc1s_then_fc2s_scaling_columns():
+    torch.manual_seed(9)
+    recipe = DelayedScaling(amax_history_len=2)
+    m = dwgraph.nn.LayerNormMLP(K, N, activation="gelu")
+    for _ in range(2):  # two steps: every column off its unit scale
+        with fp8_autocast(recipe=recipe):
+            y = m(torch.randn(6, K, requires_grad=True))
+        y.sum().backward()
+    x = torch.randn(6, K)
+    s = m.fp8_scale.clone()
+    with fp8_autocast(recipe=recipe):
+        y = m(x)
+    p = {n: t.detach() for n, t in m.named_parameters()}
+    h = torch.nn.functional.layer_norm(x, (K,), p["layer_norm_weight"], p["layer_norm_bias"], m.eps)
+    hr, w1r = roundtrip(h, s[0], E4M3), roundtrip(p["fc1_weight"], s[1], E4M3)
+    a = torch.nn.functional.gelu(hr @ w1r.T + p["fc1_bias"])
+    ar, w2r = roundtrip(a, s[3], E4M3), roundtrip(p["fc2_weight"], s[4], E4M3)
+    ref = ar @ w2r.T + p["fc2_bias"]
+    assert_within(y, ref, accumulation_bound(ar, w2r.T), "LayerNormMLP forward")
+    assert not torch.equal(s[0:3], s[3:6])  # the two GEMMs keep their own state
+
+
+def test_fp8_under_torch_autocast_runs_in_the_autocast_dtype():
+    torch.manual_seed(4)
+    m = dwgraph.nn.Linear(K, N, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)  # FP32 parameters
+    x = torch.randn(6, K, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), fp8_autocast(recipe=Float8CurrentScaling()):
+        y = m(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    m.backward_dw()
+    assert x.grad.dtype == torch.float32 and m.weight.main_grad.dtype == torch.float32
+    xb = x.detach().bfloat16()
+    xr, wr = roundtrip(xb, current_scale(xb, E4M3), E4M3), roundtrip(m.weight.detach(), current_scale(m.weight.detach(), E4M3), E4M3)
+    y32 = xr @ wr.T + m.bias.detach()
+    assert_within(y, y32, output_bound(y32, accumulation_bound(xr, wr.T), torch.bfloat16), "forward under autocast")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["per_group", "packed"])
+def test_grouped_linear_caches_one_fp8_copy_per_group(packed):
+    recipe = DelayedScaling(amax_history_len=4)
+    m = dwgraph.nn.GroupedLinear(3, K, N, packed_weights=packed)
+    splits = [2, 0, 4]
+    outs = _cached_step(m, recipe, [torch.randn(6, K) for _ in range(3)], [True, False, False], splits)
+    weight_columns = m.fp8_amax_history[:, 1::3]
+    assert int((weight_columns != 0).sum()) == 3  # each group's weight quantized once
+    assert int((m.fp8_amax_history[:, 0] != 0).sum()) == 3  # group 0's input every microbatch
+    w0 = m.weight[0] if packed else m.weight0
+    s = m.fp8_scale.clone()
+    with fp8_autocast(recipe=recipe):
+        y = m(torch.zeros(6, K), splits, is_first_microbatch=False)
+    assert torch.equal(m.fp8_scale[1::3], s[1::3])
+    with torch.no_grad():
+        w0.mul_(2.0)
+    name = "weight" if packed else "weight0"
+    with fp8_autocast(recipe=recipe), pytest.raises(dwgraph.GraphStateError, match=f"stale FP8 copy of '{name}'"):
+        m(torch.zeros(6, K), splits, is_first_microbatch=False)
+    assert len(outs) == 3 and y.shape == (6, N)
+
+
+def test_graphed_step_trains_in_fp8_bitwise_and_keys_on_the_fp8_state():
+    recipe = DelayedScaling(amax_history_len=4)
+    runs = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        m = dwgraph.nn.Linear(H, H)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+
+        def step(x):
+            opt.zero_grad()
+            y = m(x)
+            loss = (y * y).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        f = dwgraph.graphed_step(step) if graphed else step
+        torch.manual_seed(1)
+        with fp8_autocast(recipe=recipe):
+            losses = [f(torch.randn(ROWS, H)).detach().clone() for _ in range(6)]
+        # Outside fp8_autocast the step is another graph (high precision), not an FP8 replay.
+        before = m.fp8_amax_history.clone()
+        f(torch.randn(ROWS, H))
+        assert torch.equal(m.fp8_amax_history, before)
+        runs.append((losses, m.weight.detach().clone(), m.fp8_scale.clone(), m.fp8_amax_history.clone()))
+    (le, we, se, he), (lg, wg, sg, hg) = runs
+    assert all(torch.equal(a, b) for a, b in zip(le, lg))
+    assert torch.equal(we, wg) and torch.equal(se, sg) and torch.equal(he, hg)
