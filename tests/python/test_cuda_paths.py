@@ -9,6 +9,9 @@ skipped without a GPU):
 * Autograd runs a CUDA backward on its own device thread, not the caller's: the slot's
   parameter node (Note [Parameter gradients through one node]) and what a partial backward
   asked for (Note [What a backward asked for]) are read there.
+* FP8 (docs/fp8.md): cuBLASLt's FP8 GEMMs and the scaling-state update captured as kernels,
+  the output gradient quantized on that device thread with the recipe its forward saved, and
+  the weight cache's first-microbatch flag written before each replay.
 """
 
 from __future__ import annotations
@@ -97,3 +100,60 @@ def test_partial_backward_on_the_device_thread_lands_what_was_asked(asked):
         assert_same_as_eager(model, eager, f"step {step}")
         model.zero_grad(set_to_none=True)
         eager.zero_grad(set_to_none=True)
+
+
+# FP8 on CUDA (docs/fp8.md): cuBLASLt's FP8 GEMMs, the scaling state's update as kernels in
+# a CUDA graph, the output gradient quantized on autograd's device thread with the recipe the
+# forward saved (the caller's fp8_autocast is not active there), and the weight cache's
+# first-microbatch flag written before each replay.
+@pytest.mark.parametrize("cache", [False, True], ids=["requantize", "cache_weights"])
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_fp8_pipeline_on_cuda_replays_bitwise_with_the_scaling_state(scaling, cache):
+    from dwgraph.fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
+
+    recipe = DelayedScaling(amax_history_len=4) if scaling == "delayed" else Float8CurrentScaling()
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(
+        dwgraph.nn.LayerNormMLP(H, 4 * H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True, device="cuda"),
+        dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True, device="cuda"))
+    eager = copy.deepcopy(layer)
+    m = 4
+    order = one_f_one_b(m)
+    samples = tuple((torch.randn(B, H, device="cuda", requires_grad=True),) for _ in range(m))
+    slots = dwgraph.make_graphed_callables((layer,), samples, order=order, enabled=True, recipe=recipe,
+                                           cache_quantized_params=cache)
+    opt, opt_e = torch.optim.SGD(layer.parameters(), lr=1e-2), torch.optim.SGD(eager.parameters(), lr=1e-2)
+    for step in range(3):
+        xs = [torch.randn(B, H, device="cuda", requires_grad=True) for _ in range(m)]
+        kw = (lambda mb: dict(is_first_microbatch=mb == 0)) if cache else (lambda mb: {})
+        run_order(order, lambda mb, x: slots[mb](x, **kw(mb)), lambda mb: slots[mb].backward_dw(), xs)
+        eager_xs = [x.detach().clone().requires_grad_() for x in xs]
+
+        def eager_fwd(mb, x):
+            with fp8_autocast(enabled=True, recipe=recipe):
+                return eager(x) if not cache else _with_first(eager, x, mb == 0)
+
+        run_order(order, eager_fwd, lambda mb: [mod.backward_dw() for mod in eager], eager_xs)
+        torch.cuda.synchronize()
+        for x, xe in zip(xs, eager_xs):
+            assert torch.equal(x.grad, xe.grad), f"step {step}: input gradient"
+        assert_same_as_eager(layer, eager, f"step {step}")
+        for (name, b), (_, be) in zip(layer.named_buffers(), eager.named_buffers()):
+            if name.rsplit(".", 1)[-1] in ("fp8_amax_history", "fp8_scale"):  # not the cache's own flags
+                assert torch.equal(b, be), f"step {step}: buffer {name} (FP8 scaling state)"
+        for p, pe in zip(layer.parameters(), eager.parameters()):
+            if hasattr(p, "main_grad"):
+                p.grad = p.main_grad.clone()
+                pe.grad = pe.main_grad.clone()
+                p.main_grad.zero_()
+                pe.main_grad.zero_()
+        opt.step()
+        opt_e.step()
+        layer.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+
+
+def _with_first(seq, x, first):
+    for mod in seq:
+        x = mod(x, is_first_microbatch=first)
+    return x

@@ -656,3 +656,63 @@ def test_graphed_step_trains_in_fp8_bitwise_and_keys_on_the_fp8_state():
     (le, we, se, he), (lg, wg, sg, hg) = runs
     assert all(torch.equal(a, b) for a, b in zip(le, lg))
     assert torch.equal(we, wg) and torch.equal(se, sg) and torch.equal(he, hg)
+
+
+# ----------------------------------------------------------------------------- tied weights
+TIED_H, TIED_ROWS, TIED_STEPS = 32, 16, 4
+
+
+def _tied_model(fused):
+    torch.manual_seed(3)
+    a = dwgraph.nn.Linear(TIED_H, TIED_H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+    b = dwgraph.nn.Linear(TIED_H, TIED_H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+    b.weight = a.weight  # tied: one parameter, two GEMMs with their own scaling state
+    return torch.nn.Sequential(a, torch.nn.GELU(), b)
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["requantize", "cache_weights"])
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_tied_weights_in_fp8_graphed_equal_eager_bitwise(scaling, fused, cache):
+    """A weight tied between two FP8 GEMMs: each module keeps its own scaling state (and, with
+    caching, its own quantized copy of the one weight), the deferred units both land into the
+    one parameter's gradient; graphed equals eager bitwise, the optimizer changing the weight
+    between steps (the caches refreshed on each step's first microbatch)."""
+    recipe = DelayedScaling(amax_history_len=4) if scaling == "delayed" else Float8CurrentScaling()
+    eager = _tied_model(fused)
+    model = copy.deepcopy(eager)
+    assert model[2].weight is model[0].weight
+    g = dwgraph.make_graphed_callables(model, (torch.randn(TIED_ROWS, TIED_H, requires_grad=True),), enabled=True,
+                                       recipe=recipe, cache_quantized_params=cache)
+    opt_g = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.01)
+    for step in range(TIED_STEPS):
+        for m in range(N_MICRO):
+            x = torch.randn(TIED_ROWS, TIED_H)
+            xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+            kw = dict(is_first_microbatch=m == 0) if cache else {}
+            yg = g(xg, **kw)
+            with fp8_autocast(enabled=True, recipe=recipe):
+                ye = eager[2](eager[1](eager[0](xe, **kw)), **kw)
+            assert torch.equal(yg, ye), f"step {step}: output"
+            yg.square().sum().backward()
+            ye.square().sum().backward()
+            g.backward_dw()
+            for m in (eager[0], eager[2]):
+                m.backward_dw()
+            assert torch.equal(xg.grad, xe.grad), f"step {step}: input gradient"
+        for (n, p), pe in zip(model.named_parameters(), eager.parameters()):
+            got, want = (p.main_grad, pe.main_grad) if hasattr(p, "main_grad") else (p.grad, pe.grad)
+            assert torch.equal(got, want), f"step {step}: {n}"
+        for (n, b), be in zip(model.named_buffers(), eager.buffers()):
+            if n.rsplit(".", 1)[-1] in ("fp8_amax_history", "fp8_scale"):  # the cache's flag is the graph's own
+                assert torch.equal(b, be), f"step {step}: {n}"
+        for p, pe in zip(model.parameters(), eager.parameters()):
+            if hasattr(p, "main_grad"):
+                p.grad, pe.grad = p.main_grad.clone(), pe.main_grad.clone()
+                p.main_grad.zero_()
+                pe.main_grad.zero_()
+        opt_g.step()
+        opt_e.step()
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
