@@ -210,3 +210,24 @@ def run_order(order, call, dw, xs, loss=lambda y: y.square().sum()):
             b += 1
         else:
             dw(b - 1)
+
+
+def assert_same_fp8_state(graphed: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
+    """The FP8 scaling state (docs/fp8.md) of both, bitwise; the weight cache's own flags are
+    not compared (a graph writes its flag before each replay, eager decides on the host)."""
+    for (name, b), (_, be) in zip(graphed.named_buffers(), eager.named_buffers()):
+        if name.rsplit(".", 1)[-1] in ("fp8_amax_history", "fp8_scale"):
+            assert torch.equal(b, be), f"{what}: buffer {name} (FP8 scaling state)"
+
+
+def step_on_main_grads(pairs) -> None:
+    """For each (model, optimizer): the FP32 main_grads become the gradients the optimizer
+    steps with (as Megatron-style optimizers do) and are zeroed, then the step and
+    zero_grad(set_to_none=True)."""
+    for model, opt in pairs:
+        for p in model.parameters():
+            if hasattr(p, "main_grad"):
+                p.grad = p.main_grad.clone()
+                p.main_grad.zero_()
+        opt.step()
+        model.zero_grad(set_to_none=True)

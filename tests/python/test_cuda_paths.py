@@ -23,7 +23,7 @@ import torch
 
 import dwgraph
 from conftest import requires_cuda
-from safety_common import assert_same_as_eager, one_f_one_b, run_order
+from safety_common import assert_same_as_eager, assert_same_fp8_state, one_f_one_b, run_order, step_on_main_grads
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -138,20 +138,8 @@ def test_fp8_pipeline_on_cuda_replays_bitwise_with_the_scaling_state(scaling, ca
         for x, xe in zip(xs, eager_xs):
             assert torch.equal(x.grad, xe.grad), f"step {step}: input gradient"
         assert_same_as_eager(layer, eager, f"step {step}")
-        for (name, b), (_, be) in zip(layer.named_buffers(), eager.named_buffers()):
-            if name.rsplit(".", 1)[-1] in ("fp8_amax_history", "fp8_scale"):  # not the cache's own flags
-                assert torch.equal(b, be), f"step {step}: buffer {name} (FP8 scaling state)"
-        for p, pe in zip(layer.parameters(), eager.parameters()):
-            if hasattr(p, "main_grad"):
-                p.grad = p.main_grad.clone()
-                pe.grad = pe.main_grad.clone()
-                p.main_grad.zero_()
-                pe.main_grad.zero_()
-        opt.step()
-        opt_e.step()
-        layer.zero_grad(set_to_none=True)
-        eager.zero_grad(set_to_none=True)
-
+        assert_same_fp8_state(layer, eager, f"step {step}")
+        step_on_main_grads([(layer, opt), (eager, opt_e)])
 
 def _with_first(seq, x, first):
     for mod in seq:

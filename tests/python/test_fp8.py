@@ -25,6 +25,7 @@ import torch
 
 import dwgraph
 from dwgraph.fp8 import DelayedScaling, Float8CurrentScaling, Format, fp8_autocast
+from safety_common import assert_same_fp8_state, step_on_main_grads
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -704,15 +705,5 @@ def test_tied_weights_in_fp8_graphed_equal_eager_bitwise(scaling, fused, cache):
         for (n, p), pe in zip(model.named_parameters(), eager.parameters()):
             got, want = (p.main_grad, pe.main_grad) if hasattr(p, "main_grad") else (p.grad, pe.grad)
             assert torch.equal(got, want), f"step {step}: {n}"
-        for (n, b), be in zip(model.named_buffers(), eager.buffers()):
-            if n.rsplit(".", 1)[-1] in ("fp8_amax_history", "fp8_scale"):  # the cache's flag is the graph's own
-                assert torch.equal(b, be), f"step {step}: {n}"
-        for p, pe in zip(model.parameters(), eager.parameters()):
-            if hasattr(p, "main_grad"):
-                p.grad, pe.grad = p.main_grad.clone(), pe.main_grad.clone()
-                p.main_grad.zero_()
-                pe.main_grad.zero_()
-        opt_g.step()
-        opt_e.step()
-        model.zero_grad(set_to_none=True)
-        eager.zero_grad(set_to_none=True)
+        assert_same_fp8_state(model, eager, f"step {step}")
+        step_on_main_grads([(model, opt_g), (eager, opt_e)])
