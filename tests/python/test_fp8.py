@@ -461,6 +461,34 @@ def test_state_dict_resumes_fp8_training_bitwise(kind):
         assert torch.equal(a, b), f"{n} after resuming"
 
 
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP", "GroupedLinear"])
+@pytest.mark.parametrize("convert", ["bfloat16", "double"])
+def test_module_dtype_conversion_keeps_the_fp8_state(kind, convert):
+    """module.bfloat16() / .double() after FP8 steps converts the parameters, not the FP8
+    scaling state (FP32) or the weight cache (FP8); the cache of the old weights is stale."""
+    recipe = DelayedScaling(amax_history_len=4)
+    chunk = make_chunk(kind, 21)
+    torch.manual_seed(3)
+    for first in (True, False):
+        with fp8_autocast(recipe=recipe):
+            chunk[0](torch.randn(ROWS, H), is_first_microbatch=first)
+    # The reference: the same state, its parameters converted by hand.
+    ref = copy.deepcopy(chunk)
+    dtype = getattr(torch, convert)
+    for p in ref.parameters():
+        p.data = p.data.to(dtype)
+    buffers = {n: b.dtype for n, b in chunk.named_buffers()}
+    getattr(chunk, convert)()
+    assert {n: b.dtype for n, b in chunk.named_buffers()} == buffers
+    with fp8_autocast(recipe=recipe), pytest.raises(dwgraph.GraphStateError, match="converted to another dtype"):
+        chunk[0](torch.randn(ROWS, H, dtype=dtype), is_first_microbatch=False)
+    x = torch.randn(ROWS, H, dtype=dtype)
+    with fp8_autocast(recipe=recipe):
+        y, y_ref = chunk[0](x, is_first_microbatch=True), ref[0](x, is_first_microbatch=True)
+    assert y.dtype == dtype and torch.equal(y, y_ref)
+    assert_same_state(state_of([chunk]), state_of([ref]), f"after {convert}()")
+
+
 # ----------------------------------------------------------------------------- weight caching
 def _cached_step(m, recipe, batches, first_flags, *args):
     outs = []

@@ -255,7 +255,7 @@ class _DeferredWgradModule(torch.nn.Module):
         if then is None:
             raise GraphStateError(
                 f"{self._display_name()}: is_first_microbatch=False, but no microbatch has filled the FP8 weight "
-                "cache since it was made or captured; pass is_first_microbatch=True on each step's first microbatch")
+                "cache since it was made, captured or its weights converted to another dtype; pass is_first_microbatch=True on each step's first microbatch")
         for (name, _), (i0, v0), (i1, v1) in zip(weights, then, now):
             if i0 != i1 or v0 != v1:
                 raise GraphStateError(
@@ -360,11 +360,24 @@ class _DeferredWgradModule(torch.nn.Module):
         for _, p in self._fused_parameters():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
+    _FP8_BUFFERS = ("fp8_amax_history", "fp8_scale", "_fp8_")  # names (or prefixes) of the FP8 state's buffers
+
     def _apply(self, fn, *args, **kwargs):
         # main_grad is an attribute, not a buffer: follow the parameters to their device,
         # keeping it FP32 (it is the accumulation buffer, whatever the parameter dtype).
         had = {n: getattr(p, "main_grad", None) for n, p in self.named_parameters(recurse=False)}
+        # The FP8 state (scaling state in FP32, the FP8 weight cache) follows a device move
+        # but not a dtype conversion (module.bfloat16() would round the state and turn the
+        # cache into BF16); a weight whose dtype changed makes the cache stale.
+        fp8_state = {n: b for n, b in self._buffers.items() if b is not None and n.startswith(self._FP8_BUFFERS)}
+        weight_dtypes = [getattr(getattr(self, n, None), "dtype", None) for n in self._fp8_weight_names]
         out = super()._apply(fn, *args, **kwargs)
+        for n, before in fp8_state.items():
+            now = self._buffers.get(n)
+            if now is not None and now.dtype != before.dtype:
+                self._buffers[n] = before.to(device=now.device)
+        if weight_dtypes != [getattr(getattr(self, n, None), "dtype", None) for n in self._fp8_weight_names]:
+            self._fp8_cache_versions = None
         for n, p in self.named_parameters(recurse=False):
             mg = had.get(n)
             if mg is not None and (not hasattr(p, "main_grad") or p.main_grad.device != p.device):
