@@ -534,6 +534,26 @@ def test_weight_cache_is_refreshed_on_each_steps_first_microbatch(scaling):
         assert all(torch.equal(a, b) for a, b in zip(before, m.buffers()))
 
 
+def test_weight_cache_does_not_follow_the_default_dtype():
+    """The cache's 1/scale is FP32 whatever torch's default dtype; under current scaling a
+    reused FP8 weight is the one a fresh quantization gives, so caching changes nothing."""
+    recipe = Float8CurrentScaling()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(9)
+        m = dwgraph.nn.Linear(K, N)
+        ref = copy.deepcopy(m)
+        batches = [torch.randn(5, K) for _ in range(3)]
+        outs = _cached_step(m, recipe, batches, [True, False, False])
+        with fp8_autocast(recipe=recipe):
+            expected = [ref(x) for x in batches]
+    finally:
+        torch.set_default_dtype(previous)
+    assert m._fp8_weight_scale_inv0.dtype == torch.float32
+    assert all(y.dtype == torch.float64 and torch.equal(y, e) for y, e in zip(outs, expected))
+
+
 def test_weight_cache_never_crosses_captures_and_refuses_stale_weights():
     torch.manual_seed(8)
     recipe = DelayedScaling(amax_history_len=4)

@@ -231,7 +231,8 @@ class _DeferredWgradModule(torch.nn.Module):
         for i, shape in enumerate(self._fp8_cache_shapes()):
             self.register_buffer(f"_fp8_weight_cache{i}", torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device),
                                  persistent=False)
-            self.register_buffer(f"_fp8_weight_scale_inv{i}", torch.ones((), device=device), persistent=False)
+            self.register_buffer(f"_fp8_weight_scale_inv{i}", torch.ones((), dtype=torch.float32, device=device),
+                                 persistent=False)
         self.register_buffer("_fp8_first_microbatch", torch.ones((), dtype=torch.bool, device=self._fp8_device()),
                              persistent=False)
 
