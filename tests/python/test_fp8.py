@@ -243,6 +243,18 @@ def test_fp8_refusals():
         mlp(torch.randn(2, K, requires_grad=True))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["per_group", "packed"])
+def test_grouped_linear_refuses_negative_m_splits_before_touching_the_fp8_state(packed):
+    recipe = DelayedScaling(amax_history_len=4)
+    m = dwgraph.nn.GroupedLinear(3, K, N, packed_weights=packed)
+    with fp8_autocast(recipe=recipe):
+        m(torch.randn(6, K), [2, 2, 2])
+    before = [b.clone() for b in m.buffers()]
+    with fp8_autocast(recipe=recipe), pytest.raises(dwgraph.ArgumentError, match=r"m_splits entry 1 must be >= 0"):
+        m(torch.randn(6, K), [4, -1, 3])
+    assert all(torch.equal(a, b) for a, b in zip(before, m.buffers()))
+
+
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
 @pytest.mark.parametrize("packed", [False, True], ids=["per_group", "packed"])
 def test_grouped_linear_gemms_match_the_reference(scaling, packed):
