@@ -546,6 +546,18 @@ def test_weight_cache_is_refreshed_on_each_steps_first_microbatch(scaling):
         assert all(torch.equal(a, b) for a, b in zip(before, m.buffers()))
 
 
+@pytest.mark.parametrize("flag", ["no", 0, torch.tensor(False)], ids=["str", "int", "tensor"])
+def test_is_first_microbatch_must_be_a_bool(flag):
+    m = dwgraph.nn.Linear(K, N)
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+        m(torch.randn(2, K))
+        before = [b.clone() for b in m.buffers()]
+        with pytest.raises(dwgraph.ArgumentError, match="is_first_microbatch must be True, False or None"):
+            m(torch.randn(2, K), is_first_microbatch=flag)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.buffers()))
+    assert not hasattr(m, "_fp8_weight_cache0")
+
+
 def test_weight_cache_does_not_follow_the_default_dtype():
     """The cache's 1/scale is FP32 whatever torch's default dtype; under current scaling a
     reused FP8 weight is the one a fresh quantization gives, so caching changes nothing."""

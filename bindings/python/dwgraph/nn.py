@@ -204,6 +204,10 @@ class _DeferredWgradModule(torch.nn.Module):
         first FP8 forward); nothing outside it. ``is_first_microbatch`` (TransformerEngine's):
         None, no weight caching; True, quantize the weights and cache them; False, reuse the
         cache (Note [FP8 weight cache], ops/fp8.h)."""
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            # As a graphed callable's: a truthy string or tensor is no decision.
+            raise ArgumentError(f"{self._display_name()}: is_first_microbatch must be True, False or None, got "
+                                f"{is_first_microbatch!r}")
         state = _C.fp8.current_state()
         if not state.enabled:
             return {}
