@@ -558,6 +558,19 @@ def test_is_first_microbatch_must_be_a_bool(flag):
     assert not hasattr(m, "_fp8_weight_cache0")
 
 
+@pytest.mark.xfail(strict=True, reason="a write through .data bumps no version counter, so the stale-cache check "
+                   "(parameter identity and version) cannot see it; detecting it would need a device-side "
+                   "comparison of the weight on every reuse (docs/fp8.md, Weight caching)")
+def test_weight_changed_through_data_between_microbatches_is_refused():
+    m = dwgraph.nn.Linear(K, N)
+    x = torch.randn(4, K)
+    with fp8_autocast(recipe=Float8CurrentScaling()):
+        m(x, is_first_microbatch=True)
+        m.weight.data.mul_(2.0)  # as optimizers writing p.data do
+        with pytest.raises(dwgraph.GraphStateError, match="stale FP8 copy of 'weight'"):
+            m(x, is_first_microbatch=False)
+
+
 def test_weight_cache_does_not_follow_the_default_dtype():
     """The cache's 1/scale is FP32 whatever torch's default dtype; under current scaling a
     reused FP8 weight is the one a fresh quantization gives, so caching changes nothing."""
