@@ -558,6 +558,32 @@ def test_is_first_microbatch_must_be_a_bool(flag):
     assert not hasattr(m, "_fp8_weight_cache0")
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_a_failed_first_microbatch_leaves_the_cache_unfilled(graphed):
+    """A first microbatch that raised refreshed no cache: a reuse after it is refused, not
+    a silent multiply by an unfilled (zero) or pre-update FP8 weight."""
+    recipe = DelayedScaling(amax_history_len=4)
+    m = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    if graphed:
+        g = dwgraph.make_graphed_callables(m, (torch.randn(ROWS, H, requires_grad=True),), enabled=True,
+                                           recipe=recipe, cache_quantized_params=True)
+        call, bad = g, lambda: g((torch.randn(ROWS, H),), is_first_microbatch=True)  # not the captured structure
+    else:
+        def call(x, **kw):
+            with fp8_autocast(recipe=recipe):
+                return m[0](x, **kw)
+        bad = lambda: call(torch.randn(ROWS, H + 1), is_first_microbatch=True)  # noqa: E731
+    for first in (True, False):  # a step, then the weight update
+        call(torch.randn(ROWS, H, requires_grad=True), is_first_microbatch=first).sum().backward()
+        (g if graphed else m[0]).backward_dw()
+    opt.step()
+    with pytest.raises(dwgraph.ArgumentError):
+        bad()
+    with pytest.raises(dwgraph.GraphStateError, match="no microbatch has filled the FP8 weight cache"):
+        call(torch.randn(ROWS, H, requires_grad=True), is_first_microbatch=False)
+
+
 @pytest.mark.xfail(strict=True, reason="a write through .data bumps no version counter, so the stale-cache check "
                    "(parameter identity and version) cannot see it; detecting it would need a device-side "
                    "comparison of the weight on every reuse (docs/fp8.md, Weight caching)")

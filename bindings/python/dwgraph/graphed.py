@@ -99,25 +99,33 @@ class GraphedCallable:
 
     _fp8_cache = False  # captured with cache_quantized_params=True
 
-    def _begin_fp8_microbatch(self, kwargs) -> None:
+    def _begin_fp8_microbatch(self, kwargs):
         """Note [FP8 weight cache]: the call's is_first_microbatch goes into each module's
-        flag, which the graphs read, after the stale-cache check."""
+        flag, which the graphs read, after the stale-cache check. Returns what a first
+        microbatch records once it has run (None otherwise)."""
         first = kwargs.pop("is_first_microbatch", None)
         if not isinstance(first, bool):
             raise ArgumentError(f"graphed {self._native.name}: captured with cache_quantized_params=True, so every "
                                 "call needs is_first_microbatch=True (the step's first microbatch: quantize the "
                                 f"weights) or False (reuse them); got {first!r}")
-        for m in self._dw_modules:
-            m._fp8_check_cache(first)
+        filled = [(m, m._fp8_check_cache(first)) for m in self._dw_modules]
         for m in self._dw_modules:
             m._fp8_first_microbatch.fill_(first)
+        return filled if first else None
 
     def __call__(self, *args, **kwargs):
+        if not self._fp8_cache:
+            return self._call(*args, **kwargs)
+        filled = self._begin_fp8_microbatch(kwargs)
+        out = self._call(*args, **kwargs)
+        for m, versions in filled or ():  # only a first microbatch that ran refreshed the caches
+            m._fp8_cache_versions = versions
+        return out
+
+    def _call(self, *args, **kwargs):
         # Contract C10: O(1) host work here; the core decides replay or eager and runs its
         # checks only when something they watch changed (Note [Checks paid when state
         # changes]).
-        if self._fp8_cache:
-            self._begin_fp8_microbatch(kwargs)
         _guards.check_data_parallel(self._dw_modules)  # a replay runs no module forward
         in_sig = self._in_sig
         if not kwargs and len(args) == self._positional:
