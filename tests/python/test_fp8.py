@@ -584,6 +584,24 @@ def test_a_failed_first_microbatch_leaves_the_cache_unfilled(graphed):
         call(torch.randn(ROWS, H, requires_grad=True), is_first_microbatch=False)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's FP8 shape rule is CUDA's")
+@pytest.mark.xfail(strict=True, reason="the weight-gradient GEMM dW = dy^T x multiplies over the tokens, which "
+                   "cuBLASLt's FP8 GEMM needs in multiples of 16 (and GroupedLinear per group, its m_splits); only "
+                   "fp8::mm checks it, so the deferred unit fails in backward_dw(), after the forward and dgrad "
+                   "moved the scaling state. Needs a forward-time check (or zero padding of the token dimension)")
+def test_cuda_fp8_refuses_a_token_count_its_wgrad_cannot_multiply_in_the_forward():
+    m = dwgraph.nn.Linear(32, 32, delay_wgrad_compute=True).cuda()
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+        m(torch.randn(16, 32, device="cuda", requires_grad=True)).sum().backward()  # a valid step makes the state
+    m.backward_dw()
+    x = torch.randn(8, 32, device="cuda", requires_grad=True)  # 8 tokens: not a multiple of 16
+    before = [b.clone() for b in m.buffers()]
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)), pytest.raises(dwgraph.ArgumentError,
+                                                                                  match="multiples of 16"):
+        m(x)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.buffers()))
+
+
 @pytest.mark.xfail(strict=True, reason="a write through .data bumps no version counter, so the stale-cache check "
                    "(parameter identity and version) cannot see it; detecting it would need a device-side "
                    "comparison of the weight on every reuse (docs/fp8.md, Weight caching)")
