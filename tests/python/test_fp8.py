@@ -558,6 +558,30 @@ def test_is_first_microbatch_must_be_a_bool(flag):
     assert not hasattr(m, "_fp8_weight_cache0")
 
 
+def test_weight_caching_with_fp8_off_takes_is_first_microbatch_and_runs_high_precision():
+    """cache_quantized_params=True with enabled=False (FP8 switched off, the call sites kept):
+    the calls take is_first_microbatch as TransformerEngine's do and equal the eager
+    high-precision module bitwise."""
+    torch.manual_seed(12)
+    m = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+    ref = copy.deepcopy(m)
+    g = dwgraph.make_graphed_callables(m, (torch.randn(ROWS, H, requires_grad=True),), enabled=False,
+                                       cache_quantized_params=True)
+    for first in (True, False, False):
+        x = torch.randn(ROWS, H)
+        xg, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        yg, ye = g(xg, is_first_microbatch=first), ref(xe)
+        yg.sum().backward()
+        ye.sum().backward()
+        g.backward_dw()
+        ref[0].backward_dw()
+        assert torch.equal(yg, ye) and torch.equal(xg.grad, xe.grad)
+        assert torch.equal(m[0].weight.grad, ref[0].weight.grad)
+    assert not list(m.buffers())
+    with pytest.raises(dwgraph.ArgumentError, match="needs is_first_microbatch=True"):
+        g(torch.randn(ROWS, H))
+
+
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 def test_a_failed_first_microbatch_leaves_the_cache_unfilled(graphed):
     """A first microbatch that raised refreshed no cache: a reuse after it is refused, not

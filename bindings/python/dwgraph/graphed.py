@@ -97,7 +97,8 @@ class GraphedCallable:
         is_module = isinstance(target, torch.nn.Module)
         self._dw_modules = [m for m in target.modules() if _spec.is_dwgraph_module(m)] if is_module else []
 
-    _fp8_cache = False  # captured with cache_quantized_params=True
+    _fp8_cache = False  # captured with cache_quantized_params=True: calls take is_first_microbatch
+    _fp8_cached_modules = ()  # the modules whose FP8 weight caches those calls drive (none with FP8 off)
 
     def _begin_fp8_microbatch(self, kwargs):
         """Note [FP8 weight cache]: the call's is_first_microbatch goes into each module's
@@ -108,8 +109,8 @@ class GraphedCallable:
             raise ArgumentError(f"graphed {self._native.name}: captured with cache_quantized_params=True, so every "
                                 "call needs is_first_microbatch=True (the step's first microbatch: quantize the "
                                 f"weights) or False (reuse them); got {first!r}")
-        filled = [(m, m._fp8_check_cache(first)) for m in self._dw_modules]
-        for m in self._dw_modules:
+        filled = [(m, m._fp8_check_cache(first)) for m in self._fp8_cached_modules]
+        for m in self._fp8_cached_modules:
             m._fp8_first_microbatch.fill_(first)
         return filled if first else None
 
@@ -507,7 +508,10 @@ def make_graphed_callables(
     for native in natives:
         c = native.callable_index
         handle = GraphedCallable(native, modules[c], forwards[c], in_sigs[c], out_sigs[c])
-        handle._fp8_cache = fp8_cache and fp8_states[c].enabled
+        # As TransformerEngine's: with weight caching every call takes is_first_microbatch,
+        # which a callable captured with FP8 off accepts and has no use for.
+        handle._fp8_cache = fp8_cache
+        handle._fp8_cached_modules = tuple(handle._dw_modules) if fp8_states[c].enabled else ()
         handles.append(handle)
     if order is not None:
         return tuple(handles)
