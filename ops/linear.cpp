@@ -667,7 +667,12 @@ at::Tensor grouped_linear(const at::Tensor& x, const std::vector<int64_t>& m_spl
   DWGRAPH_CHECK_ARG(x.dim() == 2, cfg.module_name, ": input must be 2-D [tokens, in_features], got shape ",
                     x.sizes());
   int64_t total = 0;
-  for (int64_t m : m_splits) total += m;
+  for (size_t g = 0; g < m_splits.size(); ++g) {
+    // Checked here for both paths: the FP8 one slices the input by these offsets.
+    DWGRAPH_CHECK_ARG(m_splits[g] >= 0, cfg.module_name, ": m_splits entry ", g, " must be >= 0, got ",
+                      at::IntArrayRef(m_splits));
+    total += m_splits[g];
+  }
   DWGRAPH_CHECK_ARG(static_cast<int64_t>(m_splits.size()) == groups && total == x.size(0),
                     cfg.module_name, ": m_splits must have num_gemms = ", groups,
                     " entries summing to the batch (", x.size(0), " rows), got ", at::IntArrayRef(m_splits),

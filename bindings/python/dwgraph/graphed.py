@@ -97,27 +97,36 @@ class GraphedCallable:
         is_module = isinstance(target, torch.nn.Module)
         self._dw_modules = [m for m in target.modules() if _spec.is_dwgraph_module(m)] if is_module else []
 
-    _fp8_cache = False  # captured with cache_quantized_params=True
+    _fp8_cache = False  # captured with cache_quantized_params=True: calls take is_first_microbatch
+    _fp8_cached_modules = ()  # the modules whose FP8 weight caches those calls drive (none with FP8 off)
 
-    def _begin_fp8_microbatch(self, kwargs) -> None:
+    def _begin_fp8_microbatch(self, kwargs):
         """Note [FP8 weight cache]: the call's is_first_microbatch goes into each module's
-        flag, which the graphs read, after the stale-cache check."""
+        flag, which the graphs read, after the stale-cache check. Returns what a first
+        microbatch records once it has run (None otherwise)."""
         first = kwargs.pop("is_first_microbatch", None)
         if not isinstance(first, bool):
             raise ArgumentError(f"graphed {self._native.name}: captured with cache_quantized_params=True, so every "
                                 "call needs is_first_microbatch=True (the step's first microbatch: quantize the "
                                 f"weights) or False (reuse them); got {first!r}")
-        for m in self._dw_modules:
-            m._fp8_check_cache(first)
-        for m in self._dw_modules:
+        filled = [(m, m._fp8_check_cache(first)) for m in self._fp8_cached_modules]
+        for m in self._fp8_cached_modules:
             m._fp8_first_microbatch.fill_(first)
+        return filled if first else None
 
     def __call__(self, *args, **kwargs):
+        if not self._fp8_cache:
+            return self._call(*args, **kwargs)
+        filled = self._begin_fp8_microbatch(kwargs)
+        out = self._call(*args, **kwargs)
+        for m, versions in filled or ():  # only a first microbatch that ran refreshed the caches
+            m._fp8_cache_versions = versions
+        return out
+
+    def _call(self, *args, **kwargs):
         # Contract C10: O(1) host work here; the core decides replay or eager and runs its
         # checks only when something they watch changed (Note [Checks paid when state
         # changes]).
-        if self._fp8_cache:
-            self._begin_fp8_microbatch(kwargs)
         _guards.check_data_parallel(self._dw_modules)  # a replay runs no module forward
         in_sig = self._in_sig
         if not kwargs and len(args) == self._positional:
@@ -499,7 +508,10 @@ def make_graphed_callables(
     for native in natives:
         c = native.callable_index
         handle = GraphedCallable(native, modules[c], forwards[c], in_sigs[c], out_sigs[c])
-        handle._fp8_cache = fp8_cache and fp8_states[c].enabled
+        # As TransformerEngine's: with weight caching every call takes is_first_microbatch,
+        # which a callable captured with FP8 off accepts and has no use for.
+        handle._fp8_cache = fp8_cache
+        handle._fp8_cached_modules = tuple(handle._dw_modules) if fp8_states[c].enabled else ()
         handles.append(handle)
     if order is not None:
         return tuple(handles)

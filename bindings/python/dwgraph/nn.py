@@ -198,12 +198,18 @@ class _DeferredWgradModule(torch.nn.Module):
     _fp8_weight_names = ("weight",)  # their weights, in GEMM order
     _fp8_graph_caching = False  # captured with cache_quantized_params=True (graphed.py sets it)
     _fp8_cache_versions = None  # (id, version) of each weight when its FP8 cache was filled
+    _fp8_filling = None  # the versions a first microbatch's forward records once it has succeeded
 
     def _fp8_kwargs(self, is_first_microbatch: Optional[bool] = None) -> dict:
         """The module's FP8 state for the C++ forward under fp8_autocast (buffers made on the
         first FP8 forward); nothing outside it. ``is_first_microbatch`` (TransformerEngine's):
         None, no weight caching; True, quantize the weights and cache them; False, reuse the
         cache (Note [FP8 weight cache], ops/fp8.h)."""
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            # As a graphed callable's: a truthy string or tensor is no decision.
+            raise ArgumentError(f"{self._display_name()}: is_first_microbatch must be True, False or None, got "
+                                f"{is_first_microbatch!r}")
+        self._fp8_filling = None
         state = _C.fp8.current_state()
         if not state.enabled:
             return {}
@@ -215,7 +221,7 @@ class _DeferredWgradModule(torch.nn.Module):
         if is_first_microbatch is not None or (self._fp8_graph_caching and _fp8.in_graphed_call()):
             self._prepare_fp8_cache()
             if is_first_microbatch is not None:
-                self._fp8_check_cache(bool(is_first_microbatch))
+                self._fp8_filling = self._fp8_check_cache(is_first_microbatch)
             kw.update(weight_cache=[(getattr(self, f"_fp8_weight_cache{i}"), getattr(self, f"_fp8_weight_scale_inv{i}"))
                                     for i in range(self._fp8_gemms)],
                       first=self._fp8_first_microbatch,
@@ -231,7 +237,8 @@ class _DeferredWgradModule(torch.nn.Module):
         for i, shape in enumerate(self._fp8_cache_shapes()):
             self.register_buffer(f"_fp8_weight_cache{i}", torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device),
                                  persistent=False)
-            self.register_buffer(f"_fp8_weight_scale_inv{i}", torch.ones((), device=device), persistent=False)
+            self.register_buffer(f"_fp8_weight_scale_inv{i}", torch.ones((), dtype=torch.float32, device=device),
+                                 persistent=False)
         self.register_buffer("_fp8_first_microbatch", torch.ones((), dtype=torch.bool, device=self._fp8_device()),
                              persistent=False)
 
@@ -242,20 +249,23 @@ class _DeferredWgradModule(torch.nn.Module):
     def _fp8_device(self) -> torch.device:
         return getattr(self, self._fp8_weight_names[0]).device
 
-    def _fp8_check_cache(self, first: bool) -> None:
-        """Before a microbatch with weight caching: a first one records the weights it
-        quantizes; a later one is refused when the cache would be stale (never filled since
-        the module was captured, or a weight replaced or changed in place since)."""
+    def _fp8_check_cache(self, first: bool):
+        """Before a microbatch with weight caching: a later one is refused when the cache
+        would be stale (never filled since the module was captured, or a weight replaced or
+        changed in place since). A first one returns the weights' versions, which the caller
+        records in ``_fp8_cache_versions`` once the call has succeeded (until then, and for
+        good if it fails, the cache counts as unfilled: a failed first microbatch may not
+        have refreshed it)."""
         weights = [(n, getattr(self, n)) for n in self._fp8_weight_names]
         now = [(id(w), w._version) for _, w in weights]
         if first:
-            self._fp8_cache_versions = now
-            return
+            self._fp8_cache_versions = None
+            return now
         then = self._fp8_cache_versions
         if then is None:
             raise GraphStateError(
                 f"{self._display_name()}: is_first_microbatch=False, but no microbatch has filled the FP8 weight "
-                "cache since it was made or captured; pass is_first_microbatch=True on each step's first microbatch")
+                "cache since it was made, captured or its weights converted to another dtype; pass is_first_microbatch=True on each step's first microbatch")
         for (name, _), (i0, v0), (i1, v1) in zip(weights, then, now):
             if i0 != i1 or v0 != v1:
                 raise GraphStateError(
@@ -283,7 +293,7 @@ class _DeferredWgradModule(torch.nn.Module):
         for i in range(self._fp8_gemms):
             self._buffers.pop(f"_fp8_weight_cache{i}", None)
             self._buffers.pop(f"_fp8_weight_scale_inv{i}", None)
-        self._fp8_cache_versions = None
+        self._fp8_cache_versions = self._fp8_filling = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -310,6 +320,8 @@ class _DeferredWgradModule(torch.nn.Module):
         return not any(isinstance(p, DistributedWeight) for p in self.parameters(recurse=False))
 
     def _after_forward(self, out: torch.Tensor) -> torch.Tensor:
+        if self._fp8_filling is not None:  # a first microbatch's forward succeeded: its cache is filled
+            self._fp8_cache_versions, self._fp8_filling = self._fp8_filling, None
         # Without deferral the gradients land during the backward; the hooks run when the
         # whole backward has finished (after AccumulateGrad), once per forward.
         if not self.delay_wgrad_compute and self._wgrad_hooks and out.requires_grad:
@@ -360,11 +372,24 @@ class _DeferredWgradModule(torch.nn.Module):
         for _, p in self._fused_parameters():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
+    _FP8_BUFFERS = ("fp8_amax_history", "fp8_scale", "_fp8_")  # names (or prefixes) of the FP8 state's buffers
+
     def _apply(self, fn, *args, **kwargs):
         # main_grad is an attribute, not a buffer: follow the parameters to their device,
         # keeping it FP32 (it is the accumulation buffer, whatever the parameter dtype).
         had = {n: getattr(p, "main_grad", None) for n, p in self.named_parameters(recurse=False)}
+        # The FP8 state (scaling state in FP32, the FP8 weight cache) follows a device move
+        # but not a dtype conversion (module.bfloat16() would round the state and turn the
+        # cache into BF16); a weight whose dtype changed makes the cache stale.
+        fp8_state = {n: b for n, b in self._buffers.items() if b is not None and n.startswith(self._FP8_BUFFERS)}
+        weight_dtypes = [getattr(getattr(self, n, None), "dtype", None) for n in self._fp8_weight_names]
         out = super()._apply(fn, *args, **kwargs)
+        for n, before in fp8_state.items():
+            now = self._buffers.get(n)
+            if now is not None and now.dtype != before.dtype:
+                self._buffers[n] = before.to(device=now.device)
+        if weight_dtypes != [getattr(getattr(self, n, None), "dtype", None) for n in self._fp8_weight_names]:
+            self._fp8_cache_versions = None
         for n, p in self.named_parameters(recurse=False):
             mg = had.get(n)
             if mg is not None and (not hasattr(p, "main_grad") or p.main_grad.device != p.device):
