@@ -11,6 +11,11 @@ namespace dwgraph::bindings {
 // A pool's statistics as a dict, keys prefixed with `prefix` ("" or "pool_").
 pybind11::dict pool_stats_dict(const allocator::PoolStats& s, const std::string& prefix);
 
+// `v` as an int64, refusing before any conversion what is not an integer (a bool, a float, a
+// string: Python's int(True) would pass) and what does not fit: an ArgumentError naming
+// `what` ("dwgraph.fp8.DelayedScaling: argument 'amax_history_len'") and the value's type.
+int64_t python_int(const pybind11::handle& v, const std::string& what);
+
 void init_errors(pybind11::module_& m);
 void init_log(pybind11::module_& m);
 void init_nn(pybind11::module_& m);

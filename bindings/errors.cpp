@@ -44,6 +44,18 @@ void set_python_error(ErrorCode code, const std::string& msg) {
 
 }  // namespace
 
+int64_t python_int(const py::handle& v, const std::string& what) {
+  const bool integer = PyIndex_Check(v.ptr()) && !py::isinstance<py::bool_>(v);
+  DWGRAPH_CHECK_ARG(integer, what, " must be an int, got ", py::str(py::type::of(v).attr("__name__")).cast<std::string>(),
+                    " ", py::repr(v).cast<std::string>());
+  const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  DWGRAPH_CHECK_ARG(overflow == 0, what, " (", py::str(v).cast<std::string>(), ") is out of range");
+  return n;
+}
+
 void init_errors(py::module_& m) {
   set_error_raiser(&raise_python);
   set_error_indicator_clearer([] {

@@ -63,8 +63,10 @@ void init_fp8(py::module_& parent) {
       .def("__repr__", &Fp8Recipe::describe);
 
   py::class_<DelayedScaling, Fp8Recipe>(m, "DelayedScaling")
-      .def(py::init([](int64_t margin, Fp8Format format, int64_t len, const std::string& algo) {
-             return DelayedScaling(Fp8Recipe::delayed(format, margin, len, algo));
+      .def(py::init([](const py::object& margin, Fp8Format format, const py::object& len, const std::string& algo) {
+             return DelayedScaling(Fp8Recipe::delayed(
+                 format, python_int(margin, "dwgraph.fp8.DelayedScaling: argument 'margin'"),
+                 python_int(len, "dwgraph.fp8.DelayedScaling: argument 'amax_history_len'"), algo));
            }),
            py::arg("margin") = 0, py::arg("fp8_format") = Fp8Format::kHybrid, py::arg("amax_history_len") = 1024,
            py::arg("amax_compute_algo") = "max")
@@ -78,8 +80,9 @@ void init_fp8(py::module_& parent) {
           }));
 
   py::class_<Float8CurrentScaling, Fp8Recipe>(m, "Float8CurrentScaling")
-      .def(py::init([](Fp8Format format, int64_t margin) {
-             return Float8CurrentScaling(Fp8Recipe::current(format, margin));
+      .def(py::init([](Fp8Format format, const py::object& margin) {
+             return Float8CurrentScaling(
+                 Fp8Recipe::current(format, python_int(margin, "dwgraph.fp8.Float8CurrentScaling: argument 'margin'")));
            }),
            py::arg("fp8_format") = Fp8Format::kHybrid, py::arg("margin") = 0)
       .def(py::pickle([](const Fp8Recipe& r) { return py::make_tuple(r.format, r.margin); },

@@ -64,15 +64,7 @@ struct LayerCounts {
 bool is_integer(const py::handle& v) { return PyIndex_Check(v.ptr()) && !py::isinstance<py::bool_>(v); }
 
 int64_t layer_count(const py::handle& v, const std::string& what) {
-  DWGRAPH_CHECK_ARG(is_integer(v), "dwgraph.make_graphed_callables: argument 'num_layers_per_chunk' ", what,
-                    " must be an int, got ", py::str(py::type::of(v).attr("__name__")).cast<std::string>());
-  const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
-  if (!index) throw py::error_already_set();
-  int overflow = 0;
-  const long long n = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
-  DWGRAPH_CHECK_ARG(overflow == 0, "dwgraph.make_graphed_callables: argument 'num_layers_per_chunk' ", what, " (",
-                    py::str(v).cast<std::string>(), ") is out of range");
-  return n;
+  return python_int(v, "dwgraph.make_graphed_callables: argument 'num_layers_per_chunk' " + what);
 }
 
 LayerCounts layer_counts(const py::object& v) {

@@ -108,9 +108,16 @@ def test_recipes_and_fp8_autocast_state():
     assert pickle.loads(pickle.dumps(d)) == d
     for bad, match in ((dict(amax_history_len=0), "amax_history_len must be at least 1"),
                        (dict(amax_compute_algo="mean"), "amax_compute_algo must be 'max' or 'most_recent'"),
-                       (dict(margin=-1), r"margin must be an integer in \[0, 64\]")):
+                       (dict(margin=-1), r"margin must be an integer in \[0, 64\]"),
+                       # not integers: refused before any conversion (int(True) would be 1)
+                       (dict(amax_history_len=True), "'amax_history_len' must be an int, got bool"),
+                       (dict(amax_history_len="16"), "'amax_history_len' must be an int, got str"),
+                       (dict(margin=1.5), "'margin' must be an int, got float"),
+                       (dict(amax_history_len=2**70), "'amax_history_len' .* is out of range")):
         with pytest.raises(dwgraph.ArgumentError, match=match):
             DelayedScaling(**bad)
+    with pytest.raises(dwgraph.ArgumentError, match="Float8CurrentScaling: argument 'margin' must be an int, got bool"):
+        Float8CurrentScaling(margin=False)
 
     assert not dwgraph.fp8.is_fp8_enabled() and dwgraph.fp8.get_fp8_recipe() is None
     with fp8_autocast():
