@@ -348,6 +348,7 @@ void init_manager(py::module_& parent) {
       .def_property_readonly("last_variant", &GraphedStep::last_variant)
       .def_property_readonly("live_variants", &GraphedStep::live_variants)
       .def("set_state_tensors", &GraphedStep::set_state_tensors, py::arg("tensors"))
+      .def_property("watched", &GraphedStep::watched, &GraphedStep::set_watched)
       .def("stats",
            [](const GraphedStep& g) {
              const GraphedStepStats s = g.stats();

@@ -4,6 +4,7 @@
 #include "common/log.h"
 #include "graphs/caller_state.h"
 #include "graphs/phase_timing.h"
+#include "graphs/state_epoch.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty_like.h>
@@ -17,6 +18,11 @@ namespace dwgraph::graphs {
 namespace {
 
 constexpr const char* kApi = "dwgraph.graphed_step";
+
+// Whether a leaf has a .grad: TensorImpl's, without at::Tensor::grad()'s check for a
+// non-leaf's .grad (an autograd call per tensor; the step's parameters and gradient-taking
+// arguments are leaves).
+bool has_grad(const at::Tensor& t) { return t.unsafeGetTensorImpl()->grad().defined(); }
 
 void append_tensor_key(std::ostringstream& os, const at::Tensor& t) {
   if (!t.defined()) {
@@ -162,6 +168,14 @@ struct GraphedStep::Variant {
   CapturedParameters params;
   CapturedMainGrads main_grads;
   Landing landing;  // flags and hooks (the gradients are handed back slot by slot)
+  // The parameter slots the hand-off works on (copy_in, and back != kUntouched): a step
+  // that leaves .grad as it found it (zero_grad(set_to_none=True) inside) costs nothing
+  // per parameter there.
+  std::vector<size_t> copied_in;
+  std::vector<size_t> handed_back;
+  // Note [A step's checks paid when state changes]: the state epoch at which `params` and
+  // `main_grads` were last checked (a watched step checks them again only when it moved).
+  uint64_t checked_epoch = ~uint64_t{0};
 };
 
 struct GraphedStep::Entry {
@@ -172,6 +186,15 @@ struct GraphedStep::Entry {
   std::vector<at::Tensor> buffers;  // the modules' buffers, asked with params
   std::vector<ModuleSpec> modules;
   std::map<std::string, std::unique_ptr<Variant>> variants;
+  // Note [A step's checks paid when state changes]: the variant the last full variant
+  // check chose, and what it saw that no watch sees.
+  struct Chosen {
+    Variant* variant = nullptr;  // cleared when it is erased (erase_variant)
+    uint64_t epoch = 0;
+    uint64_t state_tensors_version = 0;
+    std::string state;        // the front end's variant state
+    std::vector<char> grads;  // .grad presence of params, then of the arguments requiring grad
+  } chosen;
 };
 
 GraphedStep::GraphedStep(StepFn step, GraphedStepOptions options)
@@ -280,7 +303,7 @@ void GraphedStep::evict_until_room() {
     log::info("graphed_step ", name_, ": released graph #", it->second->id, " (tensor arguments ", it->second->words,
               "), the least recently used: max_graphs=", opts_.max_graphs, " reached");
     if (it->second->graph) it->second->graph->reset();
-    e.variants.erase(it);
+    erase_variant(e, pattern);
     ++released_;
   }
 }
@@ -318,7 +341,7 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
   Entry& e = *it->second;
   ++e.calls;
   if (e.calls <= opts_.warmup_iters) return run_eagerly(tensors);  // warmup: the real step, eagerly
-  Variant& v = variant_for(e, full, tensors);
+  Variant& v = variant_for(e, tensors);
   last_variant_ = v.id;
   if (!v.graph) {
     if (opts_.max_captures >= 0 && captures_since_reset_ >= static_cast<size_t>(opts_.max_captures)) {
@@ -333,7 +356,7 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
                      "). See docs/graphed-step.md, \"A step that keeps capturing\"; reset() starts counting again");
       }
       const std::string pattern = v.pattern;  // v is destroyed by the erase
-      e.variants.erase(pattern);
+      erase_variant(e, pattern);
       ++limited_calls_;
       return run_eagerly(tensors);
     }
@@ -342,7 +365,7 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
     } catch (...) {
       const auto pattern = v.pattern;
       if (v.graph) lru_.remove(std::make_pair(full, pattern));
-      e.variants.erase(pattern);  // a failed capture leaves nothing behind; the next call retries
+      erase_variant(e, pattern);  // a failed capture leaves nothing behind; the next call retries
       throw;
     }
   }
@@ -360,15 +383,15 @@ namespace {
 // tensors (the optimizers'), and which tensor arguments that require grad have a .grad.
 // Binary (a few bytes per parameter, no formatting): it is built at every call.
 std::string pattern_of(const NamedTensors& params, const std::vector<at::Tensor>& buffers,
-                       const std::vector<at::Tensor>& tensors, const std::function<std::string()>& state,
+                       const std::vector<at::Tensor>& tensors, const std::string& state,
                        const std::vector<at::Tensor>& state_tensors) {
-  std::string s = state ? state() : std::string();
+  std::string s = state;
   s.reserve(s.size() + 3 + (params.size() + buffers.size()) * (1 + sizeof(void*)) +
             state_tensors.size() * sizeof(void*) + tensors.size());
   s.push_back('\0');
   auto append = [&s](const void* ptr) { s.append(reinterpret_cast<const char*>(&ptr), sizeof(ptr)); };
   for (const auto& [name, p] : params) {
-    s.push_back(static_cast<char>((p.grad().defined() ? 1 : 0) | (p.requires_grad() ? 2 : 0)));
+    s.push_back(static_cast<char>((has_grad(p) ? 1 : 0) | (p.requires_grad() ? 2 : 0)));
     append(p.data_ptr());
   }
   s.push_back('\0');
@@ -379,9 +402,33 @@ std::string pattern_of(const NamedTensors& params, const std::vector<at::Tensor>
   s.push_back('\0');
   for (const auto& t : state_tensors) append(t.defined() && t.has_storage() ? t.data_ptr() : nullptr);
   for (const auto& t : tensors) {
-    if (t.defined() && t.requires_grad()) s.push_back(t.grad().defined() ? 'G' : '-');
+    if (t.defined() && t.requires_grad()) s.push_back(has_grad(t) ? 'G' : '-');
   }
   return s;
+}
+
+// What the fast variant check compares (Note [A step's checks paid when state changes]):
+// which of the parameters and of the arguments requiring grad have a .grad, the parts of
+// pattern_of() that no watch sees (zero_grad, an eager backward outside the step).
+void gradients_present(const NamedTensors& params, const std::vector<at::Tensor>& tensors, std::vector<char>& out) {
+  out.clear();
+  out.reserve(params.size() + tensors.size());
+  for (const auto& [name, p] : params) out.push_back(has_grad(p) ? 1 : 0);
+  for (const auto& t : tensors) {
+    if (t.defined() && t.requires_grad()) out.push_back(has_grad(t) ? 1 : 0);
+  }
+}
+
+bool same_gradients_present(const NamedTensors& params, const std::vector<at::Tensor>& tensors,
+                            const std::vector<char>& seen) {
+  size_t k = 0;
+  for (const auto& [name, p] : params) {
+    if (k >= seen.size() || seen[k++] != (has_grad(p) ? 1 : 0)) return false;
+  }
+  for (const auto& t : tensors) {
+    if (t.defined() && t.requires_grad() && (k >= seen.size() || seen[k++] != (has_grad(t) ? 1 : 0))) return false;
+  }
+  return k == seen.size();
 }
 
 // The same in words, for the log: "gradients 0.weight (.grad set, trainable, at 0x...); ...".
@@ -401,21 +448,42 @@ std::string gradients_in_words(const NamedTensors& params, const std::vector<at:
 
 }  // namespace
 
-GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::string& key, const std::vector<at::Tensor>& tensors) {
+void GraphedStep::erase_variant(Entry& e, const std::string& pattern) {
+  auto it = e.variants.find(pattern);
+  if (it == e.variants.end()) return;
+  if (e.chosen.variant == it->second.get()) e.chosen = Entry::Chosen{};
+  e.variants.erase(it);
+}
+
+// Note [A step's checks paid when state changes] (contract C10): the full variant of a call
+// (pattern_of) reads every parameter's and buffer's requires_grad and memory and every state
+// tensor's memory. When the front end watches all of those (set_watched), they change only
+// with the state epoch: a call whose epoch, state tensors and variant state are those of
+// the last full check, and whose gradients exist where they did, selects the same variant
+// without reading the rest. Any difference takes the full check, which decides as before.
+GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::vector<at::Tensor>& tensors) {
+  const uint64_t epoch = state_epoch();  // read first: a change while reading is seen next time
+  std::string state = opts_.variant_state ? opts_.variant_state() : std::string();
+  Entry::Chosen& c = e.chosen;
+  if (watched_ && c.variant && c.variant->graph && c.epoch == epoch &&
+      c.state_tensors_version == state_tensors_version_ && c.state == state &&
+      same_gradients_present(e.params, tensors, c.grads)) {
+    return *c.variant;
+  }
   if (!e.known) {
     e.params = opts_.params ? opts_.params() : NamedTensors{};
     e.buffers = opts_.buffers ? opts_.buffers() : std::vector<at::Tensor>{};
     e.modules = opts_.modules ? opts_.modules() : std::vector<ModuleSpec>{};
     e.known = true;
   }
-  std::string pattern = pattern_of(e.params, e.buffers, tensors, opts_.variant_state, state_tensors_);
+  std::string pattern = pattern_of(e.params, e.buffers, tensors, state, state_tensors_);
   auto it = e.variants.find(pattern);
   if (it == e.variants.end() || !it->second->graph) {
     // About to capture: what the step trains may have grown since (a parameter unfrozen).
     e.params = opts_.params ? opts_.params() : NamedTensors{};
     e.buffers = opts_.buffers ? opts_.buffers() : std::vector<at::Tensor>{};
     e.modules = opts_.modules ? opts_.modules() : std::vector<ModuleSpec>{};
-    pattern = pattern_of(e.params, e.buffers, tensors, opts_.variant_state, state_tensors_);
+    pattern = pattern_of(e.params, e.buffers, tensors, state, state_tensors_);
     it = e.variants.find(pattern);
   }
   if (it == e.variants.end()) {
@@ -423,6 +491,11 @@ GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::string& key,
     it->second->pattern = pattern;
     it->second->id = std::to_string(++variants_made_);
   }
+  c.variant = it->second.get();
+  c.epoch = epoch;
+  c.state_tensors_version = state_tensors_version_;
+  c.state = std::move(state);
+  gradients_present(e.params, tensors, c.grads);
   return *it->second;
 }
 
@@ -568,7 +641,11 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
       if (!slot.copy_in) slot.stand_in = at::Tensor();  // nothing reads it: no need to keep it
       leaf.mutable_grad() = at::Tensor();
     };
-    for (size_t i = 0; i < params.size(); ++i) settle(params[i], v.param_grads[i]);
+    for (size_t i = 0; i < params.size(); ++i) {
+      settle(params[i], v.param_grads[i]);
+      if (v.param_grads[i].copy_in) v.copied_in.push_back(i);
+      if (v.param_grads[i].back != GradBack::kUntouched) v.handed_back.push_back(i);
+    }
     for (size_t k = 0; k < v.grad_inputs.size(); ++k) settle(v.inputs.tensors()[v.grad_inputs[k]], v.input_grads[k]);
   }
   for (const auto& o : outs) v.static_outputs.push_back(o.defined() ? o.detach() : at::Tensor());
@@ -621,8 +698,14 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
 }
 
 std::vector<at::Tensor> GraphedStep::replay(Entry& e, Variant& v, const std::vector<at::Tensor>& tensors) {
-  v.params.check(kApi);
-  v.main_grads.check(kApi);
+  // Note [A step's checks paid when state changes]: what these read moves the epoch when
+  // the step is watched.
+  const uint64_t epoch = state_epoch();
+  if (!watched_ || v.checked_epoch != epoch) {
+    v.params.check(kApi);
+    v.main_grads.check(kApi);
+    v.checked_epoch = watched_ ? epoch : ~uint64_t{0};
+  }
   check_none_queued_before(e.modules, "which it would replay");
   v.inputs.check(tensors, kApi);
   // Every gradient the graph reads must fit its buffer, checked before anything is written.
@@ -634,7 +717,7 @@ std::vector<at::Tensor> GraphedStep::replay(Entry& e, Variant& v, const std::vec
                       describe(slot.stand_in), " (no silent cast); reset() the step after changing gradient dtypes");
   };
   const auto& params = v.params.tensors();
-  for (size_t i = 0; i < v.param_grads.size(); ++i) check_grad(params[i].grad(), v.param_grads[i]);
+  for (const size_t i : v.copied_in) check_grad(params[i].grad(), v.param_grads[i]);
   for (size_t k = 0; k < v.grad_inputs.size(); ++k) check_grad(tensors[v.grad_inputs[k]].grad(), v.input_grads[k]);
   ++replays_;
   uint64_t replay_ns = 0, copy_ns = 0;  // phase_timing.h: the overhead benchmark subtracts them
@@ -642,9 +725,7 @@ std::vector<at::Tensor> GraphedStep::replay(Entry& e, Variant& v, const std::vec
     const ScopedNs t(&copy_ns);
     v.inputs.copy_in(tensors);
     const at::NoGradGuard no_grad;
-    for (size_t i = 0; i < v.param_grads.size(); ++i) {
-      if (v.param_grads[i].copy_in) v.param_grads[i].stand_in.copy_(params[i].grad());
-    }
+    for (const size_t i : v.copied_in) v.param_grads[i].stand_in.copy_(params[i].grad());
     for (size_t k = 0; k < v.grad_inputs.size(); ++k) {
       if (v.input_grads[k].copy_in) v.input_grads[k].stand_in.copy_(tensors[v.grad_inputs[k]].grad());
     }
@@ -672,7 +753,7 @@ std::vector<at::Tensor> GraphedStep::replay(Entry& e, Variant& v, const std::vec
           break;
       }
     };
-    for (size_t i = 0; i < v.param_grads.size(); ++i) give_back(params[i], v.param_grads[i]);
+    for (const size_t i : v.handed_back) give_back(params[i], v.param_grads[i]);
     for (size_t k = 0; k < v.grad_inputs.size(); ++k) give_back(tensors[v.grad_inputs[k]], v.input_grads[k]);
   }
   v.landing.land();

@@ -126,7 +126,18 @@ class GraphedStep {
   // Tensors whose memory the step's graphs depend on beyond the parameters (Python: the
   // optimizers' state tensors): where one's memory moved since a capture, the call selects
   // another variant. Checked at every call (one pointer each).
-  void set_state_tensors(std::vector<at::Tensor> tensors) { state_tensors_ = std::move(tensors); }
+  void set_state_tensors(std::vector<at::Tensor> tensors) {
+    state_tensors_ = std::move(tensors);
+    ++state_tensors_version_;
+  }
+  // Note [A step's checks paid when state changes]: the front end says whether every tensor
+  // the step's graphs depend on beyond its arguments (parameters, module buffers, state
+  // tensors, main_grads) is watched, so that a change of its memory or requires_grad moves
+  // the state epoch (graphs/state_epoch.h). Then a call whose epoch did not move since the
+  // last full check of its variant compares only what no watch sees: the variant state and
+  // which gradients exist. Unwatched (the default): every call checks everything.
+  void set_watched(bool watched) { watched_ = watched; }
+  bool watched() const { return watched_; }
   GraphedStepStats stats() const;
   // Note [A step that keeps capturing]: the keys without a graph kept.
   size_t max_idle_keys() const;
@@ -134,7 +145,8 @@ class GraphedStep {
  private:
   struct Entry;
   struct Variant;
-  Variant& variant_for(Entry& e, const std::string& key, const std::vector<at::Tensor>& tensors);
+  Variant& variant_for(Entry& e, const std::vector<at::Tensor>& tensors);
+  void erase_variant(Entry& e, const std::string& pattern);
   std::vector<at::Tensor> capture(Entry& e, Variant& v, const std::string& key, const std::vector<at::Tensor>& tensors);
   std::vector<at::Tensor> replay(Entry& e, Variant& v, const std::vector<at::Tensor>& tensors);
   void evict_until_room();
@@ -148,6 +160,8 @@ class GraphedStep {
   std::list<std::pair<std::string, std::string>> lru_;  // captured (key, variant), most recent first
   std::list<std::string> key_lru_;                      // every key, most recently called first
   std::vector<at::Tensor> state_tensors_;
+  uint64_t state_tensors_version_ = 0;  // moved by set_state_tensors()
+  bool watched_ = false;
   size_t captures_ = 0;
   size_t captures_since_reset_ = 0;
   size_t replays_ = 0;

@@ -559,8 +559,12 @@ def test_failed_capture_can_be_retried():
     assert step.num_captures == 1
 
 
-def test_main_grad_reallocated_since_capture_raises():
-    # SPEC C4/C7: main_grad is checked at every replay to be the same storage.
+@pytest.mark.parametrize("how", ["reassigned", "data"])
+def test_main_grad_reallocated_since_capture_raises(how):
+    # SPEC C4/C7: main_grad must be the storage captured. `param.main_grad = t` and
+    # `main_grad.data = t` (the same tensor object, new memory) both move the state epoch
+    # (Note [A step's checks paid when state changes]: a watched step checks main_grad only
+    # then), so the next replay refuses before writing.
     m = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True))
 
     @dwgraph.graphed_step(warmup_iters=1)
@@ -571,13 +575,48 @@ def test_main_grad_reallocated_since_capture_raises():
         return loss
 
     x = torch.randn(B, H)
-    step(x), step(x)
-    old = m[0].weight.main_grad
-    m[0].weight.main_grad = torch.zeros_like(old)
+    step(x), step(x), step(x)
+    assert step._native.watched, "every tensor of this step can be watched"
+    old = m[0].weight.main_grad.data
     old_copy = old.clone()
-    with pytest.raises(dwgraph.GraphStateError, match=r"main_grad.*reallocated|reallocated.*main_grad"):
+    if how == "reassigned":
+        m[0].weight.main_grad = torch.zeros_like(old)
+    else:
+        m[0].weight.main_grad.data = torch.zeros_like(old)
+    with pytest.raises(dwgraph.GraphStateError, match=r"main_grad"):
         step(x)
-    assert torch.equal(old, old_copy), "the replay wrote into the released main_grad"
+    assert torch.equal(old, old_copy), "the replay wrote into the main_grad's old memory"
+
+
+@pytest.mark.parametrize("order", ["none,set,none", "set,none,set", "half"])
+def test_which_gradients_exist_selects_the_variant_at_every_call(order):
+    # No watch sees a .grad appear or go (zero_grad, an eager backward outside the step): a
+    # watched step still compares which gradients exist at every call. Each pattern gets its
+    # own graph; every call equals eager, bitwise, gradients included.
+    torch.manual_seed(4)
+    m = _small()
+    eager = copy.deepcopy(m)
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        return _small_body(m, x)
+
+    def prepare(model, kind):
+        for i, p in enumerate(model.parameters()):
+            if kind == "none" or (kind == "half" and i % 2):
+                p.grad = None
+            elif p.grad is None:
+                p.grad = torch.full_like(p, 0.25)
+
+    kinds = order.split(",") if order != "half" else ["none", "half", "none", "half", "set"]
+    for rnd in range(2):
+        for k, kind in enumerate(kinds * 2):
+            prepare(m, kind), prepare(eager, kind)
+            x = torch.randn(B, H)
+            assert torch.equal(step(x), _small_body(eager, x)), f"round {rnd} call {k} ({kind})"
+            assert_grads_equal(eager, m, f"round {rnd} call {k} ({kind})")
+    assert step._native.watched
+    assert step.num_captures == len(set(kinds))
 
 
 @pytest.mark.cuda

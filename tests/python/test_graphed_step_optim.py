@@ -484,7 +484,8 @@ def test_nothing_changed_reuses_the_variant_state():
 
 @pytest.mark.parametrize("change", ["training", "hook added", "hook removed",
                                     "param group added", "hyperparameter", "load_state_dict", "state.clear",
-                                    "grad_dtype", "state tensor moved", "parameter moved between groups"])
+                                    "grad_dtype", "state tensor moved", "state tensor .data",
+                                    "parameter moved between groups"])
 def test_every_change_after_replays_is_seen(change):
     eager, graphed, opt_e, opt_g, step = _watched_twins()
     captures = step.num_captures
@@ -527,6 +528,10 @@ def test_every_change_after_replays_is_seen(change):
         for o, m in ((opt_e, eager), (opt_g, graphed)):
             buf = o.state[m.a.weight]["momentum_buffer"]
             buf.set_(buf.clone())  # same tensor object, new memory
+    elif change == "state tensor .data":
+        for o, m in ((opt_e, eager), (opt_g, graphed)):
+            buf = o.state[m.a.weight]["momentum_buffer"]
+            buf.data = buf.data.clone()  # the epoch moves (a watched state tensor), not the state dict
     elif change == "parameter moved between groups":
         for o, m in ((opt_e, eager), (opt_g, graphed)):
             o.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))], "lr": 0.2})

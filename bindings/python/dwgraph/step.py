@@ -527,6 +527,11 @@ class GraphedStep:
         self._hyper_buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._state_pushed: tuple = ()
         self._trained_ids: Optional[set] = None  # what _unique_arguments refuses, cached
+        # Note [A step's checks paid when state changes] (graphs/graphed_step.h): whether
+        # every parameter, buffer, main_grad and optimizer state tensor the graphs depend on
+        # is watched (a change of its memory or requires_grad moves the state epoch), per
+        # kind; the core then checks them only when the epoch moved.
+        self._watched: Dict[str, bool] = {}
         name = getattr(fn, "__name__", type(fn).__name__)
         # Note [A graphed step holds itself weakly]: the core keeps the functions it is
         # given for its lifetime, and this object keeps the core. A bound method (or a
@@ -715,8 +720,11 @@ class GraphedStep:
             tokens.append(f"{serial}:{w.digest}:{w.state_digest}")
         pushed = tuple(pushed)
         if moved or pushed != self._state_pushed:
-            # Where the state tensors' memory is: checked by the core at every call.
-            self._native.set_state_tensors([t for o in optimizers for t in self._opt_watches[o].watched_tensors()])
+            # Where the state tensors' memory is: checked by the core when the epoch moved
+            # (every call where one cannot be watched).
+            state_tensors = [t for o in optimizers for t in self._opt_watches[o].watched_tensors()]
+            self._native.set_state_tensors(state_tensors)
+            self._note_watched("state", state_tensors)
             self._state_pushed = pushed
         return "optimizers " + ",".join(tokens)
 
@@ -908,6 +916,16 @@ class GraphedStep:
         return [leaf for leaf in out_leaves if leaf is not None]
 
     # -- what the native step asks -------------------------------------------------------
+    def _note_watched(self, kind: str, tensors) -> None:
+        """Watches `tensors` (dwgraph._watch.watch_tensor) and tells the core whether all the
+        step depends on is watched. A kind found unwatched stays so until reset(): an older
+        key's graphs may still depend on that tensor."""
+        ok = self._watched.get(kind, True)
+        for t in tensors:
+            ok = _state_watch.watch_tensor(t) and ok
+        self._watched[kind] = ok
+        self._native.watched = all(self._watched.values())
+
     def _params(self):
         if self._given is not None:
             named = list(self._given)
@@ -920,14 +938,22 @@ class GraphedStep:
                     names.setdefault(id(p), f"{type(m).__name__}.{n}")
             named = [(names.get(i, _describe(t)), t) for i, t in self._touched.items()]
         self._handed = {id(t): t for _, t in named}
+        self._note_watched("params", [t for _, t in named])
         return named
 
     def _buffers(self):
-        return [b for m in self._all_modules.values() for b in m.buffers(recurse=False)]
+        buffers = [b for m in self._all_modules.values() for b in m.buffers(recurse=False)]
+        self._note_watched("buffers", buffers)
+        return buffers
 
     def _module_specs(self):
         self._handed_modules = set(self._modules)
-        return [_spec.dwgraph_module_spec(type(m).__name__, m) for m in self._modules.values()]
+        specs = [_spec.dwgraph_module_spec(type(m).__name__, m) for m in self._modules.values()]
+        # A main_grad is read through its parameter (`param.main_grad = t` moves the epoch
+        # for a watched parameter); the buffer itself by `.data` / set_().
+        fused = [(f.param, f.main_grad() if f.main_grad else None) for s in specs for f in s.fused]
+        self._note_watched("main_grads", [t for pair in fused for t in pair if isinstance(t, torch.Tensor)])
+        return specs
 
     # -- reporting ---------------------------------------------------------------------------
     @property
