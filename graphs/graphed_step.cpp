@@ -419,18 +419,6 @@ void gradients_present(const NamedTensors& params, const std::vector<at::Tensor>
   }
 }
 
-bool same_gradients_present(const NamedTensors& params, const std::vector<at::Tensor>& tensors,
-                            const std::vector<char>& seen) {
-  size_t k = 0;
-  for (const auto& [name, p] : params) {
-    if (k >= seen.size() || seen[k++] != (has_grad(p) ? 1 : 0)) return false;
-  }
-  for (const auto& t : tensors) {
-    if (t.defined() && t.requires_grad() && (k >= seen.size() || seen[k++] != (has_grad(t) ? 1 : 0))) return false;
-  }
-  return k == seen.size();
-}
-
 // The same in words, for the log: "gradients 0.weight (.grad set, trainable, at 0x...); ...".
 std::string gradients_in_words(const NamedTensors& params, const std::vector<at::Tensor>& tensors) {
   std::ostringstream os;
@@ -466,9 +454,9 @@ GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::vector<at::T
   std::string state = opts_.variant_state ? opts_.variant_state() : std::string();
   Entry::Chosen& c = e.chosen;
   if (watched_ && c.variant && c.variant->graph && c.epoch == epoch &&
-      c.state_tensors_version == state_tensors_version_ && c.state == state &&
-      same_gradients_present(e.params, tensors, c.grads)) {
-    return *c.variant;
+      c.state_tensors_version == state_tensors_version_ && c.state == state) {
+    gradients_present(e.params, tensors, grads_now_);
+    if (grads_now_ == c.grads) return *c.variant;
   }
   if (!e.known) {
     e.params = opts_.params ? opts_.params() : NamedTensors{};

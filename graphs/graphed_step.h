@@ -125,7 +125,7 @@ class GraphedStep {
   void reset();
   // Tensors whose memory the step's graphs depend on beyond the parameters (Python: the
   // optimizers' state tensors): where one's memory moved since a capture, the call selects
-  // another variant. Checked at every call (one pointer each).
+  // another variant. Checked when the state epoch moved (set_watched), else at every call.
   void set_state_tensors(std::vector<at::Tensor> tensors) {
     state_tensors_ = std::move(tensors);
     ++state_tensors_version_;
@@ -162,6 +162,7 @@ class GraphedStep {
   std::vector<at::Tensor> state_tensors_;
   uint64_t state_tensors_version_ = 0;  // moved by set_state_tensors()
   bool watched_ = false;
+  std::vector<char> grads_now_;  // variant_for()'s scratch: which gradients exist at this call
   size_t captures_ = 0;
   size_t captures_since_reset_ = 0;
   size_t replays_ = 0;

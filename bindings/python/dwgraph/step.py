@@ -918,8 +918,8 @@ class GraphedStep:
     # -- what the native step asks -------------------------------------------------------
     def _note_watched(self, kind: str, tensors) -> None:
         """Watches `tensors` (dwgraph._watch.watch_tensor) and tells the core whether all the
-        step depends on is watched. A kind found unwatched stays so until reset(): an older
-        key's graphs may still depend on that tensor."""
+        step depends on is watched. A kind found unwatched stays so for the step's lifetime:
+        an older key's graphs may still depend on that tensor."""
         ok = self._watched.get(kind, True)
         for t in tensors:
             ok = _state_watch.watch_tensor(t) and ok
