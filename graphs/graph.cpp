@@ -92,11 +92,15 @@ void Graph::capture_abort() noexcept {
   reset();
 }
 
-void Graph::replay() {
+void Graph::check_replay() const {
   DWGRAPH_CHECK_STATE(captured_, "dwgraph graph: replay() of ", name_.empty() ? "a graph" : name_,
                       " with no capture (", is_capturing() ? "still capturing" : "never captured or reset", ")");
   detail::check_ledger(ledger_, records_, device_.is_cuda() ? "CUDA graph" : "host graph");
   pool_->order().check_replay(*order_id_);
+}
+
+void Graph::replay() {
+  check_replay();
   for (const auto& fn : host_calls_.before) fn();
   // A profiler range per replay, named after the graph (torch.profiler; an NVTX range under
   // torch.autograd.profiler.emit_nvtx): the replayed kernels show which graph they belong to.

@@ -91,6 +91,9 @@ class Graph {
   // DanglingCaptureError when a borrowed storage was released and GraphStateError when the
   // pool's replay order forbids it, having run nothing.
   void replay();
+  // What replay() checks before it runs anything (a capture, a live ledger, the pool's
+  // replay order), without running: a caller replaying several graphs checks them all first.
+  void check_replay() const;
   // Before capture_begin(): after_replay() inside the capture raises ArgumentError with
   // `why` (a graph that reads what an after-call would write).
   void refuse_after_calls(std::string why) { refuse_after_ = std::move(why); }

@@ -169,7 +169,7 @@ void GraphManager::name_storages(Graph& g, size_t s) const {
 }
 
 template <class Body>
-void GraphManager::capture(std::unique_ptr<Graph>& g, Phase phase, size_t s, Body&& body) {
+void GraphManager::capture(std::unique_ptr<Graph>& g, Phase phase, size_t s, Body&& body, const std::string& part) {
   const auto& hook = callables_[slots_[s].info.callable].capture_time_hook;
   const bool hooked = hook && phase != Phase::kBackwardDw;
   if (hooked) hook(to_string(phase), false);
@@ -177,7 +177,7 @@ void GraphManager::capture(std::unique_ptr<Graph>& g, Phase phase, size_t s, Bod
   // inside the captured backward and again at every replay.
   if (phase == Phase::kBackward && capture_guard_ != nullptr) capture_guard_->take_tensor_hooks();
   g = make_graph(device_);
-  g->set_name(c10::str(to_string(phase), " graph of ", where(s)));
+  g->set_name(c10::str(to_string(phase), " graph of ", where(s), part));
   name_storages(*g, s);
   g->capture_begin(pool_);
   try {
@@ -508,24 +508,36 @@ void GraphManager::capture_dw(size_t s) {
   }
   std::optional<GradsDetached> detached;
   if (!opts_.unsafe_capture_with_caller_grad) detached.emplace(deferred);
-  // One contribution per (module, parameter), in the order the modules land them, so a
-  // parameter tied between two modules receives a, then b, exactly as the eager modules
-  // hand them over (.grad = a; .grad += b).
-  Landing landing;
-  landing.hooks_asked_at_turn = true;
-  capture(slot.dw, Phase::kBackwardDw, s, [&] {
-    for (size_t k = 0; k < c.modules.size(); ++k) {
-      const auto& m = c.modules[k];
-      if (!module_defers(m)) continue;
-      DWGRAPH_CHECK_STATE(!m.store || !m.store->empty(), kApi, ": module '", m.name, "' of ", where(s),
-                          " has no wgrad unit queued after its backward capture; its backward asked for none of "
-                          "its weight gradients");
-      const size_t runs = k < slot.units_per_backward.size() ? std::max<size_t>(slot.units_per_backward[k], 1) : 1;
-      // Every unit of one backward (a module used twice in the forward queued two), each
-      // into its own buffer, handed over in turn: eager's backward_dw() calls add them to
-      // .grad one by one, and the sums must round the same.
-      for (size_t r = 0; r < runs; ++r) {
-        auto& shared = shared_contributions_[{slot.info.callable, k, r}];
+  auto runs_of = [&](size_t k) {
+    return k < slot.units_per_backward.size() ? std::max<size_t>(slot.units_per_backward[k], 1) : size_t{1};
+  };
+  size_t num_parts = 0;
+  for (size_t k = 0; k < c.modules.size(); ++k) num_parts += module_defers(c.modules[k]) ? runs_of(k) : 0;
+  // Note [A backward-dw graph per unit]: one graph per unit of one backward, in the order
+  // the modules land them. One contribution per (module, unit, parameter), so a parameter
+  // tied between two modules receives a, then b, exactly as the eager modules hand them
+  // over (.grad = a; .grad += b), and a module used twice hands its units over one by one,
+  // as eager's backward_dw() calls add them to .grad (the sums must round the same).
+  slot.dw_parts.clear();
+  slot.dw_hooks.assign(c.modules.size(), Landing());
+  for (size_t k = 0; k < c.modules.size(); ++k) {
+    const auto& m = c.modules[k];
+    if (!module_defers(m)) continue;
+    DWGRAPH_CHECK_STATE(!m.store || !m.store->empty(), kApi, ": module '", m.name, "' of ", where(s),
+                        " has no wgrad unit queued after its backward capture; its backward asked for none of "
+                        "its weight gradients");
+    const size_t runs = runs_of(k);
+    for (size_t r = 0; r < runs; ++r) {
+      DwPart part;
+      part.module = k;
+      part.unit = r;
+      part.param_indices = module_parameter_indices(c, m);
+      auto& shared = shared_contributions_[{slot.info.callable, k, r}];
+      const std::string label =
+          num_parts < 2 ? std::string()
+                        : c10::str(", module '", m.name.empty() ? std::string("(root)") : m.name, "'",
+                                   runs > 1 ? c10::str(" unit ", r) : std::string());
+      capture(part.graph, Phase::kBackwardDw, s, [&] {
         if (!opts_.unsafe_capture_with_caller_grad) {
           // Note [Contributions are shared across microbatches].
           for (const auto& p : m.deferred) {
@@ -536,42 +548,70 @@ void GraphManager::capture_dw(size_t s) {
           }
         }
         m.backward_dw();
-        if (opts_.unsafe_capture_with_caller_grad) continue;
+        if (opts_.unsafe_capture_with_caller_grad) return;
         for (size_t i = 0; i < m.deferred.size(); ++i) {
           const at::Tensor& p = m.deferred[i];
           if (!p.grad().defined()) continue;
-          landing.contributions.push_back(Contribution{p, p.grad(), m.deferred_names.at(i),
-                                                       Contribution::Mode::kAccumulate, parameter_index(c, p)});
+          part.landing.contributions.push_back(Contribution{p, p.grad(), m.deferred_names.at(i),
+                                                            Contribution::Mode::kAccumulate, parameter_index(c, p)});
           shared.emplace(p.unsafeGetTensorImpl(), p.grad());
           p.mutable_grad() = at::Tensor();
         }
+      }, label);
+      for (const auto& f : m.fused) {
+        if (f.set_flag && f.param.requires_grad()) {
+          part.landing.flags.push_back(FlagSetter{[f] { f.set_flag(true); }, parameter_index(c, f.param)});
+        }
       }
-    }
-  });
-  for (const auto& m : c.modules) {
-    if (!module_defers(m)) continue;
-    for (const auto& f : m.fused) {
-      if (f.set_flag && f.param.requires_grad()) {
-        landing.flags.push_back(FlagSetter{[f] { f.set_flag(true); }, parameter_index(c, f.param)});
+      for (const auto& o : slot.static_outputs) part.reads_output.push_back(o.defined() && part.graph->touches(o.storage()));
+      for (const auto& t : slot.buffers->inputs.tensors()) {
+        part.reads_input.push_back(t.defined() && part.graph->touches(t.storage()));
       }
+      for (const auto& g : slot.static_grad_outputs) {
+        part.reads_grad_output.push_back(g.defined() && part.graph->touches(g.storage()));
+      }
+      part.state->owner = where(s);
+      slot.dw_parts.push_back(std::move(part));
     }
-  }
-  for (const auto& m : c.modules) {
-    if (!module_defers(m)) continue;
+    Landing hooks;
+    hooks.hooks_asked_at_turn = true;
     const std::vector<size_t> indices = module_parameter_indices(c, m);
-    if (m.run_hooks) landing.add_hook(ModuleHooks{m.run_hooks, m.store, indices});
+    if (m.run_hooks) hooks.add_hook(ModuleHooks{m.run_hooks, m.store, indices});
     // dwgraph modules inside another library's module: their hooks after its hand-off.
     for (const auto& inner : m.inner) {
-      if (inner.defers && inner.run_hooks) landing.add_hook(ModuleHooks{inner.run_hooks, inner.store, indices});
+      if (inner.defers && inner.run_hooks) hooks.add_hook(ModuleHooks{inner.run_hooks, inner.store, indices});
     }
+    slot.dw_hooks[k] = std::move(hooks);
   }
-  slot.after_dw = std::move(landing);
-  for (const auto& o : slot.static_outputs) slot.output_read_by_dw.push_back(o.defined() && slot.dw->touches(o.storage()));
-  for (const auto& t : slot.buffers->inputs.tensors()) {
-    slot.input_read_by_dw.push_back(t.defined() && slot.dw->touches(t.storage()));
-  }
-  for (const auto& g : slot.static_grad_outputs) {
-    slot.grad_output_read_by_dw.push_back(g.defined() && slot.dw->touches(g.storage()));
+  // What any part reads: the call and the backward watch these (Note [Slot states]).
+  auto any_part = [&](std::vector<bool> DwPart::*reads, size_t n) {
+    std::vector<bool> out(n, false);
+    for (const auto& p : slot.dw_parts) {
+      for (size_t i = 0; i < n && i < (p.*reads).size(); ++i) out[i] = out[i] || (p.*reads)[i];
+    }
+    return out;
+  };
+  slot.output_read_by_dw = any_part(&DwPart::reads_output, slot.static_outputs.size());
+  slot.input_read_by_dw = any_part(&DwPart::reads_input, slot.buffers->inputs.tensors().size());
+  slot.grad_output_read_by_dw = any_part(&DwPart::reads_grad_output, slot.static_grad_outputs.size());
+  // Note [Graphed units]: each part is a unit of its module's store (and of the stores of
+  // dwgraph modules inside another library's module, which land only with the callable).
+  const std::weak_ptr<GraphManager> self = weak_from_this();
+  for (size_t p = 0; p < slot.dw_parts.size(); ++p) {
+    DwPart& part = slot.dw_parts[p];
+    const auto& m = c.modules[part.module];
+    if (m.store) {
+      part.state->land = [self, s, p, owner = where(s)] {
+        const auto manager = self.lock();
+        DWGRAPH_CHECK_STATE(manager != nullptr, owner, ": its graphs were released (the graphed callables were "
+                            "dropped) before this backward_dw()");
+        manager->land_part(s, p);
+      };
+      m.store->add_graphed_unit(part.state);
+    }
+    for (const auto& inner : m.inner) {
+      if (inner.store && inner.defers) inner.store->add_graphed_unit(part.state);
+    }
   }
   if (schedule_.pipelined() && pooled_buffers_) {
     // The pipeline order is explicit: what this backward-dw graph read may go to later
@@ -692,7 +732,6 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     for (const auto& m : callables_[slots_[s].info.callable].modules) {
       if (m.store && module_defers(m)) m.store->set_graph_owner(where(s));
     }
-    for (const auto& store : deferring_stores(slots_[s].info.callable)) store->add_pending_source(slots_[s].pending);
   }
   // Warmup and capture leave no trace (SPEC C3, C8): the guard puts back .grad,
   // parameter, buffer and main_grad contents, flags, queued units and the RNG, whether
@@ -726,10 +765,15 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     }
   } catch (...) {
     for (auto& slot : slots_) {
-      for (auto* g : {&slot.fwd, &slot.bwd, &slot.dw}) {
+      for (auto* g : {&slot.fwd, &slot.bwd}) {
         if (*g) (*g)->reset();
         g->reset();
       }
+      for (auto& part : slot.dw_parts) {
+        if (part.graph) part.graph->reset();
+      }
+      slot.dw_parts.clear();
+      slot.dw_hooks.clear();
     }
     shared_contributions_.clear();
     pool_.reset();

@@ -172,6 +172,31 @@ struct PooledWrite {
   void remove() noexcept;
 };
 
+// Note [A backward-dw graph per unit]: a slot's backward-dw work is captured as one graph
+// per unit that one backward of the callable queues (per deferring module, and per use of
+// a module used twice in the forward), each with its own contributions. A module's
+// backward_dw() on the graphed callable lands its oldest pending part through its store
+// (Note [Graphed units] in ops/wgrad_store.h), as eager lands its oldest unit; the
+// callable's backward_dw() lands every part of the slot still pending, in capture order:
+// it checks every pending part (hand-off, saved tensors, the pool's replay order) before it
+// replays any, so one failed check writes nothing. A part whose module the backward did
+// not reach (an output the loss does not use) is not pending, as an eager module whose
+// backward did not run queues nothing: it is not replayed (no zero accumulation into
+// main_grad, no flag, no hooks) and that module's backward_dw() is refused as eager's is.
+// On CUDA each part is one graph launch: the callable's backward_dw() costs one launch per
+// deferring module (per use), where one graph would cost one.
+struct DwPart {
+  size_t module = 0;  // index into the callable's modules
+  size_t unit = 0;    // which of that module's units of one backward
+  std::unique_ptr<Graph> graph;
+  Landing landing;  // contributions and grad_added_to_main_grad flags (hooks: Slot::dw_hooks)
+  std::vector<size_t> param_indices;  // the module's deferred and fused parameters (callable indices)
+  // What its graph reads of the slot's static inputs, outputs and grad outputs.
+  std::vector<bool> reads_input, reads_output, reads_grad_output;
+  // Pending flag and sequence, counted by the module's store (and inner stores).
+  std::shared_ptr<ops::GraphedUnit> state = std::make_shared<ops::GraphedUnit>();
+};
+
 struct Slot {
   SlotInfo info;
   std::string where;  // "graphed callable 0 ('Linear')", for messages
@@ -200,7 +225,11 @@ struct Slot {
   std::vector<std::vector<uint8_t>> reaches;
   std::vector<uint8_t> reached;
   std::vector<at::Tensor> static_grad_inputs;
-  std::unique_ptr<Graph> fwd, bwd, dw;
+  std::unique_ptr<Graph> fwd, bwd;
+  std::vector<DwPart> dw_parts;  // Note [A backward-dw graph per unit]
+  // Per module of the callable: its delayed hooks after a landing of its parts (empty for
+  // modules without deferral).
+  std::vector<Landing> dw_hooks;
   // Note [Parameter gradients through one node]: built once at capture, with an edge per
   // parameter that requires grad (param_node_edges, indices into grad_param_indices).
   dwgraph::detail::NodePtr param_node;
@@ -209,15 +238,12 @@ struct Slot {
   at::Tensor param_token;  // what the call's node sends param_node
   std::vector<at::Tensor> param_grads;  // stashed by the backward for param_node (per edge)
   Landing after_backward;  // flags and hooks of modules without deferral
-  Landing after_dw;        // hand-off, flags and hooks of deferring modules
   LiveMask dw_live;        // of the backward whose backward-dw is pending (empty: all)
   // Per module of the callable: how many units one backward queues (a module used twice
   // in the forward queues two), so the backward-dw graph runs them all.
   std::vector<size_t> units_per_backward;
   // Replay state (Note [Slot states]), guarded by GraphManager::mu_.
   SlotState state = SlotState::kIdle;
-  // Counted by every deferring module's store as a pending backward-dw (O(1) to flip).
-  std::shared_ptr<ops::PendingFlag> pending = std::make_shared<ops::PendingFlag>(0);
   // kDwPending: where its backward stands among the deferred work of the process
   // (ops::next_wgrad_sequence()), so backward_dw() lands older eager units first.
   uint64_t dw_sequence = 0;
@@ -292,7 +318,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   CallerState caller_state() const;
   void name_storages(Graph& g, size_t s) const;
   template <class Body>
-  void capture(std::unique_ptr<Graph>& g, Phase phase, size_t s, Body&& body);
+  void capture(std::unique_ptr<Graph>& g, Phase phase, size_t s, Body&& body, const std::string& part = "");
   void warmup();
   void capture_fwd(size_t s);
   void capture_bwd(size_t s);
@@ -310,8 +336,19 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   void run_eager_backward_dw(size_t s);
   void share_static_buffers();
   bool busy(const Slot& slot) const;  // with mu_ held
-  // Moves a slot to `next` (with mu_ held), keeping its pending flag in step.
+  // Moves a slot to `next` (with mu_ held), keeping its parts' pending flags in step:
+  // kDwPending arms the parts whose module slot.dw_live reaches; kIdle disarms all.
   void set_state(Slot& slot, SlotState next);
+  // Disarms part p (landed or dropped), the slot going idle when none is left (mu_ held).
+  void disarm_part(Slot& slot, size_t p);
+  size_t num_armed_parts(const Slot& slot) const;  // with mu_ held
+  // A module's backward_dw() on the graphed callable: lands part p of slot s (its store
+  // chose it, Note [Graphed units]) without the module's hooks.
+  void land_part(size_t s, size_t p);
+  // Refuses (dropping `drop`, and the slot's dw state when none is left armed) when a tensor
+  // some part in `parts` reads was changed in place since the graphs saw it.
+  void check_saved_versions(Slot& slot, const std::vector<size_t>& parts, const std::vector<size_t>& drop,
+                            const std::string& who);
   // Marks every pending backward-dw as lost in the modules' stores (graphs released).
   void release_pending();
   // The slot's backward and backward-dw will not read what its last forward saved.

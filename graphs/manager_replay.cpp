@@ -461,18 +461,19 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
     result.live.assign(callables_[ci].parameters.size(), 0);
     for (size_t j = 0; j < np; ++j) result.live[slot.grad_param_indices[j]] = live[ni + j];
   }
-  if (defers_[ci] && !dw_pending && slot.dw) {
-    // No backward_dw() will follow (a backward that asked for no deferred weight): what
-    // the forward and this backward wrote for the backward-dw graph is not read.
-    slot.fwd->abandon_for(*slot.dw);
-    slot.bwd->abandon_for(*slot.dw);
-    slot.input_write.abandon_for(*slot.dw);
-    slot.grad_write.abandon_for(*slot.dw);
-  }
   const std::lock_guard<std::mutex> lock(mu_);
   slot.param_grads = std::move(param_grads);
   slot.dw_live = result.live;
   set_state(slot, defers_[ci] && dw_pending ? SlotState::kDwPending : SlotState::kIdle);
+  for (const auto& part : slot.dw_parts) {
+    if (part.state->pending.load(std::memory_order_acquire) > 0 || !part.graph) continue;
+    // No backward_dw() will replay this part (a backward that asked for none of its
+    // module's weights): what the forward and this backward wrote for it is not read.
+    slot.fwd->abandon_for(*part.graph);
+    slot.bwd->abandon_for(*part.graph);
+    slot.input_write.abandon_for(*part.graph);
+    slot.grad_write.abandon_for(*part.graph);
+  }
   return result;
 }
 
@@ -522,6 +523,47 @@ std::vector<std::shared_ptr<ops::WgradStore>> GraphManager::deferring_stores(siz
   return out;
 }
 
+void GraphManager::check_saved_versions(Slot& slot, const std::vector<size_t>& parts, const std::vector<size_t>& drop,
+                                        const std::string& who) {
+  auto read_by = [&](const WatchedVersion& v) {
+    for (size_t p : parts) {
+      const DwPart& part = slot.dw_parts[p];
+      const std::string what = v.what;
+      const auto& reads = what == "input" ? part.reads_input : what == "output" ? part.reads_output : part.reads_grad_output;
+      if (v.index < reads.size() && reads[v.index]) return true;
+    }
+    return false;
+  };
+  std::vector<const WatchedVersion*> watched;
+  for (const auto& v : slot.dw_inputs) watched.push_back(&v);
+  for (const auto& v : slot.dw_grads) watched.push_back(&v);
+  for (const WatchedVersion* p : watched) {
+    const WatchedVersion& v = *p;
+    if (v.counter.current_version() == v.version || !read_by(v)) continue;
+    const std::string what = v.what;
+    const size_t index = v.index;
+    {
+      // As an eager dwgraph module drops the unit whose inputs changed: it can never land
+      // eager's gradient.
+      const std::lock_guard<std::mutex> lock(mu_);
+      for (size_t d : drop) {
+        if (slot.dw_parts[d].state->pending.load(std::memory_order_acquire) <= 0) continue;
+        disarm_part(slot, d);
+        const Graph& reader = *slot.dw_parts[d].graph;
+        slot.fwd->abandon_for(reader);
+        slot.bwd->abandon_for(reader);
+        slot.input_write.abandon_for(reader);
+        slot.grad_write.abandon_for(reader);
+      }
+    }
+    DWGRAPH_CHECK_STATE(false, who, ": ", what, " ", index, " of its ",
+                        what == "output gradient" ? "backward" : "call",
+                        " was modified by an inplace operation since, but its weight gradients need the value "
+                        "the graphs saw (as the eager modules, which refuse this too); that backward's weight "
+                        "gradients are dropped", drop.size() < parts.size() ? " (this module's unit)" : "");
+  }
+}
+
 void GraphManager::backward_dw(size_t s) {
   check_live("backward_dw()");
   Slot& slot = slots_.at(s);
@@ -530,10 +572,14 @@ void GraphManager::backward_dw(size_t s) {
   DWGRAPH_CHECK_STATE(defers_[ci], w, ".backward_dw(): it has no module with deferred weight gradients");
   SlotState state;
   uint64_t sequence;
+  std::vector<size_t> parts;  // Note [A backward-dw graph per unit]: the ones still pending
   {
     const std::lock_guard<std::mutex> lock(mu_);
     state = slot.state;
     sequence = slot.dw_sequence;
+    for (size_t p = 0; p < slot.dw_parts.size(); ++p) {
+      if (slot.dw_parts[p].state->pending.load(std::memory_order_acquire) > 0) parts.push_back(p);
+    }
   }
   // FIFO (contract C1): eager units its modules queued before the graphed backward (calls
   // in a mode the graphs were not captured in) land first, as their backward_dw() would.
@@ -546,54 +592,96 @@ void GraphManager::backward_dw(size_t s) {
       older_eager = older_eager || (oldest && *oldest < sequence);
     }
   }
-  if (state != SlotState::kDwPending || older_eager) {
+  if (state != SlotState::kDwPending || parts.empty() || older_eager) {
     run_eager_backward_dw(s);
     return;
   }
   verify(ci, w, /*front_end=*/false);
   const LiveMask live = slot.dw_live;
+  const std::string who = w + ".backward_dw()";
   {
-    // The hand-off's own check (before anything is written): timed with the hand-off.
+    // The hand-off's own checks (before anything is written): timed with the hand-off.
     uint64_t check_ns = 0;
     {
       const ScopedNs t(&check_ns);
-      slot.after_dw.check(w + ".backward_dw()", live);
+      for (size_t p : parts) slot.dw_parts[p].landing.check(who, live);
     }
     add_phase_time(TimedPhase::kBackwardDw, 0, check_ns, false);
   }
-  std::vector<const WatchedVersion*> watched;
-  for (const auto& v : slot.dw_inputs) watched.push_back(&v);
-  for (const auto& v : slot.dw_grads) watched.push_back(&v);
-  for (const WatchedVersion* p : watched) {
-    const WatchedVersion& v = *p;
-    if (v.counter.current_version() == v.version) continue;
-    const std::string what = v.what;
-    const size_t index = v.index;
-    slot.dw_grads.clear();
-    {
-      // As an eager dwgraph module drops the unit whose inputs changed: it can never land
-      // eager's gradient.
-      const std::lock_guard<std::mutex> lock(mu_);
-      set_state(slot, SlotState::kIdle);
-    }
-    DWGRAPH_CHECK_STATE(false, w, ".backward_dw(): ", what, " ", index, " of its ",
-                        what == "output gradient" ? "backward" : "call",
-                        " was modified by an inplace operation since, but its weight gradients need the value "
-                        "the graphs saw (as the eager modules, which refuse this too); that backward's weight "
-                        "gradients are dropped");
-  }
+  // A changed saved tensor drops every pending part: that backward's weight gradients.
+  check_saved_versions(slot, parts, parts, who);
+  // Every part's graph is checked before any replays: one refusal writes nothing.
+  for (size_t p : parts) slot.dw_parts[p].graph->check_replay();
   uint64_t replay_ns = 0;
   {
     const ScopedNs t(&replay_ns);
-    slot.dw->replay();
+    for (size_t p : parts) slot.dw_parts[p].graph->replay();
   }
-  slot.dw_grads.clear();
+  std::vector<Landing> hooks;  // copies: a hook may reset() the graphs that own them
   {
     const std::lock_guard<std::mutex> lock(mu_);
     set_state(slot, SlotState::kIdle);
+    // Once per module with a part landing now (a module used twice runs its hooks once per
+    // backward_dw(), as eager), after every part's hand-off.
+    size_t last = slot.dw_hooks.size();
+    for (size_t p : parts) {
+      const size_t k = slot.dw_parts[p].module;
+      if (k < slot.dw_hooks.size() && k != last) hooks.push_back(slot.dw_hooks[k]);
+      last = k;
+    }
   }
   add_phase_time(TimedPhase::kBackwardDw, replay_ns, 0, true);
-  slot.after_dw.land(live, /*timed=*/true);
+  for (size_t p : parts) slot.dw_parts[p].landing.land(live, /*timed=*/true);
+  for (const auto& h : hooks) h.land(live);
+}
+
+void GraphManager::land_part(size_t s, size_t p) {
+  check_live("backward_dw()");
+  Slot& slot = slots_.at(s);
+  DwPart& part = slot.dw_parts.at(p);
+  const size_t ci = slot.info.callable;
+  const auto& m = callables_[ci].modules.at(part.module);
+  const std::string who = c10::str(slot.where, ": module '", m.name.empty() ? std::string("(root)") : m.name,
+                                   "'.backward_dw()");
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    DWGRAPH_CHECK_STATE(slot.state == SlotState::kDwPending && part.state->pending.load(std::memory_order_acquire) > 0,
+                        who, ": expected its unit pending in the graphs, got none (another thread landed it)");
+  }
+  verify(ci, slot.where, /*front_end=*/false);
+  const LiveMask live = slot.dw_live;
+  {
+    uint64_t check_ns = 0;
+    {
+      const ScopedNs t(&check_ns);
+      part.landing.check(who, live);
+    }
+    add_phase_time(TimedPhase::kBackwardDw, 0, check_ns, false);
+  }
+  // As an eager module: a changed saved tensor drops this module's unit only.
+  check_saved_versions(slot, {p}, {p}, who);
+  uint64_t replay_ns = 0;
+  {
+    const ScopedNs t(&replay_ns);
+    part.graph->replay();
+  }
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    disarm_part(slot, p);
+  }
+  add_phase_time(TimedPhase::kBackwardDw, replay_ns, 0, true);
+  part.landing.land(live, /*timed=*/true);  // the module's backward_dw() runs its hooks
+}
+
+size_t GraphManager::num_armed_parts(const Slot& slot) const {
+  size_t n = 0;
+  for (const auto& part : slot.dw_parts) n += part.state->pending.load(std::memory_order_acquire) > 0 ? 1 : 0;
+  return n;
+}
+
+void GraphManager::disarm_part(Slot& slot, size_t p) {
+  slot.dw_parts.at(p).state->pending.store(0, std::memory_order_release);
+  if (num_armed_parts(slot) == 0 && slot.state == SlotState::kDwPending) set_state(slot, SlotState::kIdle);
 }
 
 void GraphManager::run_eager_backward_dw(size_t s) {
@@ -625,7 +713,9 @@ void GraphManager::run_eager_backward_dw(size_t s) {
 
 void GraphManager::abandon_activations(Slot& slot) {
   if (!slot.fwd) return;
-  for (const auto* reader : {slot.bwd.get(), slot.dw.get()}) {
+  std::vector<const Graph*> readers = {slot.bwd.get()};
+  for (const auto& part : slot.dw_parts) readers.push_back(part.graph.get());
+  for (const auto* reader : readers) {
     if (reader == nullptr) continue;
     slot.fwd->abandon_for(*reader);
     slot.input_write.abandon_for(*reader);
@@ -636,7 +726,16 @@ void GraphManager::set_state(Slot& slot, SlotState next) {
   const bool is = next == SlotState::kDwPending;
   slot.state = next;
   if (is) slot.dw_sequence = ops::next_wgrad_sequence();
-  slot.pending->store(is ? 1 : 0, std::memory_order_release);
+  if (!is) slot.dw_grads.clear();  // nothing of that backward will be read
+  // Note [A backward-dw graph per unit]: a part is pending when the backward gave its
+  // module's deferred (or fused) parameters a gradient; in capture order, which is its
+  // module's FIFO order.
+  for (auto& part : slot.dw_parts) {
+    bool armed = false;
+    for (size_t i : part.param_indices) armed = armed || (is && is_live(slot.dw_live, i));
+    if (armed) part.state->sequence.store(ops::next_wgrad_sequence(), std::memory_order_release);
+    part.state->pending.store(armed ? 1 : 0, std::memory_order_release);
+  }
 }
 
 void GraphManager::release_pending() {
@@ -645,8 +744,16 @@ void GraphManager::release_pending() {
   const std::lock_guard<std::mutex> lock(mu_);
   for (auto& slot : slots_) {
     if (slot.state != SlotState::kDwPending) continue;
+    const auto& c = callables_[slot.info.callable];
+    for (const auto& part : slot.dw_parts) {
+      if (part.state->pending.load(std::memory_order_acquire) <= 0) continue;
+      const auto& m = c.modules.at(part.module);
+      if (m.store) m.store->add_graph_lost(1);
+      for (const auto& inner : m.inner) {
+        if (inner.store && inner.defers) inner.store->add_graph_lost(1);
+      }
+    }
     set_state(slot, SlotState::kIdle);
-    for (const auto& store : deferring_stores(slot.info.callable)) store->add_graph_lost(1);
   }
 }
 
@@ -655,13 +762,18 @@ GraphManager::~GraphManager() { release_pending(); }
 void GraphManager::reset() {
   release_pending();
   for (auto& slot : slots_) {
-    for (auto* g : {&slot.fwd, &slot.bwd, &slot.dw}) {
+    for (auto* g : {&slot.fwd, &slot.bwd}) {
       if (*g) (*g)->reset();
       g->reset();
     }
+    for (auto& part : slot.dw_parts) {
+      if (part.graph) part.graph->reset();
+      part.state->land = nullptr;
+    }
+    slot.dw_parts.clear();
+    slot.dw_hooks.clear();
     slot.input_write.remove();
     slot.grad_write.remove();
-    slot.after_dw = Landing();
     slot.after_backward = Landing();
     slot.dw_inputs.clear();
     slot.dw_grads.clear();
@@ -693,7 +805,9 @@ void GraphManager::reset() {
 
 int64_t GraphManager::contribution_bytes(size_t s) const {
   int64_t n = 0;
-  for (const auto& c : slots_.at(s).after_dw.contributions) n += static_cast<int64_t>(c.buffer.nbytes());
+  for (const auto& part : slots_.at(s).dw_parts) {
+    for (const auto& c : part.landing.contributions) n += static_cast<int64_t>(c.buffer.nbytes());
+  }
   return n;
 }
 
@@ -714,18 +828,21 @@ GraphedStats GraphManager::stats() const {
     return n;
   };
   for (const auto& slot : slots_) {
-    for (const auto& c : slot.after_dw.contributions) {
-      if (seen.insert(c.buffer.storage().data()).second) st.contribution_bytes += static_cast<int64_t>(c.buffer.nbytes());
+    for (const auto& part : slot.dw_parts) {
+      for (const auto& c : part.landing.contributions) {
+        if (seen.insert(c.buffer.storage().data()).second) st.contribution_bytes += static_cast<int64_t>(c.buffer.nbytes());
+      }
     }
     // Shared buffers (reuse_static_buffers) count once.
     st.static_bytes += distinct(slot.buffers->inputs.tensors()) + bytes(slot.static_outputs) +
                        distinct(slot.static_grad_outputs) + bytes(slot.static_grad_inputs);
-    const std::pair<Phase, const std::unique_ptr<Graph>*> kinds[] = {
-        {Phase::kForward, &slot.fwd}, {Phase::kBackward, &slot.bwd}, {Phase::kBackwardDw, &slot.dw}};
+    std::vector<std::pair<Phase, const Graph*>> kinds = {{Phase::kForward, slot.fwd.get()},
+                                                         {Phase::kBackward, slot.bwd.get()}};
+    for (const auto& part : slot.dw_parts) kinds.emplace_back(Phase::kBackwardDw, part.graph.get());
     for (const auto& [phase, g] : kinds) {
-      if (!*g) continue;
-      st.graphs.push_back(GraphInfo{slot.where, to_string(phase), (*g)->num_kernels()});
-      st.num_kernels += (*g)->num_kernels();
+      if (g == nullptr) continue;
+      st.graphs.push_back(GraphInfo{slot.where, to_string(phase), g->num_kernels()});
+      st.num_kernels += g->num_kernels();
     }
   }
   st.num_graphs = st.graphs.size();

@@ -47,16 +47,41 @@ void WgradStore::push(uint64_t unit_id, const void* source, Work work, Work chec
 void WgradStore::run_oldest(const std::string& owner) {
   Unit unit;
   std::vector<Work> checks, stale;
+  std::shared_ptr<GraphedUnit> graphed;
   {
     const std::lock_guard<std::mutex> lock(mu_);
-    DWGRAPH_CHECK_STATE(!units_.empty(), owner,
-                        ".backward_dw(): no deferred weight-gradient work is queued; expected "
-                        "one unit per backward (delay_wgrad_compute=True), got 0 queued units",
-                        graph_owner_.empty() ? std::string()
-                                             : "; its graphed backward queues its work in the graphs of " +
-                                                   graph_owner_ + ": call that callable's backward_dw()");
-    checks = units_.front().checks;
-    stale = units_.front().stale;
+    // Note [Graphed units]: FIFO across this store's eager units and its units pending in
+    // graphs (of every pipeline slot), by the sequence of the backward that queued them.
+    if (captures_ == 0) {
+      for (const auto& w : graphed_units_) {
+        auto u = w.lock();
+        if (!u || u->pending.load(std::memory_order_acquire) <= 0) continue;
+        if (!graphed || u->sequence.load(std::memory_order_acquire) < graphed->sequence.load(std::memory_order_acquire)) {
+          graphed = std::move(u);
+        }
+      }
+    }
+    if (graphed && !units_.empty() && units_.front().sequence < graphed->sequence.load(std::memory_order_acquire)) {
+      graphed.reset();  // an older eager unit lands first
+    }
+    if (graphed) {
+      DWGRAPH_CHECK_STATE(static_cast<bool>(graphed->land), owner, ".backward_dw(): its oldest deferred unit waits in the "
+                          "graphs of ", graphed->owner, ", inside another module whose backward_dw() the graphs "
+                          "replace; expected that module's unit to land with the callable: call that callable's "
+                          "backward_dw()");
+    } else {
+      DWGRAPH_CHECK_STATE(!units_.empty(), owner,
+                          ".backward_dw(): no deferred weight-gradient work is queued; expected "
+                          "one unit per backward (delay_wgrad_compute=True), got 0 queued units",
+                          graph_owner_.empty() ? std::string()
+                                               : " (none pending in the graphs of " + graph_owner_ + " either)");
+      checks = units_.front().checks;
+      stale = units_.front().stale;
+    }
+  }
+  if (graphed) {
+    graphed->land();  // outside the lock: it replays and hands off (the manager decides)
+    return;
   }
   // Outside the lock (they may call Python).
   for (auto& c : checks) c();  // a failure leaves the unit queued
@@ -101,12 +126,12 @@ size_t WgradStore::num_units() const {
   return units_.size();
 }
 
-void WgradStore::add_pending_source(const std::shared_ptr<PendingFlag>& flag) {
+void WgradStore::add_graphed_unit(const std::shared_ptr<GraphedUnit>& unit) {
   const std::lock_guard<std::mutex> lock(mu_);
-  pending_sources_.erase(std::remove_if(pending_sources_.begin(), pending_sources_.end(),
-                                        [](const std::weak_ptr<PendingFlag>& w) { return w.expired(); }),
-                         pending_sources_.end());
-  pending_sources_.push_back(flag);
+  graphed_units_.erase(std::remove_if(graphed_units_.begin(), graphed_units_.end(),
+                                      [](const std::weak_ptr<GraphedUnit>& w) { return w.expired(); }),
+                       graphed_units_.end());
+  graphed_units_.push_back(unit);
 }
 
 void WgradStore::add_graph_lost(size_t n) {
@@ -122,8 +147,8 @@ size_t WgradStore::num_graph_lost() const {
 size_t WgradStore::num_graph_pending() const {
   const std::lock_guard<std::mutex> lock(mu_);
   size_t n = 0;
-  for (const auto& w : pending_sources_) {
-    if (auto flag = w.lock()) n += static_cast<size_t>(std::max(flag->load(std::memory_order_acquire), 0));
+  for (const auto& w : graphed_units_) {
+    if (auto u = w.lock()) n += static_cast<size_t>(std::max(u->pending.load(std::memory_order_acquire), 0));
   }
   return n;
 }
@@ -173,6 +198,7 @@ std::unique_ptr<WgradStore::Stash> WgradStore::take_queued() {
   count_units(-static_cast<std::ptrdiff_t>(stash->units.size()));
   stash->consumed.swap(consumed_);
   stash->retain_consumed = retain_consumed_;
+  ++captures_;
   return stash;
 }
 
@@ -184,6 +210,7 @@ void WgradStore::restore_queued(std::unique_ptr<Stash> stash) {
     drop_units.swap(units_);
     count_units(-static_cast<std::ptrdiff_t>(drop_units.size()));
     drop_consumed.swap(consumed_);
+    if (captures_ > 0) --captures_;
     if (stash) {
       units_.swap(stash->units);
       count_units(static_cast<std::ptrdiff_t>(units_.size()));

@@ -33,10 +33,25 @@ size_t num_queued_units_anywhere();
 // hooked module anywhere skips its per-module scan (contract C10).
 size_t num_stores_with_hooks();
 
-// One graphed slot's pending backward-dw (0 or 1), shared by the stores of the modules
-// whose work it holds: the slot flips it in O(1) whatever the number of modules, and each
-// store reads it when asked how much is pending.
-using PendingFlag = std::atomic<int>;
+// Note [Graphed units]: one unit of a store's work that waits in a graph instead of its
+// FIFO: a graphed callable's backward-dw part for this module (one per unit one backward
+// of the callable queues: a module used twice in the forward has two; graphs/manager_impl.h).
+// The graph manager owns it: `pending` is 1 from the graphed backward that owes the unit
+// until the unit lands or is dropped, and `sequence` is that backward's place among the
+// process's deferred work (next_wgrad_sequence()). The store counts pending units
+// (num_graph_pending) and, in run_oldest, lands the oldest of its eager units and pending
+// graphed units, so a module's backward_dw() on a graphed callable lands its own part in
+// the order eager's FIFO would (across the pipeline slots of the callable too). `land`
+// checks, replays that part and hands its gradients over (no hooks: the module's own
+// backward_dw() runs them), or throws a typed error having written nothing; null for work
+// that lands only with its callable's backward_dw() (a dwgraph module inside another
+// library's deferring module, whose own backward_dw() the graphs replace).
+struct GraphedUnit {
+  std::atomic<int> pending{0};
+  std::atomic<uint64_t> sequence{0};
+  std::function<void()> land;
+  std::string owner;  // where the graphs are, for messages ("graphed callable 0 ('Sequential')")
+};
 
 class WgradStore {
  public:
@@ -66,12 +81,10 @@ class WgradStore {
   void run_oldest(const std::string& owner);
 
   size_t num_units() const;
-  // Backwards whose work waits in graphs instead (a graphed callable replayed their
-  // backward, its backward_dw() is pending): the sum of the flags of the graphed slots
-  // that hold this module's work (add_pending_source, once per slot at capture; dead
-  // flags are dropped). With num_units() it is everything that must land before an
-  // optimizer step.
-  void add_pending_source(const std::shared_ptr<PendingFlag>& flag);
+  // Units whose work waits in graphs instead (Note [Graphed units]): the pending graphed
+  // units registered here (add_graphed_unit, once per part at capture; dead ones are
+  // dropped). With num_units() it is everything that must land before an optimizer step.
+  void add_graphed_unit(const std::shared_ptr<GraphedUnit>& unit);
   size_t num_graph_pending() const;
   // Graphed backwards whose graphs were released (reset(), the graphed callable dropped)
   // before their backward_dw(): their weight gradients never land. Counted as pending so an
@@ -104,7 +117,8 @@ class WgradStore {
 
   // Graph capture must not run (or lose) work the caller queued before it, nor leave
   // work of its own behind: it takes the queued units out first and puts them back, in
-  // front of nothing, once it is over (graphs/caller_state.h).
+  // front of nothing, once it is over (graphs/caller_state.h). Until then run_oldest lands
+  // no graphed unit: a capture's backward_dw() runs the units its own backward queued.
   struct Stash;
   std::unique_ptr<Stash> take_queued();
   // Drops what was queued or retained since take_queued() and restores the stash.
@@ -142,7 +156,8 @@ class WgradStore {
   uint64_t next_id_ = 1;
   int hooks_suppressed_ = 0;
   std::atomic<size_t> num_hooks_{0};
-  mutable std::vector<std::weak_ptr<PendingFlag>> pending_sources_;
+  mutable std::vector<std::weak_ptr<GraphedUnit>> graphed_units_;
+  int captures_ = 0;  // take_queued() without its restore_queued(): graphed units do not land
   size_t graph_lost_ = 0;
   std::string graph_owner_;
 

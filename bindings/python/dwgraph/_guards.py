@@ -93,7 +93,8 @@ def _install() -> None:
 def _queued(m):
     store = m._wgrad_store
     graphed, lost = store.num_graph_pending(), store.num_graph_lost()
-    where = (f" ({graphed} of them in the graphs of a graphed callable: call its backward_dw())" if graphed else "")
+    where = (f" ({graphed} of them in the graphs of a graphed callable: call its backward_dw(), or the module's)"
+             if graphed else "")
     if lost:
         where += (f" ({lost} of them were pending in graphs released before their backward_dw(), by reset() or "
                   "by dropping the graphed callable: those gradients are lost; call discard_wgrad_units() on the "
