@@ -17,6 +17,9 @@ rest not to grow with the tree.
 The Python front end and pybind's call are not counted here (bench_overhead.py's time covers
 them; they do not depend on the tree).
 
+The same for ``@graphed_step`` (the model of bench_step.py's overhead), counted from the
+start of the timed loop to its end, the Python front end included.
+
     python bench/bench_overhead_instructions.py [--quick]   (needs valgrind; CPU only)
 """
 
@@ -59,6 +62,53 @@ subprocess.run(["callgrind_control", "--zero", str(os.getpid())], check=True, st
 for _ in range(steps):
     step()
 """
+
+
+# @graphed_step: the model of bench_step.overhead (Linear(4, 4) layers, SGD with momentum,
+# zero_grad inside the step). Counted from the loop's start to its end (callgrind_control
+# --zero, --dump), the Python front end included: the whole call besides the replay.
+_STEP_DRIVER = r"""
+import os, subprocess, sys
+sys.path.insert(0, sys.argv[3])
+import bench_step
+n, steps = int(sys.argv[1]), int(sys.argv[2])
+step, _ = bench_step.overhead_step(n)
+for _ in range(6):
+    step()
+pid = str(os.getpid())
+subprocess.run(["callgrind_control", "--zero", pid], check=True, stdout=subprocess.DEVNULL)
+for _ in range(steps):
+    step()
+subprocess.run(["callgrind_control", "--dump", pid], check=True, stdout=subprocess.DEVNULL)
+assert step.num_captures == 1, step.num_captures
+"""
+STEP_CALL = "dwgraph::graphs::GraphedStep::operator()("
+STEP_VARIANT = "dwgraph::graphs::GraphedStep::variant_for("
+
+
+def _inclusive(flat: str, entry: str) -> int:
+    """Inclusive instructions of `entry` in callgrind_annotate --inclusive=yes output."""
+    if entry == "PROGRAM TOTALS":
+        m = re.search(r"^\s*([\d,]+) .*PROGRAM TOTALS", flat, re.M)
+        return int(m.group(1).replace(",", "")) if m else 0
+    # The largest line: a recursive call appears again as "name'2", inside the first.
+    return max((int(line.split()[0].replace(",", "")) for line in flat.splitlines()
+                if entry in line and re.match(r"^\s*[\d,]+ ", line)), default=0)
+
+
+def _measure_step(size: int, steps: int, workdir: str):
+    driver = os.path.join(workdir, "step_driver.py")
+    with open(driver, "w") as f:
+        f.write(_STEP_DRIVER)
+    out = os.path.join(workdir, f"step{size}.out")
+    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, driver, str(size),
+                    str(steps), os.path.dirname(os.path.abspath(__file__))], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    flat = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", out + ".1"], check=True,
+                          capture_output=True, text=True).stdout
+    total, call = _inclusive(flat, "PROGRAM TOTALS"), _inclusive(flat, STEP_CALL)
+    replay, variant = _inclusive(flat, REPLAY), _inclusive(flat, STEP_VARIANT)
+    return {"outside": (total - replay) / steps, "python": (total - call) / steps, "variant": variant / steps,
+            "core": (call - replay - variant) / steps}
 
 
 def _children(tree: str, entry: str):
@@ -116,6 +166,19 @@ def main() -> None:
     for phase in ENTRY:
         a, b = rows[SIZES[0]][phase][0], rows[SIZES[-1]][phase][0]
         print(f"| {phase} | {b / a:.2f} |" if a > 0 else f"| {phase} | n/a |")
+    print("\n# @graphed_step: instructions per call outside the graph replay (callgrind, after warmup;\n"
+          "# the Python front end included; hand-off and copies are in 'core')\n")
+    print("| modules | whole call besides replay | Python front end | variant check (incl. its Python) | "
+          "rest of the core (key, checks, copies, hand-off) |")
+    print("|---:|---:|---:|---:|---:|")
+    step_rows = {}
+    with tempfile.TemporaryDirectory() as d:
+        for size in SIZES:
+            r = step_rows[size] = _measure_step(size, steps, d)
+            print(f"| {size} | {r['outside']:,.0f} | {r['python']:,.0f} | {r['variant']:,.0f} | {r['core']:,.0f} |",
+                  flush=True)
+    a, b = step_rows[SIZES[0]]["outside"], step_rows[SIZES[-1]]["outside"]
+    print(f"\n| graphed_step | largest / smallest {b / a:.2f} |")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ def _phase(name):
     return totals.get(name)
 
 
-def overhead(n_modules, iters, scheduler, reps):
+def overhead_step(n_modules, scheduler=False):
+    """The step overhead() times (and bench_overhead_instructions.py counts), and its scheduler."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n_modules)])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -48,7 +49,11 @@ def overhead(n_modules, iters, scheduler, reps):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    step = dwgraph.graphed_step(body)
+    return dwgraph.graphed_step(body), sched
+
+
+def overhead(n_modules, iters, scheduler, reps):
+    step, sched = overhead_step(n_modules, scheduler)
     for _ in range(6):
         step()
         if sched:

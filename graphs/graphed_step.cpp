@@ -324,10 +324,12 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
                       " requires grad and has autograd history (it is not a leaf); a graphed step cannot "
                       "backpropagate into the caller's graph. Detach it, or compute it inside the step");
   }
-  std::ostringstream os;
-  os << key << "|tensors ";
-  for (const auto& t : tensors) append_tensor_key(os, t);
-  std::string full = os.str();
+  std::string full = key + "|tensors ";
+  if (!tensors.empty()) {  // (a stream costs more than the rest of the key)
+    std::ostringstream os;
+    for (const auto& t : tensors) append_tensor_key(os, t);
+    full += os.str();
+  }
   auto it = entries_.find(full);
   if (it == entries_.end()) {
     it = entries_.emplace(full, std::make_unique<Entry>()).first;
@@ -369,9 +371,13 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
       throw;
     }
   }
-  const auto id = std::make_pair(full, v.pattern);
-  lru_.remove(id);
-  lru_.push_front(id);
+  if (lru_.empty() || lru_.front().first != full || lru_.front().second != v.pattern) {
+    // Moved to the front only when another graph ran last: the pattern holds a few bytes
+    // per parameter, and copying it per call is O(parameters).
+    auto id = std::make_pair(full, v.pattern);
+    lru_.remove(id);
+    lru_.push_front(std::move(id));
+  }
   return replay(e, v, tensors);
 }
 

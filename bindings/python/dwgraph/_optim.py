@@ -333,6 +333,7 @@ class OptimizerWatch:
         self.groups: List[dict] = []
         self.keys: List[tuple] = []
         self.values: List[tuple] = []
+        self.value_list: List[list] = []  # the same, as lists (same_objects compares lists)
         self.params: List[list] = []  # copies of each group's params list
         self.params_text = ""
         self.values_text = ""
@@ -361,7 +362,10 @@ class OptimizerWatch:
             ps = g.get("params")
             if not isinstance(ps, list) or not same_objects(ps, self.params[i]):
                 return True, True
-            if not values_changed and not (_same(tuple(g.values()), self.values[i]) and tuple(g) == self.keys[i]):
+            if not values_changed and not ((same_objects(list(g.values()), self.value_list[i]) or
+                                            _same(tuple(g.values()), self.values[i])) and tuple(g) == self.keys[i]):
+                # (The same objects as last time is the common case, compared at C speed;
+                # otherwise equal values of the same types.)
                 values_changed = True
         if self.volatile and not values_changed:
             values_changed = self._values_words(opt) != self.values_text
@@ -378,6 +382,7 @@ class OptimizerWatch:
             self.params_ok = _params_routable(opt)
         self.keys = [tuple(g) for g in pg]
         self.values = [tuple(g.values()) for g in pg]
+        self.value_list = [list(v) for v in self.values]
         self.volatile = any(not _immutable(v) for g in pg for k, v in g.items() if k != "params")
         self.group_tensors = [v for g in pg for k, v in g.items() if isinstance(v, torch.Tensor)]
         self.routed = self.params_ok and _values_routable(opt, self.family)

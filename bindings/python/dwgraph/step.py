@@ -336,6 +336,9 @@ _BY_IDENTITY = (torch.nn.Module, torch.optim.Optimizer, types.FunctionType, type
 
 def _flatten(obj, tensors: List[torch.Tensor], path: str):
     """(key text, rebuild function) of `obj`; its tensors are appended to `tensors`."""
+    node = _CONTAINERS.get(type(obj))
+    if node is not None:  # a plain tuple, list or dict: the pytree branch below, without its lookups
+        return _flatten_node(obj, node, tensors, path) if obj else _EMPTY[type(obj)]
     if isinstance(obj, torch.Tensor):
         index = len(tensors)
         tensors.append(obj)
@@ -361,14 +364,24 @@ def _flatten(obj, tensors: List[torch.Tensor], path: str):
         return f"{type(obj).__qualname__}({','.join(f'{k}={v[0]}' for k, v in parts.items())})", rebuild
     node = pytree.SUPPORTED_NODES.get(pytree._get_node_type(obj))
     if node is not None:
-        children, context = node.flatten_fn(obj)
-        parts = [_flatten(c, tensors, f"{path}[{i}]") for i, c in enumerate(children)]
-        ctx_key = context if isinstance(context, (type(None), str, int, tuple, list)) else type(context).__name__
-        return (f"{type(obj).__qualname__}{ctx_key!r}[{','.join(p[0] for p in parts)}]",
-                lambda ts, parts=parts, context=context: node.unflatten_fn([fn(ts) for _, fn in parts], context))
+        return _flatten_node(obj, node, tensors, path)
     raise ArgumentError(f"dwgraph.graphed_step: argument {path} is a {type(obj).__qualname__}, which the step's graph "
                         "key cannot describe (it is neither a tensor, a number, a string, a container, a dataclass "
                         "nor an object with attributes); pass its tensors and values instead")
+
+
+def _flatten_node(obj, node, tensors: List[torch.Tensor], path: str):
+    children, context = node.flatten_fn(obj)
+    parts = [_flatten(c, tensors, f"{path}[{i}]") for i, c in enumerate(children)]
+    ctx_key = context if isinstance(context, (type(None), str, int, tuple, list)) else type(context).__name__
+    return (f"{type(obj).__qualname__}{ctx_key!r}[{','.join(p[0] for p in parts)}]",
+            lambda ts, parts=parts, context=context: node.unflatten_fn([fn(ts) for _, fn in parts], context))
+
+
+# Exact types only: a subclass (a namedtuple, an OrderedDict) takes the general path.
+_CONTAINERS = {t: pytree.SUPPORTED_NODES[t] for t in (tuple, list, dict)}
+# What an empty one flattens to (a step called without arguments); each rebuild makes a new one.
+_EMPTY = {t: _flatten_node(t(), node, [], "") for t, node in _CONTAINERS.items()}
 
 
 def _hyperparameters(optimizers) -> str:
@@ -462,6 +475,10 @@ def _refuse_changed_arguments(caller, rebuilt, given: List[torch.Tensor], static
 _MISSING = object()
 
 
+def _call_ref(ref):
+    return ref()
+
+
 def _weakly(step: "GraphedStep", method: str, name: str) -> Callable:
     """`step.<method>` through a weak reference to `step` (Note [A graphed step holds
     itself weakly]); a GraphStateError naming the step if it is gone."""
@@ -526,6 +543,13 @@ class GraphedStep:
         self._serials = itertools.count(1)
         self._hyper_buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._state_pushed: tuple = ()
+        # The last variant state text and its parts, returned as they are when no part moved.
+        self._opt_pushed: Optional[tuple] = None
+        self._opt_text = ""
+        self._modules_part: Optional[str] = None
+        self._modules_part_of: Optional[str] = None
+        self._state_parts: list = [None, None]
+        self._state_text = ""
         self._trained_ids: Optional[set] = None  # what _unique_arguments refuses, cached
         # Note [A step's checks paid when state changes] (graphs/graphed_step.h): whether
         # every parameter, buffer, main_grad and optimizer state tensor the graphs depend on
@@ -680,7 +704,9 @@ class GraphedStep:
             if _state_watch.global_hooks_watched():
                 words += "|global hooks " + ",".join(str(id(h)) for _, h in _spec.user_global_hooks())
             self._modules_text, self._modules_digest, self._modules_stamp = words, _digest(words), stamp
-        parts = [f"modules {self._modules_digest}"]
+        if self._modules_part is None or self._modules_part_of is not self._modules_digest:
+            self._modules_part, self._modules_part_of = f"modules {self._modules_digest}", self._modules_digest
+        parts = [self._modules_part]
         if self._unwatched or not _state_watch.global_hooks_watched():
             words = self._module_words(self._unwatched.values()) if self._unwatched else ""
             if not _state_watch.global_hooks_watched():
@@ -688,13 +714,18 @@ class GraphedStep:
             self._unwatched_words = words
             parts.append(f"unwatched {_digest(words)}")
         parts.append(self._optimizer_state())
-        return "|".join(parts)
+        if len(parts) == 2 and parts[0] is self._state_parts[0] and parts[1] is self._state_parts[1]:
+            return self._state_text  # nothing moved: the text the core compares, as last time
+        self._state_parts, self._state_text = parts, "|".join(parts)
+        return self._state_text
 
     def _optimizer_state(self) -> str:
-        optimizers = [o for _, o in self._optimizers.items()]
+        # The dict's own references (WeakValueDictionary.items() pays an iteration guard
+        # per call); a snapshot, as a removal may run while this reads.
+        optimizers = [o for o in map(_call_ref, list(self._optimizers.data.values())) if o is not None]
         tokens = []
         pushed = []
-        moved = False
+        moved = changed = False
         for o in optimizers:
             w = self._opt_watches.get(o)
             if w is None:
@@ -715,10 +746,14 @@ class GraphedStep:
                 w.refresh_state(o)
                 w.state_digest = _digest(w.state_text)
                 moved = True
+            changed = changed or structure or values or state
             serial = self._opt_serials[o]
             pushed.append(serial)
-            tokens.append(f"{serial}:{w.digest}:{w.state_digest}")
+            tokens.append((serial, w))
         pushed = tuple(pushed)
+        if not changed and pushed == self._opt_pushed:
+            return self._opt_text  # the same optimizers, none changed: the same text object
+        self._opt_pushed = pushed
         if moved or pushed != self._state_pushed:
             # Where the state tensors' memory is: checked by the core when the epoch moved
             # (every call where one cannot be watched).
@@ -726,7 +761,8 @@ class GraphedStep:
             self._native.set_state_tensors(state_tensors)
             self._note_watched("state", state_tensors)
             self._state_pushed = pushed
-        return "optimizers " + ",".join(tokens)
+        self._opt_text = "optimizers " + ",".join(f"{serial}:{w.digest}:{w.state_digest}" for serial, w in tokens)
+        return self._opt_text
 
     def _fill_hyper(self, opt, w) -> None:
         """Note [Hyperparameters a replay reads]: the values the routed optimizer's captured
