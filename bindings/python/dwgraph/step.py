@@ -876,8 +876,10 @@ class GraphedStep:
                 out = self._fn(*args, **kwargs)
         except Exception as e:
             opt = _watch.optimizer
+            # Only what a capture refuses (the host graph's GraphStateError, CUDA's RuntimeError):
+            # a KeyError or TypeError of the optimizer's own code is raised as eagerly.
             if opt is not None and handed is not None and not getattr(e, "_dwgraph_complete", False) and \
-                    not isinstance(e, _FoundMore):
+                    not isinstance(e, _FoundMore) and isinstance(e, RuntimeError) and not isinstance(e, ArgumentError):
                 raise GraphStateError(
                     f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step cannot be captured ({e}): it "
                     "reads tensor values on the host. A graphed step reads the hyperparameters and step counts of "
