@@ -359,6 +359,40 @@ def test_betas_switched_to_tensors_after_replays_are_seen():
             step(torch.randn(B, H))
 
 
+@pytest.mark.parametrize("impl", ["single", "foreach"])
+def test_betas_list_changed_in_place_after_replays_is_seen(impl):
+    # torch accepts betas as a list. Routed, the replay reads beta1/beta2 from dwgraph's
+    # buffer, and the list is compared by its words, which hold only the values' types: an
+    # in-place change of betas[0] went unseen and replays kept the captured beta1.
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, **({"foreach": True} if impl == "foreach" else {}))  # noqa: E731
+    eager, graphed, opt_e, opt_g, _ = twins(Small, make)
+    for o in (opt_e, opt_g):
+        o.param_groups[0]["betas"] = [0.9, 0.999]
+    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
+    _checked(eager, graphed, opt_e, opt_g, step, "list betas")
+    for beta1 in (0.5, 0.7):
+        for o in (opt_e, opt_g):
+            o.param_groups[0]["betas"][0] = beta1
+        _checked(eager, graphed, opt_e, opt_g, step, f"betas[0] = {beta1} in place")
+    assert step.num_captures == 1  # read at replay: a new value, not a new graph
+
+
+def test_an_optimizer_error_of_its_own_is_raised_as_eagerly():
+    # A group missing a key torch reads makes eager's step raise KeyError; the capture of the
+    # new variant raised it as "reads tensor values on the host ... pass fused=True".
+    eager, graphed, opt_e, opt_g, _ = twins(Small, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
+    _checked(eager, graphed, opt_e, opt_g, step, "before")
+    for o in (opt_e, opt_g):
+        o.param_groups[0].pop("maximize")
+    x = torch.randn(B, H)
+    with pytest.raises(KeyError, match="maximize"):
+        small_body(eager, opt_e, x)
+    with pytest.raises(KeyError, match="maximize"):
+        for _ in range(3):  # the new variant's warmup call runs eagerly, raising as eager does
+            step(x)
+
+
 def test_an_optimizer_that_reads_the_host_is_refused_naming_the_ways_out():
     m = Small()
     opt = torch.optim.Adagrad(m.parameters(), lr=1e-2)

@@ -368,7 +368,10 @@ class OptimizerWatch:
                 # otherwise equal values of the same types.)
                 values_changed = True
         if self.volatile and not values_changed:
-            values_changed = self._values_words(opt) != self.values_text
+            # A mutable value (a list of betas) changed in place: its words, and for a routed
+            # optimizer the numbers its replay reads (the words hold only their types).
+            hyper = self.hyper
+            values_changed = self._values_words(opt) != self.values_text or self.hyper != hyper
         return False, values_changed
 
     def refresh_groups(self, opt, structure: bool) -> None:

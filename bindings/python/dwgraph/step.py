@@ -546,9 +546,7 @@ class GraphedStep:
         # The last variant state text and its parts, returned as they are when no part moved.
         self._opt_pushed: Optional[tuple] = None
         self._opt_text = ""
-        self._modules_part: Optional[str] = None
-        self._modules_part_of: Optional[str] = None
-        self._state_parts: list = [None, None]
+        self._state_of: tuple = (None, None)  # (modules digest, optimizers text) of _state_text
         self._state_text = ""
         self._trained_ids: Optional[set] = None  # what _unique_arguments refuses, cached
         # Note [A step's checks paid when state changes] (graphs/graphed_step.h): whether
@@ -704,20 +702,20 @@ class GraphedStep:
             if _state_watch.global_hooks_watched():
                 words += "|global hooks " + ",".join(str(id(h)) for _, h in _spec.user_global_hooks())
             self._modules_text, self._modules_digest, self._modules_stamp = words, _digest(words), stamp
-        if self._modules_part is None or self._modules_part_of is not self._modules_digest:
-            self._modules_part, self._modules_part_of = f"modules {self._modules_digest}", self._modules_digest
-        parts = [self._modules_part]
+        parts = [f"modules {self._modules_digest}"]
         if self._unwatched or not _state_watch.global_hooks_watched():
             words = self._module_words(self._unwatched.values()) if self._unwatched else ""
             if not _state_watch.global_hooks_watched():
                 words += "|global hooks " + ",".join(str(id(h)) for _, h in _spec.user_global_hooks())
             self._unwatched_words = words
             parts.append(f"unwatched {_digest(words)}")
-        parts.append(self._optimizer_state())
-        if len(parts) == 2 and parts[0] is self._state_parts[0] and parts[1] is self._state_parts[1]:
-            return self._state_text  # nothing moved: the text the core compares, as last time
-        self._state_parts, self._state_text = parts, "|".join(parts)
-        return self._state_text
+        optimizers = self._optimizer_state()
+        if len(parts) > 1:  # an unwatched part, recomputed at every call: nothing to reuse
+            self._state_of = (None, None)
+            return "|".join(parts + [optimizers])
+        if self._modules_digest is not self._state_of[0] or optimizers is not self._state_of[1]:
+            self._state_of, self._state_text = (self._modules_digest, optimizers), f"{parts[0]}|{optimizers}"
+        return self._state_text  # unchanged parts: the text the core compares, as last time
 
     def _optimizer_state(self) -> str:
         # The dict's own references (WeakValueDictionary.items() pays an iteration guard
@@ -878,8 +876,10 @@ class GraphedStep:
                 out = self._fn(*args, **kwargs)
         except Exception as e:
             opt = _watch.optimizer
+            # Only what a capture refuses (the host graph's GraphStateError, CUDA's RuntimeError):
+            # a KeyError or TypeError of the optimizer's own code is raised as eagerly.
             if opt is not None and handed is not None and not getattr(e, "_dwgraph_complete", False) and \
-                    not isinstance(e, _FoundMore):
+                    not isinstance(e, _FoundMore) and isinstance(e, RuntimeError) and not isinstance(e, ArgumentError):
                 raise GraphStateError(
                     f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step cannot be captured ({e}): it "
                     "reads tensor values on the host. A graphed step reads the hyperparameters and step counts of "
