@@ -11,11 +11,15 @@
 #include "graphs/recorder.h"
 #include "graphs/phase_timing.h"
 #include "graphs/state_epoch.h"
+#include "ops/autocast.h"
+#include "ops/fp8.h"
 
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include <c10/core/GradMode.h>
 
 #include <climits>
 
@@ -115,6 +119,18 @@ void init_manager(py::module_& parent) {
   m.def("bump_state_epoch", &bump_state_epoch);
   m.def("bump_registration_epoch", &bump_registration_epoch);
   m.def("registration_version", &state_epoch);  // graphed_step's older name for the same epoch
+  // What a graphed step's key holds besides its arguments (docs/graphed-step.md, "The key"):
+  // grad mode, autocast state (as graphed callables compare it: a dtype counts only where
+  // autocast is on) and fp8 state, read in one call; and whether autocast is on (the caller
+  // then refuses the autocast weight cache).
+  m.def("step_ambient", [] {
+    const auto autocast = ops::AutocastState::current();
+    std::string text = c10::GradMode::is_enabled() ? "grad 1|autocast " : "grad 0|autocast ";
+    text += autocast.describe();
+    text += "|fp8 ";
+    text += ops::Fp8State::current().describe();
+    return py::make_tuple(text, autocast.cpu || autocast.cuda);
+  });
   // True while the calling thread (or, on CUDA, its current stream) is inside a capture.
   m.def("capturing", [] { return graphs::detail::this_thread_records(); });
   m.def("note_reseed", &graphs::detail::note_reseed);

@@ -136,6 +136,52 @@ void init_watch(py::module_& parent) {
         return true;
       },
       py::arg("a"), py::arg("b"));
+  // The same for an optimizer's param_groups, whole, in one call: `groups` is the list object
+  // seen last and holds the same group dicts, each with the same keys and value objects in
+  // order (`keys[i]`, `values[i]`), its "params" list holding the same parameters
+  // (`params[i]`). False for anything else, a dict subclass included: the caller then
+  // compares the values themselves. Runs no Python code (identity only).
+  static PyObject* const params_name = PyUnicode_InternFromString("params");
+  m.def(
+      "same_groups",
+      [](const py::handle& groups, const py::list& seen, const py::list& keys, const py::list& values,
+         const py::list& params) {
+        PyObject* pg = groups.ptr();
+        if (!PyList_CheckExact(pg)) return false;
+        const Py_ssize_t n = PyList_GET_SIZE(pg);
+        if (n != PyList_GET_SIZE(seen.ptr()) || n != PyList_GET_SIZE(keys.ptr()) ||
+            n != PyList_GET_SIZE(values.ptr()) || n != PyList_GET_SIZE(params.ptr())) {
+          return false;
+        }
+        for (Py_ssize_t i = 0; i < n; ++i) {
+          PyObject* g = PyList_GET_ITEM(pg, i);
+          PyObject* ks = PyList_GET_ITEM(keys.ptr(), i);
+          PyObject* vs = PyList_GET_ITEM(values.ptr(), i);
+          PyObject* ps = PyList_GET_ITEM(params.ptr(), i);
+          if (g != PyList_GET_ITEM(seen.ptr(), i) || !PyDict_CheckExact(g) || !PyTuple_CheckExact(ks) ||
+              !PyList_CheckExact(vs) || !PyList_CheckExact(ps)) {
+            return false;
+          }
+          const Py_ssize_t size = PyDict_GET_SIZE(g);
+          if (size != PyTuple_GET_SIZE(ks) || size != PyList_GET_SIZE(vs)) return false;
+          Py_ssize_t pos = 0, j = 0;
+          PyObject *k = nullptr, *v = nullptr;
+          while (PyDict_Next(g, &pos, &k, &v)) {
+            if (j >= size || k != PyTuple_GET_ITEM(ks, j) || v != PyList_GET_ITEM(vs, j)) return false;
+            ++j;
+          }
+          // The same list object may hold other parameters now (changed in place).
+          PyObject* now = PyDict_GetItem(g, params_name);  // borrowed; no error for str keys
+          if (now == nullptr || !PyList_CheckExact(now)) return false;
+          const Py_ssize_t count = PyList_GET_SIZE(now);
+          if (count != PyList_GET_SIZE(ps)) return false;
+          for (Py_ssize_t p = 0; p < count; ++p) {
+            if (PyList_GET_ITEM(now, p) != PyList_GET_ITEM(ps, p)) return false;
+          }
+        }
+        return true;
+      },
+      py::arg("groups"), py::arg("seen"), py::arg("keys"), py::arg("values"), py::arg("params"));
 }
 
 }  // namespace dwgraph::bindings

@@ -356,7 +356,9 @@ class OptimizerWatch:
             return True, True
         values_changed = False
         same_objects = _C.graphs.same_objects
-        for i, g in enumerate(pg):
+        # The common case in one call: the same groups, keys, value objects and parameters.
+        for i, g in enumerate(() if _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params)
+                              else pg):
             if g is not self.groups[i]:
                 return True, True
             ps = g.get("params")

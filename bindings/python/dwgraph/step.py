@@ -583,8 +583,12 @@ class GraphedStep:
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        _spec.refuse_autocast_cache("dwgraph.graphed_step", "called",
-                               "Enter autocast inside the step, or pass cache_enabled=False")
+        # Grad mode, autocast and fp8 state, which a graph bakes in (docs/graphed-step.md,
+        # "The key"), read by the core in one call.
+        ambient, autocast_on = _C.graphs.step_ambient()
+        if autocast_on:
+            _spec.refuse_autocast_cache("dwgraph.graphed_step", "called",
+                                        "Enter autocast inside the step, or pass cache_enabled=False")
         version = _C.graphs.registration_version()
         if version != self._version:
             # A parameter or submodule was (re)registered somewhere. If it was in a module
@@ -607,12 +611,10 @@ class GraphedStep:
         key_kwargs, rebuild_kwargs = _flatten(kwargs, found, "kwargs")
         tensors, where = self._unique_arguments(found)
         rebuild = lambda ts: (rebuild_args([ts[i] for i in where]), rebuild_kwargs([ts[i] for i in where]))  # noqa: E731
-        # What a graph bakes in beyond the arguments (docs/graphed-step.md, "The key"); the
-        # modules' training flags and the optimizers' hyperparameters select a variant
-        # (_variant_state), as they are known only after the warmup calls.
-        autocast = [(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
-        key = (f"args {key_args}|kwargs {key_kwargs}|aliases {where}|grad {torch.is_grad_enabled()}"
-               f"|autocast {autocast}|fp8 {_C.fp8.current_state()!r}")
+        # The arguments and the ambient state; the modules' training flags and the
+        # optimizers' hyperparameters select a variant (_variant_state), as they are known
+        # only after the warmup calls.
+        key = f"args {key_args}|kwargs {key_kwargs}|aliases {where}|{ambient}"
         # Eager calls (warmup) run the step on the caller's own arguments, so what it does
         # to them (an append to a list argument, an attribute set on a batch object) is
         # what the undecorated function does; a capture runs it on a rebuilt copy holding
@@ -702,19 +704,18 @@ class GraphedStep:
             if _state_watch.global_hooks_watched():
                 words += "|global hooks " + ",".join(str(id(h)) for _, h in _spec.user_global_hooks())
             self._modules_text, self._modules_digest, self._modules_stamp = words, _digest(words), stamp
-        parts = [f"modules {self._modules_digest}"]
         if self._unwatched or not _state_watch.global_hooks_watched():
+            # An unwatched part, recomputed at every call: nothing to reuse.
             words = self._module_words(self._unwatched.values()) if self._unwatched else ""
             if not _state_watch.global_hooks_watched():
                 words += "|global hooks " + ",".join(str(id(h)) for _, h in _spec.user_global_hooks())
             self._unwatched_words = words
-            parts.append(f"unwatched {_digest(words)}")
-        optimizers = self._optimizer_state()
-        if len(parts) > 1:  # an unwatched part, recomputed at every call: nothing to reuse
             self._state_of = (None, None)
-            return "|".join(parts + [optimizers])
+            return f"modules {self._modules_digest}|unwatched {_digest(words)}|{self._optimizer_state()}"
+        optimizers = self._optimizer_state()
         if self._modules_digest is not self._state_of[0] or optimizers is not self._state_of[1]:
-            self._state_of, self._state_text = (self._modules_digest, optimizers), f"{parts[0]}|{optimizers}"
+            self._state_of = (self._modules_digest, optimizers)
+            self._state_text = f"modules {self._modules_digest}|{optimizers}"
         return self._state_text  # unchanged parts: the text the core compares, as last time
 
     def _optimizer_state(self) -> str:
