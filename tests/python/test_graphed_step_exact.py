@@ -687,6 +687,34 @@ def test_step_autocast_dtype_selects_its_graph():
         lin.zero_grad(), lin_e.zero_grad()
 
 
+def test_the_default_autocast_dtype_selects_its_graph_while_autocast_is_off():
+    # torch.autocast("cpu") without a dtype takes torch.get_autocast_dtype("cpu"): a step
+    # that enters it inside bakes in the default, which a caller may set between calls
+    # while autocast itself is off.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(H, H)
+    lin_e = copy.deepcopy(lin)
+
+    def body(model, x):
+        with torch.autocast("cpu", cache_enabled=False):
+            loss = model(x).float().square().sum()
+        loss.backward()
+        return loss
+
+    step = dwgraph.graphed_step(lambda x: body(lin, x), warmup_iters=1)
+    default = torch.get_autocast_dtype("cpu")
+    try:
+        for i, dtype in enumerate([torch.bfloat16] * 3 + [torch.float16] * 3 + [torch.bfloat16] * 2):
+            torch.set_autocast_dtype("cpu", dtype)
+            x = torch.randn(B, H)
+            assert torch.equal(step(x), body(lin_e, x)), f"call {i} ({dtype})"
+            assert_same_grads_and_params(lin, lin_e, f"call {i}")
+            lin.zero_grad(), lin_e.zero_grad()
+    finally:
+        torch.set_autocast_dtype("cpu", default)
+    assert step.num_graphs == 2
+
+
 def test_step_follows_train_eval_switches():
     torch.manual_seed(0)
     m = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.BatchNorm1d(H),
