@@ -120,18 +120,12 @@ void init_manager(py::module_& parent) {
   m.def("bump_registration_epoch", &bump_registration_epoch);
   m.def("registration_version", &state_epoch);  // graphed_step's older name for the same epoch
   // What a graphed step's key holds besides its arguments (docs/graphed-step.md, "The key"):
-  // grad mode, autocast state and fp8 state, read in one call; and whether autocast is on
-  // (the caller then refuses the autocast weight cache). Both autocast dtypes count even
-  // where autocast is off: torch.autocast(device) entered inside the step without a dtype
-  // takes the default, which the caller may set between calls.
+  // grad mode, autocast state (its dtypes too, ops/autocast.h) and fp8 state, read in one
+  // call; and whether autocast is on (the caller then refuses the autocast weight cache).
   m.def("step_ambient", [] {
     const auto autocast = ops::AutocastState::current();
     std::string text = c10::GradMode::is_enabled() ? "grad 1|autocast " : "grad 0|autocast ";
     text += autocast.describe();
-    text += " dtypes ";
-    text += c10::toString(autocast.cpu_dtype);
-    text += ",";
-    text += c10::toString(autocast.cuda_dtype);
     text += "|fp8 ";
     text += ops::Fp8State::current().describe();
     return py::make_tuple(text, autocast.cpu || autocast.cuda);

@@ -82,7 +82,7 @@ class GraphedBackward final : public torch::autograd::Node {
     // Note [Autocast in the backward]: the engine runs this in the state backward() was called in.
     const ops::AutocastState now = ops::AutocastState::current();
     const ops::AutocastState& captured = manager_->backward_autocast();
-    DWGRAPH_CHECK_STATE(now == captured, manager_->where(slot_), ": a backward with autocast ", now.describe(),
+    DWGRAPH_CHECK_STATE(now.same_where_on(captured), manager_->where(slot_), ": a backward with autocast ", now.describe(),
                         " through a graphed call whose backward graph was captured with autocast ",
                         captured.describe(), "; the autograd engine runs a backward in the autocast state it is "
                         "started in, and the graph replays its capture's. ",

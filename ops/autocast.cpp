@@ -28,14 +28,20 @@ AutocastState AutocastState::current() {
 }
 
 std::string AutocastState::describe() const {
-  if (!cpu && !cuda) return "off";
   // Python's names (torch.bfloat16), as the caller spells them.
   auto name = [](at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); };
+  std::string defaults;  // set with torch.set_autocast_dtype where autocast is off
+  if (!cpu && cpu_dtype != AutocastState().cpu_dtype) defaults += "cpu " + name(cpu_dtype);
+  if (!cuda && cuda_dtype != AutocastState().cuda_dtype) {
+    defaults += (defaults.empty() ? "cuda " : ", cuda ") + name(cuda_dtype);
+  }
+  if (!defaults.empty()) defaults = " (default dtype " + defaults + ")";
+  if (!cpu && !cuda) return "off" + defaults;
   std::string out = "on (";
   if (cpu) out += "cpu " + name(cpu_dtype);
   if (cpu && cuda) out += ", ";
   if (cuda) out += "cuda " + name(cuda_dtype);
-  return out + ")";
+  return out + ")" + defaults;
 }
 
 namespace {

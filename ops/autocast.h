@@ -29,7 +29,9 @@ at::ScalarType autocast_operand_dtype(const at::Tensor& t, std::optional<at::Sca
 at::Tensor autocast_operand(const at::Tensor& t, std::optional<at::ScalarType> dtype);
 
 // The calling thread's autocast state on CPU and CUDA: what a graph captured under it
-// bakes into its kernels. Dtypes count only where autocast is enabled.
+// bakes into its kernels. The dtypes count where autocast is off too: torch.autocast(device)
+// entered inside captured code without a dtype takes the default, which
+// torch.set_autocast_dtype changes.
 struct AutocastState {
   bool cpu = false;
   bool cuda = false;
@@ -39,11 +41,18 @@ struct AutocastState {
   static AutocastState current();
   static AutocastState off() { return AutocastState(); }
   bool operator==(const AutocastState& o) const {
+    return cpu == o.cpu && cuda == o.cuda && cpu_dtype == o.cpu_dtype && cuda_dtype == o.cuda_dtype;
+  }
+  bool operator!=(const AutocastState& o) const { return !(*this == o); }
+  // The same where autocast is on (a backward started outside the region sees the defaults
+  // again, whatever dtype the forward's region had).
+  bool same_where_on(const AutocastState& o) const {
     return cpu == o.cpu && cuda == o.cuda && (!cpu || cpu_dtype == o.cpu_dtype) &&
            (!cuda || cuda_dtype == o.cuda_dtype);
   }
-  bool operator!=(const AutocastState& o) const { return !(*this == o); }
-  std::string describe() const;  // "off", "on (cpu BFloat16)"
+  // "off", "on (cpu torch.bfloat16)"; a default dtype other than torch's where autocast is
+  // off is named too.
+  std::string describe() const;
 };
 
 // Sets the calling thread's autocast state while alive (the autograd engine carries it

@@ -365,3 +365,36 @@ def test_multihead_attention_graphed_under_autocast_is_exact():
         eager.out.backward_dw()
         assert torch.equal(x.grad, xe.grad), f"step {step}: input gradient"
         assert_same_as_eager(m, eager, f"step {step}")
+
+
+def test_a_default_autocast_dtype_set_since_capture_is_refused_at_the_call():
+    # torch.autocast("cpu") entered inside a module without a dtype takes the default, baked
+    # into the graph: a call after torch.set_autocast_dtype would replay the old dtype.
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = dwgraph.nn.Linear(H, H)
+
+        def forward(self, x):
+            with torch.autocast("cpu", cache_enabled=False):
+                return self.lin(x).float()
+
+    torch.manual_seed(0)
+    m = Inner()
+    e = copy.deepcopy(m)
+    g = dwgraph.make_graphed_callables(m, (torch.randn(B, H, requires_grad=True),))
+    default = torch.get_autocast_dtype("cpu")
+    try:
+        x = torch.randn(B, H, requires_grad=True)
+        x_e = x.detach().clone().requires_grad_()
+        out, ref = g(x), e(x_e)
+        out.sum().backward(), ref.sum().backward()
+        assert torch.equal(out, ref) and torch.equal(x.grad, x_e.grad)
+        torch.set_autocast_dtype("cpu", torch.float16)
+        with pytest.raises(dwgraph.ArgumentError, match=r"called with autocast off \(default dtype cpu torch.float16\), "
+                                                        r"captured with off"):
+            g(torch.randn(B, H, requires_grad=True))
+    finally:
+        torch.set_autocast_dtype("cpu", default)
+    x = torch.randn(B, H)
+    assert torch.equal(g(x), e(x))  # the default back: replayed as captured
