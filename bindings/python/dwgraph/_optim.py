@@ -357,18 +357,18 @@ class OptimizerWatch:
         values_changed = False
         same_objects = _C.graphs.same_objects
         # The common case in one call: the same groups, keys, value objects and parameters.
-        for i, g in enumerate(() if _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params)
-                              else pg):
-            if g is not self.groups[i]:
-                return True, True
-            ps = g.get("params")
-            if not isinstance(ps, list) or not same_objects(ps, self.params[i]):
-                return True, True
-            if not values_changed and not ((same_objects(list(g.values()), self.value_list[i]) or
-                                            _same(tuple(g.values()), self.values[i])) and tuple(g) == self.keys[i]):
-                # (The same objects as last time is the common case, compared at C speed;
-                # otherwise equal values of the same types.)
-                values_changed = True
+        if not _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params):
+            for i, g in enumerate(pg):
+                if g is not self.groups[i]:
+                    return True, True
+                ps = g.get("params")
+                if not isinstance(ps, list) or not same_objects(ps, self.params[i]):
+                    return True, True
+                if not values_changed and not ((same_objects(list(g.values()), self.value_list[i]) or
+                                                _same(tuple(g.values()), self.values[i])) and tuple(g) == self.keys[i]):
+                    # (The same objects as last time is the common case, compared at C speed;
+                    # otherwise equal values of the same types.)
+                    values_changed = True
         if self.volatile and not values_changed:
             # A mutable value (a list of betas) changed in place: its words, and for a routed
             # optimizer the numbers its replay reads (the words hold only their types).
