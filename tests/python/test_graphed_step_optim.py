@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import dwgraph
+from dwgraph import _optim
 
 H = 8
 B = 4
@@ -587,6 +588,59 @@ def test_every_change_after_replays_is_seen(change):
     _checked(eager, graphed, opt_e, opt_g, step, f"after {change}")
     if captures is not None:
         assert step.num_captures > captures, f"{change}: no new graph was captured"
+
+
+# Numbers a replay reads, changed after replays (what a schedule does): the same graph,
+# its buffer refilled, unless a value that selects a graph changed with them.
+_NUMBERS_MOVED = {  # name: (optimizer, what is set in the first group, a new graph expected)
+    "sgd lr": ("sgd", {"lr": 0.04}, False),
+    "sgd momentum": ("sgd", {"momentum": 0.5}, False),
+    "sgd dampening": ("sgd", {"dampening": 0.1}, True),  # torch's default 0 is an int: another type
+    "sgd momentum to 0": ("sgd", {"momentum": 0.0}, True),  # torch branches on momentum != 0
+    "sgd weight_decay from 0": ("sgd", {"weight_decay": 0.01}, True),  # ... and on weight_decay != 0
+    "sgd lr an int": ("sgd", {"lr": 1}, True),  # another Python type: other arithmetic
+    "sgd lr with nesterov": ("sgd", {"lr": 0.04, "nesterov": True}, True),  # with a value not read at replay
+    "adamw betas, eps, lr": ("adamw", {"betas": (0.8, 0.99), "eps": 1e-6, "lr": 0.02}, False),
+    "adamw weight_decay": ("adamw", {"weight_decay": 0.02}, False),
+    "adamw weight_decay to 0": ("adamw", {"weight_decay": 0.0}, True),
+    "adamw betas a list": ("adamw", {"betas": [0.8, 0.99]}, False),  # a list: read at replay as well
+    "adamw lr with maximize": ("adamw", {"lr": 0.02, "maximize": True}, True),
+}
+
+
+@pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
+@pytest.mark.parametrize("change", list(_NUMBERS_MOVED))
+def test_numbers_a_replay_reads_moved_after_replays(change, impl):
+    fam, values, new_graph = _NUMBERS_MOVED[change]
+    kw = {"single": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[impl]
+    make = (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, **kw)) if fam == "sgd" else \
+        (lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.01, **kw))
+    eager, graphed, opt_e, opt_g, _ = twins(Small, make)
+    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
+    _checked(eager, graphed, opt_e, opt_g, step, "before", n=4)
+    captures = step.num_captures
+    assert captures == 1 and "read at replay" in step.summary(), step.summary()
+    for o in (opt_e, opt_g):
+        o.param_groups[0].update(values)
+    rebuilt = []
+    real = _optim.OptimizerWatch.refresh_groups
+    _optim.OptimizerWatch.refresh_groups = lambda self, *a: rebuilt.append(1) or real(self, *a)
+    try:
+        _checked(eager, graphed, opt_e, opt_g, step, f"after {change}", n=4)
+    finally:
+        _optim.OptimizerWatch.refresh_groups = real
+    if not new_graph and not isinstance(values.get("betas"), list):
+        # Only the buffer refilled: the groups' words were not built again.
+        assert rebuilt == [], f"{change}: the variant state was rebuilt for numbers read at replay"
+    if new_graph:
+        assert step.num_captures == captures + 1, f"{change}: no new graph was captured"
+    else:
+        assert step.num_captures == captures, f"{change}: captured again though only numbers read at replay moved"
+    # And back: each value again, the first graph replayed.
+    for o in (opt_e, opt_g):
+        o.param_groups[0]["lr"] = 0.03
+    _checked(eager, graphed, opt_e, opt_g, step, f"after {change}, lr moved again", n=2)
+    assert step.num_captures == captures + new_graph
 
 
 def test_a_parameter_swapped_between_groups_in_place_is_seen():

@@ -29,7 +29,10 @@ values), their parameter lists by identity and length and element by element at 
 (``_C.graphs.same_objects``). ``optimizer.state`` is made a watching dict
 (:class:`WatchedState`, which pickles and copies as the plain ``defaultdict`` it was)
 whose changes move its own version; ``load_state_dict`` replaces it, which its identity
-shows. The text of the variant state is built again only for what changed.
+shows. The text of the variant state is built again only for what changed; where only
+numbers a routed replay reads moved (a schedule's learning rate: same types, zero where
+torch branches on it as before), nothing of it is: the buffer is refilled in place
+(``OptimizerWatch.take_numbers``) and the same graph replays.
 """
 
 from __future__ import annotations
@@ -375,6 +378,41 @@ class OptimizerWatch:
             hyper = self.hyper
             values_changed = self._values_words(opt) != self.values_text or self.hyper != hyper
         return False, values_changed
+
+    def take_numbers(self, opt) -> bool:
+        """Called when the values changed and the structure did not: whether only numbers a
+        routed replay reads moved (a schedule's learning rate), each of the same type and,
+        where torch branches on it, zero or not as before. Then nothing that selects a graph
+        changed (the groups' words would be the same): takes them in (self.values,
+        self.hyper) and the caller refills the buffer; otherwise changes nothing."""
+        if not self.routed or self.volatile or getattr(opt, "grad_scale", None) is not None or \
+                getattr(opt, "found_inf", None) is not None:
+            return False
+        fam = self.family
+        read, branches = _READ_FROM[fam], _BRANCHES[fam]
+        pg = opt.param_groups
+        values = []
+        for g, keys, old in zip(pg, self.keys, self.values):
+            if tuple(g) != keys:
+                return False
+            new = tuple(g.values())
+            for k, v, w in zip(keys, new, old):
+                if v is w or k == "params":  # (the parameters: compared by groups_changed)
+                    continue
+                if k not in read:
+                    if not _same((v,), (w,)):
+                        return False
+                elif k == "betas":
+                    if not (type(v) is tuple and type(w) is tuple and len(v) == len(w) == 2 and
+                            all(_is_number(x) and type(x) is type(y) for x, y in zip(v, w))):
+                        return False
+                elif not (_is_number(v) and type(v) is type(w) and (k not in branches or (v == 0) == (w == 0))):
+                    return False
+            values.append(new)
+        self.values = values
+        self.value_list = [list(v) for v in values]
+        self.hyper = [float(_read(g, n)) for g in pg for n in _VALUES[fam]]
+        return True
 
     def refresh_groups(self, opt, structure: bool) -> None:
         pg = opt.param_groups

@@ -733,6 +733,10 @@ class GraphedStep:
                 structure = values = state = True
             else:
                 structure, values = w.groups_changed(o)
+                if values and not structure and w.take_numbers(o):
+                    # Only numbers the replay reads: the same graph, its buffer refilled.
+                    self._fill_hyper(o, w)
+                    values = False
                 state = structure or w.state_changed(o)
             if structure or values:
                 tensors = w.group_tensors
@@ -773,8 +777,7 @@ class GraphedStep:
         buf = buffers.get(len(w.hyper))
         if buf is None:
             buf = buffers[len(w.hyper)] = torch.zeros(len(w.hyper), dtype=torch.float64)
-        with torch.no_grad():
-            buf.copy_(torch.tensor(w.hyper, dtype=torch.float64))
+        _C.graphs.fill_hyper(buf, w.hyper)
 
     def _route_for(self, opt):
         """Inside a capture: the route of `opt`'s step, or None (torch's own code, its values
