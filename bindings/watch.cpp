@@ -81,6 +81,55 @@ int watched_setattro(PyObject* obj, PyObject* name, PyObject* value) {
   return PyObject_GenericSetAttr(obj, name, value);
 }
 
+// same_groups / moved_values (below): `read` null: every value by identity; else values
+// under a key in `read` may differ, each appended to `moved` as (i, key, now, seen).
+bool compare_groups(const py::handle& groups, const py::list& seen, const py::list& keys, const py::list& values,
+                    const py::list& params, PyObject* read, py::list* moved) {
+  static PyObject* const params_name = PyUnicode_InternFromString("params");
+  PyObject* pg = groups.ptr();
+  if (!PyList_CheckExact(pg)) return false;
+  const Py_ssize_t n = PyList_GET_SIZE(pg);
+  if (n != PyList_GET_SIZE(seen.ptr()) || n != PyList_GET_SIZE(keys.ptr()) || n != PyList_GET_SIZE(values.ptr()) ||
+      n != PyList_GET_SIZE(params.ptr())) {
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* g = PyList_GET_ITEM(pg, i);
+    PyObject* ks = PyList_GET_ITEM(keys.ptr(), i);
+    PyObject* vs = PyList_GET_ITEM(values.ptr(), i);
+    PyObject* ps = PyList_GET_ITEM(params.ptr(), i);
+    if (g != PyList_GET_ITEM(seen.ptr(), i) || !PyDict_CheckExact(g) || !PyTuple_CheckExact(ks) ||
+        !PyList_CheckExact(vs) || !PyList_CheckExact(ps)) {
+      return false;
+    }
+    const Py_ssize_t size = PyDict_GET_SIZE(g);
+    if (size != PyTuple_GET_SIZE(ks) || size != PyList_GET_SIZE(vs)) return false;
+    Py_ssize_t pos = 0, j = 0;
+    PyObject *k = nullptr, *v = nullptr;
+    while (PyDict_Next(g, &pos, &k, &v)) {
+      if (j >= size || k != PyTuple_GET_ITEM(ks, j)) return false;
+      PyObject* before = PyList_GET_ITEM(vs, j);
+      ++j;
+      if (v == before) continue;
+      if (read == nullptr || k == params_name) return false;
+      const int in_read = PySet_Contains(read, k);  // str keys: no Python code runs
+      if (in_read < 0) PyErr_Clear();
+      if (in_read != 1) return false;
+      moved->append(py::make_tuple(i, py::reinterpret_borrow<py::object>(k), py::reinterpret_borrow<py::object>(v),
+                                   py::reinterpret_borrow<py::object>(before)));
+    }
+    // The same list object may hold other parameters now (changed in place).
+    PyObject* now = PyDict_GetItem(g, params_name);  // borrowed; no error for str keys
+    if (now == nullptr || !PyList_CheckExact(now)) return false;
+    const Py_ssize_t count = PyList_GET_SIZE(now);
+    if (count != PyList_GET_SIZE(ps)) return false;
+    for (Py_ssize_t p = 0; p < count; ++p) {
+      if (PyList_GET_ITEM(now, p) != PyList_GET_ITEM(ps, p)) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 void init_watch(py::module_& parent) {
@@ -141,47 +190,25 @@ void init_watch(py::module_& parent) {
   // order (`keys[i]`, `values[i]`), its "params" list holding the same parameters
   // (`params[i]`). False for anything else, a dict subclass included: the caller then
   // compares the values themselves. Runs no Python code (identity only).
-  static PyObject* const params_name = PyUnicode_InternFromString("params");
   m.def(
       "same_groups",
       [](const py::handle& groups, const py::list& seen, const py::list& keys, const py::list& values,
-         const py::list& params) {
-        PyObject* pg = groups.ptr();
-        if (!PyList_CheckExact(pg)) return false;
-        const Py_ssize_t n = PyList_GET_SIZE(pg);
-        if (n != PyList_GET_SIZE(seen.ptr()) || n != PyList_GET_SIZE(keys.ptr()) ||
-            n != PyList_GET_SIZE(values.ptr()) || n != PyList_GET_SIZE(params.ptr())) {
-          return false;
-        }
-        for (Py_ssize_t i = 0; i < n; ++i) {
-          PyObject* g = PyList_GET_ITEM(pg, i);
-          PyObject* ks = PyList_GET_ITEM(keys.ptr(), i);
-          PyObject* vs = PyList_GET_ITEM(values.ptr(), i);
-          PyObject* ps = PyList_GET_ITEM(params.ptr(), i);
-          if (g != PyList_GET_ITEM(seen.ptr(), i) || !PyDict_CheckExact(g) || !PyTuple_CheckExact(ks) ||
-              !PyList_CheckExact(vs) || !PyList_CheckExact(ps)) {
-            return false;
-          }
-          const Py_ssize_t size = PyDict_GET_SIZE(g);
-          if (size != PyTuple_GET_SIZE(ks) || size != PyList_GET_SIZE(vs)) return false;
-          Py_ssize_t pos = 0, j = 0;
-          PyObject *k = nullptr, *v = nullptr;
-          while (PyDict_Next(g, &pos, &k, &v)) {
-            if (j >= size || k != PyTuple_GET_ITEM(ks, j) || v != PyList_GET_ITEM(vs, j)) return false;
-            ++j;
-          }
-          // The same list object may hold other parameters now (changed in place).
-          PyObject* now = PyDict_GetItem(g, params_name);  // borrowed; no error for str keys
-          if (now == nullptr || !PyList_CheckExact(now)) return false;
-          const Py_ssize_t count = PyList_GET_SIZE(now);
-          if (count != PyList_GET_SIZE(ps)) return false;
-          for (Py_ssize_t p = 0; p < count; ++p) {
-            if (PyList_GET_ITEM(now, p) != PyList_GET_ITEM(ps, p)) return false;
-          }
-        }
-        return true;
-      },
+         const py::list& params) { return compare_groups(groups, seen, keys, values, params, nullptr, nullptr); },
       py::arg("groups"), py::arg("seen"), py::arg("keys"), py::arg("values"), py::arg("params"));
+  // Note [Hyperparameters a replay reads] (dwgraph/_optim.py): the same comparison where
+  // values under the keys in `read` (a set of str) may be other objects: None when anything
+  // else differs, else a list of (group index, key, value now, value seen) for each that
+  // does (empty: nothing moved). The caller decides whether those moved only as numbers.
+  m.def(
+      "moved_values",
+      [](const py::handle& groups, const py::list& seen, const py::list& keys, const py::list& values,
+         const py::list& params, const py::handle& read) -> py::object {
+        if (!PyAnySet_Check(read.ptr())) return py::none();
+        py::list moved;
+        if (!compare_groups(groups, seen, keys, values, params, read.ptr(), &moved)) return py::none();
+        return std::move(moved);
+      },
+      py::arg("groups"), py::arg("seen"), py::arg("keys"), py::arg("values"), py::arg("params"), py::arg("read"));
 }
 
 }  // namespace dwgraph::bindings

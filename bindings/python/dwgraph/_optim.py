@@ -352,21 +352,27 @@ class OptimizerWatch:
         self.changes = 0  # how often the text changed (the step's "what changed" report)
 
     # Groups ---------------------------------------------------------------------------------
-    def groups_changed(self, opt) -> Tuple[bool, bool]:
-        """(structure changed, values changed) since the last call."""
+    def groups_changed(self, opt) -> Tuple[bool, bool, bool]:
+        """(structure changed, values changed, numbers taken) since the last call; numbers
+        taken: only numbers a routed replay reads moved (take_numbers), and nothing else
+        changed, the caller refills the buffer."""
         pg = opt.param_groups
         if pg is not self.groups_list or len(pg) != len(self.groups):
-            return True, True
-        values_changed = False
-        same_objects = _C.graphs.same_objects
+            return True, True, False
         # The common case in one call: the same groups, keys, value objects and parameters.
-        if not _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params):
+        if _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params):
+            values_changed = False
+        else:
+            if self.take_numbers(opt):
+                return False, False, True
+            values_changed = False
+            same_objects = _C.graphs.same_objects
             for i, g in enumerate(pg):
                 if g is not self.groups[i]:
-                    return True, True
+                    return True, True, False
                 ps = g.get("params")
                 if not isinstance(ps, list) or not same_objects(ps, self.params[i]):
-                    return True, True
+                    return True, True, False
                 if not values_changed and not ((same_objects(list(g.values()), self.value_list[i]) or
                                                 _same(tuple(g.values()), self.values[i])) and tuple(g) == self.keys[i]):
                     # (The same objects as last time is the common case, compared at C speed;
@@ -377,40 +383,33 @@ class OptimizerWatch:
             # optimizer the numbers its replay reads (the words hold only their types).
             hyper = self.hyper
             values_changed = self._values_words(opt) != self.values_text or self.hyper != hyper
-        return False, values_changed
+        return False, values_changed, False
 
     def take_numbers(self, opt) -> bool:
-        """Called when the values changed and the structure did not: whether only numbers a
-        routed replay reads moved (a schedule's learning rate), each of the same type and,
-        where torch branches on it, zero or not as before. Then nothing that selects a graph
-        changed (the groups' words would be the same): takes them in (self.values,
-        self.hyper) and the caller refills the buffer; otherwise changes nothing."""
+        """Whether only numbers a routed replay reads moved since the last call (a schedule's
+        learning rate), each of the same type and, where torch branches on it, zero or not
+        as before, the groups otherwise the same objects: then nothing that selects a graph
+        changed (the groups' words would be the same). Takes them in (self.values,
+        self.hyper) for the caller to refill the buffer; otherwise changes nothing."""
         if not self.routed or self.volatile or getattr(opt, "grad_scale", None) is not None or \
                 getattr(opt, "found_inf", None) is not None:
             return False
         fam = self.family
-        read, branches = _READ_FROM[fam], _BRANCHES[fam]
         pg = opt.param_groups
-        values = []
-        for g, keys, old in zip(pg, self.keys, self.values):
-            if tuple(g) != keys:
-                return False
-            new = tuple(g.values())
-            for k, v, w in zip(keys, new, old):
-                if v is w or k == "params":  # (the parameters: compared by groups_changed)
-                    continue
-                if k not in read:
-                    if not _same((v,), (w,)):
-                        return False
-                elif k == "betas":
-                    if not (type(v) is tuple and type(w) is tuple and len(v) == len(w) == 2 and
-                            all(_is_number(x) and type(x) is type(y) for x, y in zip(v, w))):
-                        return False
-                elif not (_is_number(v) and type(v) is type(w) and (k not in branches or (v == 0) == (w == 0))):
+        moved = _C.graphs.moved_values(pg, self.groups, self.keys, self.value_list, self.params, _READ_FROM[fam])
+        if not moved:  # None: something else changed (or an empty list: nothing did)
+            return False
+        branches = _BRANCHES[fam]
+        for _, k, v, w in moved:
+            if k == "betas":
+                if not (type(v) is tuple and type(w) is tuple and len(v) == len(w) == 2 and
+                        all(_is_number(x) and type(x) is type(y) for x, y in zip(v, w))):
                     return False
-            values.append(new)
-        self.values = values
-        self.value_list = [list(v) for v in values]
+            elif not (_is_number(v) and type(v) is type(w) and (k not in branches or (v == 0) == (w == 0))):
+                return False
+        for i in {i for i, _, _, _ in moved}:
+            self.value_list[i] = list(pg[i].values())
+            self.values[i] = tuple(self.value_list[i])
         self.hyper = [float(_read(g, n)) for g in pg for n in _VALUES[fam]]
         return True
 

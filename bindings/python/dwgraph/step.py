@@ -732,11 +732,9 @@ class GraphedStep:
                 self._opt_serials[o] = next(self._serials)
                 structure = values = state = True
             else:
-                structure, values = w.groups_changed(o)
-                if values and not structure and w.take_numbers(o):
-                    # Only numbers the replay reads: the same graph, its buffer refilled.
+                structure, values, numbers = w.groups_changed(o)
+                if numbers:  # only numbers the replay reads moved: the same graph, its buffer refilled
                     self._fill_hyper(o, w)
-                    values = False
                 state = structure or w.state_changed(o)
             if structure or values:
                 tensors = w.group_tensors
