@@ -63,6 +63,8 @@ _BRANCHES = {"sgd": ("momentum", "weight_decay"), "adam": ("weight_decay",)}
 _VALUES = {"sgd": _SGD_VALUES, "adam": _ADAM_VALUES}
 # Group keys the values are read from (the rest of a group is in the key by value).
 _READ_FROM = {"sgd": frozenset(_SGD_VALUES), "adam": frozenset(("lr", "betas", "eps", "weight_decay"))}
+# Group flags the ops take as bools.
+_FLAGS = {"sgd": ("nesterov", "maximize"), "adam": ("amsgrad", "maximize", "decoupled_weight_decay")}
 # Group flags under which torch runs other code than the ops reproduce.
 _NOT_ROUTED_IF = ("differentiable", "capturable")
 
@@ -115,7 +117,14 @@ def _read(group: dict, name: str):
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A value the ops read as the eager step's Python arithmetic would compute with it:
+    exactly an int that fits int64 (the ops hold it as one), a float, or numpy's float64
+    (IEEE double arithmetic, as float's). Not a subclass: its own arithmetic (a __neg__)
+    is not what a replay computes; not bool."""
+    t = type(v)
+    if t is int:
+        return -(1 << 63) <= v < (1 << 63)
+    return t is float or (t.__name__ == "float64" and t.__module__ == "numpy")
 
 
 def _params_routable(opt) -> bool:
@@ -135,7 +144,12 @@ def _values_routable(opt, fam: Optional[str]) -> bool:
     for g in opt.param_groups:
         if any(g.get(flag) for flag in _NOT_ROUTED_IF):
             return False
+        # The ops take these as bools; torch's code may refuse another type (fused kernels).
+        if any(type(g[flag]) is not bool for flag in _FLAGS[fam] if flag in g):
+            return False
         try:
+            if fam == "adam" and len(g["betas"]) != 2:  # torch refuses other lengths; the ops read two
+                return False
             if not all(_is_number(_read(g, n)) for n in _VALUES[fam]):
                 return False
         except (KeyError, TypeError, IndexError):
@@ -407,10 +421,10 @@ class OptimizerWatch:
                     return False
             elif not (_is_number(v) and type(v) is type(w) and (k not in branches or (v == 0) == (w == 0))):
                 return False
+        self.hyper = [float(_read(g, n)) for g in pg for n in _VALUES[fam]]  # first: nothing taken if it raises
         for i in {i for i, _, _, _ in moved}:
             self.value_list[i] = list(pg[i].values())
             self.values[i] = tuple(self.value_list[i])
-        self.hyper = [float(_read(g, n)) for g in pg for n in _VALUES[fam]]
         return True
 
     def refresh_groups(self, opt, structure: bool) -> None:
