@@ -34,6 +34,14 @@ def _check(step, eager, graphed, opt_e, opt_g, n, what, body_e=None):
         assert_same(eager, graphed, opt_e, opt_g, f"{what}, call {s}")
 
 
+def _stepped_twins(make):
+    """An eager model and optimizer and their graphed twins, three calls in (captured)."""
+    eager, graphed, opt_e, opt_g, _ = twins(Small, make)
+    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
+    _check(step, eager, graphed, opt_e, opt_g, 3, "before")
+    return eager, graphed, opt_e, opt_g, step
+
+
 _SGD = dict(lr=0.05, momentum=0.9)
 _ADAMW = dict(lr=0.01, weight_decay=0.01)
 # name: (optimizer, its values, [changes of group 0], graphs captured after each change)
@@ -99,9 +107,7 @@ def _fresh(v):
 @pytest.mark.parametrize("name", list(_SEQUENCES))
 def test_hostile_change_sequences(name, impl):
     fam, values, changes, expected = _SEQUENCES[name]
-    eager, graphed, opt_e, opt_g, _ = twins(Small, lambda ps: _CLASSES[fam](ps, **values, **IMPLS[impl]))
-    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
-    _check(step, eager, graphed, opt_e, opt_g, 3, "before")
+    eager, graphed, opt_e, opt_g, step = _stepped_twins(lambda ps: _CLASSES[fam](ps, **values, **IMPLS[impl]))
     assert step.num_captures == 1
     captures = []
     for i, change in enumerate(changes):
@@ -240,10 +246,8 @@ def test_two_optimizers_in_one_step_move_separately(impl):
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_load_state_dict_with_other_hyperparameters(impl):
-    eager, graphed, opt_e, opt_g, _ = twins(
-        Small, lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.01, **IMPLS[impl]))
-    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
-    _check(step, eager, graphed, opt_e, opt_g, 3, "before")
+    eager, graphed, opt_e, opt_g, step = _stepped_twins(
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.01, **IMPLS[impl]))
     for i, (lr, betas, wd) in enumerate([(0.02, (0.8, 0.99), 0.02), (0.005, (0.7, 0.9), 0.0),
                                          (0.004, (0.7, 0.9), 0.0), (0.03, (0.9, 0.999), 0.01)]):
         for o in (opt_e, opt_g):
@@ -259,10 +263,8 @@ def test_load_state_dict_with_other_hyperparameters(impl):
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_changed_and_reverted(impl):
-    eager, graphed, opt_e, opt_g, _ = twins(
-        Small, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, **IMPLS[impl]))
-    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
-    _check(step, eager, graphed, opt_e, opt_g, 3, "before")
+    eager, graphed, opt_e, opt_g, step = _stepped_twins(
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, **IMPLS[impl]))
     seq = [dict(lr=0.02), dict(lr=0.05), dict(weight_decay=0.01), dict(weight_decay=0, lr=0.03),
            dict(lr=2), dict(lr=0.05), dict(momentum=0.0), dict(momentum=0.9), dict(lr=0.01),
            dict(weight_decay=0.01, lr=0.02), dict(lr=0.021), dict(weight_decay=0), dict(lr=0.05)]
@@ -276,9 +278,7 @@ def test_changed_and_reverted(impl):
 
 
 def test_betas_tuple_list_in_place_and_tuple_again():
-    eager, graphed, opt_e, opt_g, _ = twins(Small, lambda ps: torch.optim.AdamW(ps, lr=0.01))
-    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
-    _check(step, eager, graphed, opt_e, opt_g, 3, "before")
+    eager, graphed, opt_e, opt_g, step = _stepped_twins(lambda ps: torch.optim.AdamW(ps, lr=0.01))
     for o in (opt_e, opt_g):
         o.param_groups[0]["betas"] = (0.8, 0.99)
     _check(step, eager, graphed, opt_e, opt_g, 2, "tuple")
@@ -301,9 +301,7 @@ def test_betas_tuple_list_in_place_and_tuple_again():
 
 
 def test_keys_reordered_with_lr():
-    eager, graphed, opt_e, opt_g, _ = twins(Small, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
-    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
-    _check(step, eager, graphed, opt_e, opt_g, 3, "before")
+    eager, graphed, opt_e, opt_g, step = _stepped_twins(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
     for o in (opt_e, opt_g):
         g = o.param_groups[0]
         g["lr"] = g.pop("lr") * 0.5  # lr moved to the end of the group, and moved
@@ -446,9 +444,7 @@ def test_values_eager_refuses_are_refused_alike(name):
     make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
             "fused-sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True),
             "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01)}[fam]
-    eager, graphed, opt_e, opt_g, _ = twins(Small, make)
-    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
-    _check(step, eager, graphed, opt_e, opt_g, 3, "before")
+    eager, graphed, opt_e, opt_g, step = _stepped_twins(make)
     for o in (opt_e, opt_g):
         o.param_groups[0].update(change)
     x = torch.randn(B, H)
