@@ -14,7 +14,15 @@ void Landing::check(const std::string& where, const LiveMask& live) const {
   }
 }
 
-void Landing::land(const LiveMask& live, bool timed) const {
+std::vector<uint8_t> Landing::hooked_now() const {
+  std::vector<uint8_t> hooked;
+  if (!hooks || (unconditional_hooks == 0 && ops::num_stores_with_hooks() == 0)) return hooked;
+  hooked.reserve(hooks->size());
+  for (const auto& h : *hooks) hooked.push_back(!h.store || h.store->num_hooks() > 0 ? 1 : 0);
+  return hooked;
+}
+
+void Landing::land(const LiveMask& live, bool timed, const std::vector<uint8_t>* hooked_at_forward) const {
   uint64_t copy_ns = 0;
   {
     const ScopedNs t(timed ? &copy_ns : nullptr);
@@ -47,7 +55,10 @@ void Landing::land(const LiveMask& live, bool timed) const {
     const auto& h = (*held)[k];
     bool any = h.param_indices.empty();
     for (size_t i : h.param_indices) any = any || is_live(live, i);
-    live_module[k] = any && (hooks_asked_at_turn || !h.store || h.store->num_hooks() > 0) ? 1 : 0;
+    const bool hooked = hooked_at_forward != nullptr
+                            ? k < hooked_at_forward->size() && (*hooked_at_forward)[k] != 0
+                            : hooks_asked_at_turn || !h.store || h.store->num_hooks() > 0;
+    live_module[k] = any && hooked ? 1 : 0;
   }
   // hooks_asked_at_turn: a hook an earlier module's hook registers on a later module runs
   // in this landing, as that module's own backward_dw() after the earlier one's would run it.

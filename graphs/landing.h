@@ -76,9 +76,16 @@ struct Landing {
   // ArgumentError, before anything is written, when an existing .grad has another dtype,
   // shape or device than its contribution (never a silent cast). `where` prefixes messages.
   void check(const std::string& where, const LiveMask& live = {}) const;
+  // Which modules have hooks now (a module without a store: always), in add_hook() order;
+  // empty when none has. A graphed forward takes it for its backward's landing: an eager
+  // module whose gradients land in the backward runs hooks only if it had some at its
+  // forward (one registered between them waits for the next forward).
+  std::vector<uint8_t> hooked_now() const;
   // Hand-off, flags, hooks, for the live parameters. `timed`: the hand-off's copies count
-  // as backward_dw()'s copies in graphs/phase_timing.h.
-  void land(const LiveMask& live = {}, bool timed = false) const;
+  // as backward_dw()'s copies in graphs/phase_timing.h. `hooked_at_forward`: hooked_now()
+  // as the call's forward saw it (null: which modules have hooks is asked here).
+  void land(const LiveMask& live = {}, bool timed = false,
+            const std::vector<uint8_t>* hooked_at_forward = nullptr) const;
   bool empty() const { return contributions.empty() && flags.empty() && (!hooks || hooks->empty()); }
 };
 

@@ -52,6 +52,9 @@ class GraphedBackward final : public torch::autograd::Node {
   void watch_output(const at::Tensor& t, size_t index) { watched_outputs_.push_back(watch(t, index)); }
   // Likewise an input whose static copy it reads (the eager ops saved the input).
   void watch_input(const at::Tensor& t, size_t index) { watched_inputs_.push_back(watch(t, index)); }
+  // Which of the slot's modules without deferral had hooks at this call's forward
+  // (Landing::hooked_now): theirs run after this backward, as eager's forward decides.
+  void set_hooked_at_forward(std::vector<uint8_t> hooked) { hooked_at_forward_ = std::move(hooked); }
   ~GraphedBackward() override { manager_->node_released(slot_, generation_); }
   std::string name() const override { return "dwgraph::GraphedBackward"; }
 
@@ -110,7 +113,9 @@ class GraphedBackward final : public torch::autograd::Node {
     if (!manager_->after_backward(slot_).empty()) {
       // After autograd has accumulated what this node returns: at the end of the backward.
       torch::autograd::Engine::get_default_engine().queue_callback(
-          [m = manager_, s = slot_, live = std::move(result.live)] { m->after_backward(s).land(live); });
+          [m = manager_, s = slot_, live = std::move(result.live), hooked = hooked_at_forward_] {
+            m->after_backward(s).land(live, /*timed=*/false, &hooked);
+          });
     }
     return std::move(result.grads);
   }
@@ -121,6 +126,7 @@ class GraphedBackward final : public torch::autograd::Node {
   uint64_t generation_;
   bool released_ = false;
   std::vector<WatchedVersion> watched_outputs_, watched_inputs_;
+  std::vector<uint8_t> hooked_at_forward_;
 };
 
 // A plain alias of `t` (no autograd view tracking), so a node can own its history.
@@ -316,6 +322,7 @@ std::vector<at::Tensor> GraphManager::replay_call(size_t s, const std::vector<at
   // Autograd edges: inputs that require grad, then the slot's parameter node (Note
   // [Parameter gradients through one node]).
   auto node = dwgraph::detail::make_node<GraphedBackward>(shared_from_this(), s, generation);
+  node->set_hooked_at_forward(slot.after_backward.hooked_now());
   torch::autograd::edge_list edges;
   edges.reserve(slot.grad_input_indices.size() + 1);
   for (size_t i : slot.grad_input_indices) {
