@@ -119,6 +119,7 @@ void init_manager(py::module_& parent) {
   m.def("state_epoch", &state_epoch);
   m.def("bump_state_epoch", &bump_state_epoch);
   m.def("bump_registration_epoch", &bump_registration_epoch);
+  m.def("bump_tensor_hook_epoch", &bump_tensor_hook_epoch);
   m.def("registration_version", &state_epoch);  // graphed_step's older name for the same epoch
   // What a graphed step's key holds besides its arguments (docs/graphed-step.md, "The key"):
   // grad mode, autocast state (its dtypes too, ops/autocast.h) and fp8 state, read in one

@@ -168,6 +168,51 @@ void GraphManager::name_storages(Graph& g, size_t s) const {
   }
 }
 
+namespace {
+
+// Note [Parameter hooks in autograd's order]: torch::autograd::grad runs the tensor hooks
+// of the leaves it captures gradients for in the order eager's backward would run their
+// AccumulateGrad nodes; a hook per parameter around the captured backward records it.
+class ReachRecorder final : public torch::autograd::FunctionPreHook {
+ public:
+  ReachRecorder(std::vector<size_t>& order, size_t index) : order_(order), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    order_.push_back(index_);
+    return grads;
+  }
+
+ private:
+  std::vector<size_t>& order_;
+  size_t index_;
+};
+
+class ReachRecording {
+ public:
+  explicit ReachRecording(const std::vector<at::Tensor>& params) {
+    for (size_t j = 0; j < params.size(); ++j) {
+      if (!params[j].requires_grad() || torch::autograd::impl::get_autograd_meta(params[j]) == nullptr) continue;
+      auto hook = std::make_unique<ReachRecorder>(order, j);
+      added_.emplace_back(params[j], hook.get());
+      torch::autograd::impl::hooks(params[j]).push_back(std::move(hook));
+    }
+  }
+  ~ReachRecording() {
+    for (auto& [p, hook] : added_) {
+      auto& hooks = torch::autograd::impl::hooks(p);
+      hooks.erase(std::remove_if(hooks.begin(), hooks.end(), [h = hook](const auto& x) { return x.get() == h; }),
+                  hooks.end());
+    }
+  }
+  ReachRecording(const ReachRecording&) = delete;
+  ReachRecording& operator=(const ReachRecording&) = delete;
+  std::vector<size_t> order;
+
+ private:
+  std::vector<std::pair<at::Tensor, const torch::autograd::FunctionPreHook*>> added_;
+};
+
+}  // namespace
+
 template <class Body>
 void GraphManager::capture(std::unique_ptr<Graph>& g, Phase phase, size_t s, Body&& body, const std::string& part) {
   const auto& hook = callables_[slots_[s].info.callable].capture_time_hook;
@@ -425,12 +470,16 @@ void GraphManager::capture_bwd(size_t s) {
   std::vector<size_t> units_before;
   for (const auto& m : c.modules) units_before.push_back(m.store ? m.store->num_units() : 0);
   std::vector<at::Tensor> grads;
+  std::vector<at::Tensor> grad_params;
+  for (size_t j : slot.grad_param_indices) grad_params.push_back(c.parameters[j]);
   capture(slot.bwd, Phase::kBackward, s, [&] {
     const ops::AutocastStateGuard autocast(backward_autocast_);  // Note [Autocast in the backward]
+    const ReachRecording reach(grad_params);
     grads = run_autograd_engine([&] {
       return torch::autograd::grad(outs, targets, grad_outs, opts_.retain_graph_in_backward, /*create_graph=*/false,
                                    /*allow_unused=*/true);
     });
+    slot.param_order = reach.order;
   });
   slot.units_per_backward.clear();
   for (size_t k = 0; k < c.modules.size(); ++k) {

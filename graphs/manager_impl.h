@@ -233,6 +233,13 @@ struct Slot {
   // Note [Parameter gradients through one node]: built once at capture, with an edge per
   // parameter that requires grad (param_node_edges, indices into grad_param_indices).
   dwgraph::detail::NodePtr param_node;
+  // Note [Parameter hooks in autograd's order]: the chain's head and relays (null with one
+  // parameter), used by calls while a parameter has tensor hooks (as of hooks_epoch).
+  dwgraph::detail::NodePtr param_chain;
+  std::vector<dwgraph::detail::NodePtr> param_relays;
+  uint64_t hooks_epoch = 0;
+  bool param_hooks = false;
+  std::vector<size_t> param_order;  // grad_param_indices positions, in the order the captured backward reached them
   std::vector<size_t> param_node_edges;
   std::vector<dwgraph::detail::NodePtr> accumulators;  // per grad_param_indices: its AccumulateGrad
   at::Tensor param_token;  // what the call's node sends param_node
@@ -325,6 +332,8 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   void capture_dw(size_t s);
   void record_reach(size_t s, const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& targets);
   void make_param_node(size_t s);
+  // Whether a parameter of slot s has tensor hooks, looked at when tensor_hook_epoch moved.
+  bool has_param_hooks(size_t s);
   std::vector<at::Tensor> backward_targets(size_t s, bool for_capture);
   bool module_defers(const ModuleSpec& m) const;
   void check_live(const char* what) const;

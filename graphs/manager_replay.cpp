@@ -15,6 +15,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <limits>
 #include <unordered_set>
 
 namespace dwgraph::graphs {
@@ -26,21 +27,63 @@ WatchedVersion watch(const at::Tensor& t, size_t index, const char* what = "inpu
 }
 
 // Note [Parameter gradients through one node]: kept by its slot for the slot's life; its
-// edges lead to the parameters, its one input is the token a call's node sends it.
+// one input is the token a call's node sends it, its edges lead to the parameters.
+//
+// Note [Parameter hooks in autograd's order]: the engine runs the AccumulateGrad nodes one
+// node makes ready in no fixed order (its ready queue is a heap and they share one
+// priority), which only the parameters' tensor hooks can tell. While some parameter of the
+// slot has one (looked at when a leaf's hooks change, tensor_hook_epoch), a call's node
+// leads to a chain instead: its head hands the first parameter's gradient and passes the
+// token to a relay, which hands the next, and so on, in the order the captured backward
+// reached them (recorded at capture). Both have the priority just below AccumulateGrad's,
+// so each parameter's AccumulateGrad and hooks run before the next relay, and the whole
+// hand-off right after the callable's backward, before other nodes: where and in the order
+// eager's backward runs them. A relay costs an engine node (a few microseconds here), hence
+// only with hooks. Hooks registered from C++ after the first call are not seen: their order
+// is the engine's.
+using PendingGrads = std::shared_ptr<std::vector<at::Tensor>>;
+constexpr uint64_t kRelayPriority = std::numeric_limits<uint64_t>::max() - 1;
+
+class ParamGradRelay final : public torch::autograd::Node {
+ public:
+  ParamGradRelay(PendingGrads pending, size_t index) : Node(kRelayPriority), pending_(std::move(pending)), index_(index) {}
+  std::string name() const override { return "dwgraph::GraphedParameterGrads"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    torch::autograd::variable_list out(num_outputs());
+    if (grads.empty() || !grads[0].defined()) return out;
+    if (index_ < pending_->size()) out[0] = std::move((*pending_)[index_]);
+    if (out.size() > 1) out[1] = std::move(grads[0]);  // the token, on to the next relay
+    return out;
+  }
+
+ private:
+  PendingGrads pending_;
+  size_t index_;
+};
+
 class ParamGradNode final : public torch::autograd::Node {
  public:
-  ParamGradNode(std::weak_ptr<GraphManager> m, size_t slot) : manager_(std::move(m)), slot_(slot) {}
+  // `pending`: null for the node with an edge per parameter, else the chain's head.
+  ParamGradNode(std::weak_ptr<GraphManager> m, size_t slot, PendingGrads pending)
+      : Node(kRelayPriority), manager_(std::move(m)), slot_(slot), pending_(std::move(pending)) {}
   std::string name() const override { return "dwgraph::GraphedParameterGrads"; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     auto m = manager_.lock();
     if (!m || grads.empty() || !grads[0].defined()) return torch::autograd::variable_list(num_outputs());
-    return m->take_param_grads(slot_);
+    if (!pending_) return m->take_param_grads(slot_);
+    torch::autograd::variable_list out(num_outputs());
+    *pending_ = m->take_param_grads(slot_);
+    if (!pending_->empty()) out[0] = std::move((*pending_)[0]);
+    if (out.size() > 1) out[1] = std::move(grads[0]);
+    return out;
   }
 
  private:
   std::weak_ptr<GraphManager> manager_;
   size_t slot_;
+  PendingGrads pending_;
 };
 
 class GraphedBackward final : public torch::autograd::Node {
@@ -172,24 +215,70 @@ void GraphManager::make_param_node(size_t s) {
   Slot& slot = slots_[s];
   const auto& c = callables_[slot.info.callable];
   slot.param_node = dwgraph::detail::NodePtr();
+  slot.param_chain = dwgraph::detail::NodePtr();
+  slot.param_relays.clear();
+  slot.hooks_epoch = 0;
   slot.param_node_edges.clear();
   slot.accumulators.clear();
-  torch::autograd::edge_list edges;
   // Every parameter that requires grad, deferred-only ones too: a partial backward that
   // asks for a deferred weight alone (backward(inputs=[w])) must reach this slot's node,
   // as it reaches an eager deferred module's, whose unit it then queues.
+  std::vector<torch::autograd::Edge> to_param;
   for (size_t j = 0; j < slot.grad_param_indices.size(); ++j) {
-    auto edge = torch::autograd::impl::gradient_edge(c.parameters[slot.grad_param_indices[j]]);
-    slot.accumulators.push_back(edge.function);
-    slot.param_node_edges.push_back(j);
-    edges.push_back(std::move(edge));
+    to_param.push_back(torch::autograd::impl::gradient_edge(c.parameters[slot.grad_param_indices[j]]));
+    slot.accumulators.push_back(to_param.back().function);
   }
-  if (edges.empty()) return;
-  auto node = dwgraph::detail::make_node<ParamGradNode>(weak_from_this(), s);
-  node->set_next_edges(std::move(edges));
+  if (to_param.empty()) return;
+  // Note [Parameter hooks in autograd's order]: edge e hands parameter param_order[e].
+  std::vector<uint8_t> seen(to_param.size(), 0);
+  for (size_t j : slot.param_order) {
+    if (j < seen.size() && !seen[j]) slot.param_node_edges.push_back(j), seen[j] = 1;
+  }
+  for (size_t j = 0; j < seen.size(); ++j) {
+    if (!seen[j]) slot.param_node_edges.push_back(j);
+  }
   slot.param_token = at::zeros({}, at::TensorOptions().device(device_));
-  node->add_input_metadata(slot.param_token);
-  slot.param_node = node;
+  const size_t n = slot.param_node_edges.size();
+  {
+    torch::autograd::edge_list edges;
+    for (size_t j : slot.param_node_edges) edges.push_back(to_param[j]);
+    auto node = dwgraph::detail::make_node<ParamGradNode>(weak_from_this(), s, nullptr);
+    node->set_next_edges(std::move(edges));
+    node->add_input_metadata(slot.param_token);
+    slot.param_node = node;
+  }
+  if (n < 2) return;
+  // Note [Parameter hooks in autograd's order]: the chain, built from its end (a node's
+  // edges are set before it has a parent).
+  auto pending = std::make_shared<std::vector<at::Tensor>>();
+  std::vector<dwgraph::detail::NodePtr> chain;
+  chain.push_back(dwgraph::detail::make_node<ParamGradNode>(weak_from_this(), s, pending));
+  for (size_t e = 1; e < n; ++e) chain.push_back(dwgraph::detail::make_node<ParamGradRelay>(pending, e));
+  for (size_t e = n; e-- > 0;) {
+    torch::autograd::edge_list edges{to_param[slot.param_node_edges[e]]};
+    if (e + 1 < n) edges.emplace_back(chain[e + 1], 0);
+    chain[e]->set_next_edges(std::move(edges));
+    chain[e]->add_input_metadata(slot.param_token);
+  }
+  slot.param_chain = chain.front();
+  slot.param_relays.assign(chain.begin() + 1, chain.end());
+}
+
+bool GraphManager::has_param_hooks(size_t s) {
+  Slot& slot = slots_.at(s);
+  const uint64_t epoch = tensor_hook_epoch();
+  if (slot.hooks_epoch != epoch) {
+    const auto& c = callables_[slot.info.callable];
+    bool any = false;
+    for (size_t j : slot.grad_param_indices) {
+      const auto& p = c.parameters[j];
+      if (torch::autograd::impl::get_autograd_meta(p) == nullptr) continue;
+      any = any || !torch::autograd::impl::hooks(p).empty() || torch::autograd::impl::post_acc_grad_hooks(p) != nullptr;
+    }
+    slot.param_hooks = any;
+    slot.hooks_epoch = epoch;
+  }
+  return slot.param_hooks;
 }
 
 void GraphManager::check_live(const char* what) const {
@@ -328,7 +417,7 @@ std::vector<at::Tensor> GraphManager::replay_call(size_t s, const std::vector<at
   for (size_t i : slot.grad_input_indices) {
     edges.push_back(inputs[i].requires_grad() ? torch::autograd::impl::gradient_edge(inputs[i]) : torch::autograd::Edge());
   }
-  if (slot.param_node) edges.emplace_back(slot.param_node, 0);
+  if (slot.param_node) edges.emplace_back(slot.param_chain && has_param_hooks(s) ? slot.param_chain : slot.param_node, 0);
   node->set_next_edges(std::move(edges));
   dwgraph::detail::NodePtr base = node;
   for (size_t i = 0; i < outs.size(); ++i) {
@@ -787,6 +876,9 @@ void GraphManager::reset() {
     slot.dw_live.clear();
     slot.param_grads.clear();
     slot.param_node = dwgraph::detail::NodePtr();
+    slot.param_chain = dwgraph::detail::NodePtr();
+    slot.param_relays.clear();
+    slot.hooks_epoch = 0;
     slot.param_token = at::Tensor();
     slot.buffers = std::make_shared<StaticBuffers>();
     slot.static_outputs.clear();

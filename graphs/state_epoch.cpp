@@ -17,4 +17,11 @@ void bump_registration_epoch() {
   bump_state_epoch();
 }
 
+namespace {
+std::atomic<uint64_t> g_tensor_hooks{1};
+}  // namespace
+
+uint64_t tensor_hook_epoch() { return g_tensor_hooks.load(std::memory_order_acquire); }
+void bump_tensor_hook_epoch() { g_tensor_hooks.fetch_add(1, std::memory_order_acq_rel); }
+
 }  // namespace dwgraph::graphs

@@ -26,4 +26,9 @@ void bump_state_epoch();
 uint64_t registration_epoch();
 void bump_registration_epoch();
 
+// Moved (alone: no check reads it) when a tensor hook is registered on a leaf, so a graphed
+// call looks at its parameters' hooks only then (Note [Parameter hooks in autograd's order]).
+uint64_t tensor_hook_epoch();
+void bump_tensor_hook_epoch();
+
 }  // namespace dwgraph::graphs

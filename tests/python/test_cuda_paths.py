@@ -145,3 +145,29 @@ def _with_first(seq, x, first):
     for mod in seq:
         x = mod(x, is_first_microbatch=first)
     return x
+
+
+def test_parameter_hooks_run_in_eagers_order_on_the_device_thread():
+    # Note [Parameter hooks in autograd's order]: the relays run on the CUDA device thread
+    # (the token lives on the device); the order and the gradients the hooks see are eager's.
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh(),
+                                dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.Linear(H, 4)).cuda()
+    twin = copy.deepcopy(eager)
+    x = torch.randn(B, H, device="cuda", requires_grad=True)
+    runs = {}
+    for name, model in (("eager", eager), ("graphed", twin)):
+        order = []
+        for n, p in model.named_parameters():
+            p.register_hook(lambda g, n=n: order.append((n, None if g is None else g.clone())))
+        run = dwgraph.make_graphed_callables(model, (x.detach().clone().requires_grad_(),)) if name == "graphed" \
+            else model
+        for _ in range(2):
+            order.clear()
+            run(x).sum().backward()
+            model[2].backward_dw()
+        torch.cuda.synchronize()
+        runs[name] = list(order)
+    assert [n for n, _ in runs["graphed"]] == [n for n, _ in runs["eager"]]
+    for (_, a), (_, b) in zip(runs["graphed"], runs["eager"]):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))

@@ -1,6 +1,6 @@
 """Hooks on the parameters of a graphed callable against the same modules eagerly (issue 23):
 a wgrad hook that raises while backward_dw() lands, and the order of parameter tensor
-hooks after a graphed backward."""
+hooks after a graphed backward (Note [Parameter hooks in autograd's order])."""
 
 from __future__ import annotations
 
@@ -50,24 +50,104 @@ def test_a_raising_wgrad_hook_lands_once_and_consumes_the_unit(graphed, fused):
     assert torch.equal(landed, ref.weight.main_grad if fused else ref.weight.grad)
 
 
-def _hook_order(model, x, graphed):
+_MODELS = {
+    "deferred + torch": lambda: torch.nn.Sequential(dwgraph.nn.Linear(H, 3, delay_wgrad_compute=True),
+                                                    torch.nn.Linear(3, H)),
+    "torch x3": lambda: torch.nn.Sequential(torch.nn.Linear(H, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3),
+                                            torch.nn.Linear(3, H)),
+    "layernorm mlp + linear": lambda: torch.nn.Sequential(dwgraph.nn.LayerNormMLP(H, 8),
+                                                          dwgraph.nn.Linear(H, H, fuse_wgrad_accumulation=True)),
+    "one parameter": lambda: torch.nn.Linear(H, H, bias=False),
+}
+
+
+class _Sandwich(torch.nn.Module):
+    """Eager layers before and after the graphed part, as a per-layer graphed model has."""
+
+    def __init__(self, middle):
+        super().__init__()
+        self.pre, self.middle, self.post = torch.nn.Linear(H, H), middle, torch.nn.Linear(H, 2)
+
+    def forward(self, x):
+        return self.post(self.middle(self.pre(x)))
+
+
+def _hook_order(model, graphed, inputs=None, steps=3, when="before capture"):
+    for m in model.modules():
+        if isinstance(m, dwgraph.nn.Linear) and m.fuse_wgrad_accumulation:
+            m.weight.main_grad = torch.zeros_like(m.weight)
     order = []
-    for name, p in model.named_parameters():
-        p.register_hook(lambda g, n=name: order.append(("hook", n)))
-        p.register_post_accumulate_grad_hook(lambda p, n=name: order.append(("post", n)))
-    run = dwgraph.make_graphed_callables(model, (x,)) if graphed else model
-    run(x).sum().backward()
-    return order
 
+    def register():
+        for name, p in model.named_parameters():
+            p.register_hook(lambda g, n=name: order.append(("hook", n, None if g is None else g.clone())))
+            p.register_post_accumulate_grad_hook(lambda p, n=name: order.append(("post", n, None)))
 
-@pytest.mark.xfail(strict=True, reason="open (issue 23): after a graphed backward the parameter hooks run in "
-                                       "named_parameters() order, not in autograd's order")
-def test_parameter_hooks_run_in_eagers_order_after_a_graphed_backward():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(dwgraph.nn.Linear(H, 3, delay_wgrad_compute=True), torch.nn.Linear(3, 2))
-    twin = copy.deepcopy(model)
+    if when == "before capture":
+        register()
+    torch.manual_seed(1)
     x = torch.randn(B, H, requires_grad=True)
-    assert _hook_order(twin, x, graphed=True) == _hook_order(model, x, graphed=False)
+    if graphed:
+        model.middle = dwgraph.make_graphed_callables(model.middle, (torch.randn(B, H, requires_grad=True),))
+    if when == "after capture":
+        register()
+    runs = []
+    for step in range(steps):
+        if when == "after a call" and step == 1:
+            register()
+        order.clear()
+        loss = model(x).sum()
+        params = dict(model.named_parameters())
+        if inputs is None:
+            loss.backward()
+        else:
+            loss.backward(inputs=[params[n] for n in inputs])
+        for m in model.modules():
+            if isinstance(m, dwgraph.nn.Linear) and m.delay_wgrad_compute and m.num_pending_wgrad_units():
+                m.backward_dw()
+        runs.append(list(order))
+    return runs
+
+
+def _same_order(graphed, eager):
+    assert [[e[:2] for e in r] for r in graphed] == [[e[:2] for e in r] for r in eager]
+    for rg, re_ in zip(graphed, eager):
+        for (_, _, a), (_, _, b) in zip(rg, re_):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+@pytest.mark.parametrize("when", ["before capture", "after capture", "after a call"])
+@pytest.mark.parametrize("inputs", [None, "some"], ids=["backward", "backward(inputs=...)"])
+@pytest.mark.parametrize("model", list(_MODELS))
+def test_parameter_hooks_run_in_eagers_order_after_a_graphed_backward(model, inputs, when):
+    # Note [Parameter hooks in autograd's order]: the graphed part's parameter hooks run
+    # where and in the order eager's backward runs them, between the eager layers' own.
+    torch.manual_seed(0)
+    eager = _Sandwich(_MODELS[model]())
+    twin = copy.deepcopy(eager)
+    names = [n for n, _ in eager.named_parameters()]
+    asked = None if inputs is None else names[::2]  # every other one, the graphed part's among them
+    _same_order(_hook_order(twin, True, asked, when=when), _hook_order(eager, False, asked, when=when))
+
+
+def test_parameter_gradients_go_through_relays_only_while_a_parameter_has_hooks():
+    # The chain costs an engine node per parameter: a call's node leads to it only once some
+    # parameter has a tensor hook (a removed Python hook leaves its empty hook dict on the
+    # tensor, which keeps the chain: the same order, at the chain's cost).
+    torch.manual_seed(0)
+    model = _MODELS["torch x3"]()
+    run = dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
+    n = len(list(model.parameters()))
+
+    def fan_out():
+        node = run(torch.randn(B, H, requires_grad=True)).grad_fn
+        return len(node.next_functions[-1][0].next_functions)
+
+    assert fan_out() == n  # one node, an edge per parameter
+    torch.zeros(1, requires_grad=True).register_hook(lambda g: None)  # a leaf elsewhere: looked, none
+    assert fan_out() == n
+    model[2].bias.register_post_accumulate_grad_hook(lambda p: None)
+    assert fan_out() == 2  # the chain's head: the first parameter and the next relay
 
 
 def _wgrad_hook_runs(model, graphed, fused, change):

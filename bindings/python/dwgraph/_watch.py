@@ -195,6 +195,25 @@ def _on_watched_tensors(fn):
     return wrapper
 
 
+def _on_leaf_hooks(fn):
+    """`fn` (Tensor.register_hook, register_post_accumulate_grad_hook) moves the tensor
+    hook epoch when it registers on a leaf: graphed calls then look at their parameters'
+    hooks again (Note [Parameter hooks in autograd's order], graphs/manager_replay.cpp).
+    A hook on another tensor (an activation's, every forward) costs one attribute read."""
+    bump = _C.graphs.bump_tensor_hook_epoch
+    compiling = torch.compiler.is_compiling
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        if self.grad_fn is None and not compiling():
+            bump()
+        return out
+
+    wrapper._dwgraph_watch = True
+    return wrapper
+
+
 # Single tensors watched (captured buffers and main_grads): id -> weak reference whose
 # callback stops the watch when the tensor dies.
 _watched_tensors: "dict[int, weakref.ref]" = {}
@@ -295,6 +314,10 @@ def install() -> None:
             fn = getattr(torch.Tensor, name)
             if not getattr(fn, "_dwgraph_watch", False):
                 setattr(torch.Tensor, name, _on_watched_tensors(fn))
+        for name in ("register_hook", "register_post_accumulate_grad_hook"):
+            fn = getattr(torch.Tensor, name, None)
+            if fn is not None and not getattr(fn, "_dwgraph_watch", False):
+                setattr(torch.Tensor, name, _on_leaf_hooks(fn))
         _global_hooks_watched = all(_replace_if_safe(vars(module_mod), n) for n in _GLOBAL_HOOK_DICTS
                                     if n in vars(module_mod))
         _install_rng_watch()
