@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -510,7 +511,16 @@ void GraphManager::capture_bwd(size_t s) {
     for (auto& t : slot.static_grad_inputs) t = unowned_view(t);
   }
   // Modules without deferral: their main_grad was accumulated and their hooks run at the
-  // end of each backward.
+  // end of each backward. Eager queues a layer's hooks when its backward starts (its
+  // output's gradient), in the order the backward reaches the layers, which the captured
+  // backward recorded for their parameters (Note [Parameter hooks in autograd's order]);
+  // layers it did not reach, and hooks of inner modules, after those, in module order.
+  std::unordered_map<size_t, size_t> reached_at;  // callable parameter index -> first reach
+  for (size_t k = 0; k < slot.param_order.size(); ++k) {
+    const size_t j = slot.param_order[k];
+    if (j < slot.grad_param_indices.size()) reached_at.emplace(slot.grad_param_indices[j], k);
+  }
+  std::vector<std::pair<size_t, ModuleHooks>> hooks;
   for (const auto& m : c.modules) {
     if (module_defers(m)) continue;
     std::vector<size_t> indices;
@@ -519,13 +529,27 @@ void GraphManager::capture_bwd(size_t s) {
       indices.push_back(i);
       if (f.set_flag && f.param.requires_grad()) slot.after_backward.flags.push_back(FlagSetter{[f] { f.set_flag(true); }, i});
     }
-    if (m.run_hooks) slot.after_backward.add_hook(ModuleHooks{m.run_hooks, m.store, module_parameter_indices(c, m)});
+    if (!m.run_hooks) continue;
+    // Its own parameters: named "<module>.<name>" in the callable ("<name>" at the root).
+    size_t first = std::numeric_limits<size_t>::max();
+    const std::string prefix = m.name.empty() ? "" : m.name + ".";
+    for (size_t i = 0; i < c.parameter_names.size(); ++i) {
+      const auto& n = c.parameter_names[i];
+      if (n.compare(0, prefix.size(), prefix) != 0 || n.find('.', prefix.size()) != std::string::npos) continue;
+      auto it = reached_at.find(i);
+      if (it != reached_at.end()) first = std::min(first, it->second);
+    }
+    hooks.emplace_back(first, ModuleHooks{m.run_hooks, m.store, module_parameter_indices(c, m)});
   }
   for (const auto& m : c.modules) {
     for (const auto& inner : m.inner) {
-      if (!inner.defers && inner.run_hooks) slot.after_backward.add_hook(ModuleHooks{inner.run_hooks, inner.store, {}});
+      if (!inner.defers && inner.run_hooks) {
+        hooks.emplace_back(std::numeric_limits<size_t>::max(), ModuleHooks{inner.run_hooks, inner.store, {}});
+      }
     }
   }
+  std::stable_sort(hooks.begin(), hooks.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (auto& [_, h] : hooks) slot.after_backward.add_hook(std::move(h));
 }
 
 void GraphManager::record_reach(size_t s, const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& targets) {

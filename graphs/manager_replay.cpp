@@ -39,8 +39,12 @@ WatchedVersion watch(const at::Tensor& t, size_t index, const char* what = "inpu
 // so each parameter's AccumulateGrad and hooks run before the next relay, and the whole
 // hand-off right after the callable's backward, before other nodes: where and in the order
 // eager's backward runs them. A relay costs an engine node (a few microseconds here), hence
-// only with hooks. Hooks registered from C++ after the first call are not seen: their order
-// is the engine's.
+// only with hooks. Not seen, so in the engine's order: hooks first registered between a
+// call's forward and its backward (the forward chose), hooks on the AccumulateGrad nodes
+// themselves, hooks registered from C++ after the first call. The order among three or
+// more parameters one node feeds is the capture's: eager's engine breaks that tie by what
+// else its ready queue holds. Modules without deferral run their wgrad hooks in the same
+// reach order (manager_capture.cpp).
 using PendingGrads = std::shared_ptr<std::vector<at::Tensor>>;
 constexpr uint64_t kRelayPriority = std::numeric_limits<uint64_t>::max() - 1;
 
