@@ -233,16 +233,23 @@ void GraphManager::make_param_node(size_t s) {
     slot.accumulators.push_back(to_param.back().function);
   }
   if (to_param.empty()) return;
-  // Note [Parameter hooks in autograd's order]: edge e hands parameter param_order[e].
+  // Note [Parameter hooks in autograd's order]: edge e hands parameter param_order[e]. A
+  // parameter no output reaches (a submodule the forward does not use) gets no edge, so its
+  // AccumulateGrad and hooks do not run, as in eager (the engine would run them with None).
   std::vector<uint8_t> seen(to_param.size(), 0);
+  const size_t ni = slot.grad_input_indices.size();
+  for (size_t j = 0; j < seen.size(); ++j) {
+    if (ni + j < slot.reached.size() && !slot.reached[ni + j]) seen[j] = 1;
+  }
   for (size_t j : slot.param_order) {
     if (j < seen.size() && !seen[j]) slot.param_node_edges.push_back(j), seen[j] = 1;
   }
   for (size_t j = 0; j < seen.size(); ++j) {
     if (!seen[j]) slot.param_node_edges.push_back(j);
   }
-  slot.param_token = at::zeros({}, at::TensorOptions().device(device_));
   const size_t n = slot.param_node_edges.size();
+  if (n == 0) return;
+  slot.param_token = at::zeros({}, at::TensorOptions().device(device_));
   {
     torch::autograd::edge_list edges;
     for (size_t j : slot.param_node_edges) edges.push_back(to_param[j]);

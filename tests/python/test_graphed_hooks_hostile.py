@@ -442,13 +442,11 @@ class _Unused(torch.nn.Module):
         return self.b(self.frozen(torch.tanh(self.a(x))))
 
 
-_NONE_HOOKS = ("DIFFERENT (before d586f03 too, the one node has it): the parameter node has an edge to every "
-               "parameter, so a parameter the backward does not reach gets its tensor hook called with None and "
-               "its post-accumulate hook called; eager never reaches its AccumulateGrad (memory-contract.md row 21 "
-               "says 'run no hook, as eager')")
+_NONE_HOOKS = ("DIFFERENT: the parameter node has an edge to every parameter an output reaches, so a parameter "
+               "reached only from an output this backward does not use gets its tensor hook called with None and "
+               "its post-accumulate hook called; eager never reaches its AccumulateGrad (memory-contract.md row 21)")
 
 
-@pytest.mark.xfail(strict=True, reason=_NONE_HOOKS)
 def test_unused_and_frozen_parameters_with_hooks():
     eager, twin = _pair(lambda: _Sandwich(_Unused()))
     le, lg = [], []
