@@ -206,12 +206,13 @@ c10::IValue HostGraph::rebuild(const detail::ValueSlot& s) const {
 }
 
 void HostGraph::launch() {
-  // Below autograd: the recorded calls are kernels, their autograd was recorded too.
+  // Below autograd: the recorded calls are kernels, their autograd was recorded too. Each
+  // runs in the grad mode it was captured in (OpRecord::grad_enabled).
   const at::AutoDispatchBelowADInplaceOrView below;
-  const at::NoGradGuard no_grad;
   torch::jit::Stack stack;
   for (size_t r = 0; r < records_.size(); ++r) {
     const auto& rec = records_[r];
+    const c10::AutoGradMode grad_mode(rec.grad_enabled);
     // Constants first, even for a call that is not replayed (aten::lift_fresh, the first
     // call to see torch.tensor(...)'s data): later calls read the bytes it met.
     for (const auto& [entry, bytes] : rec.constants) {

@@ -5,6 +5,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
@@ -204,6 +205,7 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   // Our own bookkeeping below must not be recorded.
   std::optional<c10::impl::ExcludeDispatchKeyGuard> exclude(std::in_place, kCaptureModeKey);
   OpRecord rec{op, {}, {}, false, {}};
+  rec.grad_enabled = c10::GradMode::is_enabled();
   rec.args.reserve(nargs);
   std::unordered_set<const void*> input_data;
   for (size_t i = 0; i < nargs; ++i) {

@@ -71,6 +71,9 @@ struct OpRecord {
   // Graph-pool bytes this call reads that no recorded kernel wrote (Note [Constants in the
   // pool]): restored just before the call at replay.
   std::vector<std::pair<size_t, std::vector<uint8_t>>> constants;
+  // Grad mode when it ran: some kernels branch on it (oneDNN's RNN keeps a training
+  // workspace only with grad on), so a replay runs each call in it (below autograd).
+  bool grad_enabled = false;
 };
 
 class Recorder {

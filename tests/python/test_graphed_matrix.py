@@ -94,6 +94,7 @@ Asserted per case:
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Dict, List, Tuple
 
@@ -643,3 +644,31 @@ def test_matrix_covers_every_kind_in_every_mode():
         for axis in ([("schedule", s) for s in SCHEDULES] + [("tie", t) for t in TIES]
                      + [("fused", True), ("fused", False)] + [("dtype", d) for d in DTYPES]):
             assert axis in seen[k], f"{k} never meets {axis}"
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_a_recurrent_layer_whose_kernel_branches_on_grad_mode_replays_as_eager(kind):
+    # oneDNN's RNN kernels keep their training workspace only with grad on: a host-graph
+    # replay runs each kernel in the grad mode it was captured in (OpRecord::grad_enabled);
+    # under no_grad the LSTM's replay raised (a workspace without storage).
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = getattr(torch.nn, kind)(4, 4, batch_first=True)
+
+        def forward(self, x):
+            return self.rnn(x)[0]
+
+    torch.manual_seed(0)
+    eager = Net()
+    graphed = copy.deepcopy(eager)
+    dwgraph.make_graphed_callables(graphed, (torch.randn(2, 3, 4, requires_grad=True),))
+    for step in range(3):
+        x = torch.randn(2, 3, 4, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        ye, yg = eager(x), graphed(x2)
+        ye.square().sum().backward()
+        yg.square().sum().backward()
+        assert torch.equal(ye, yg) and torch.equal(x.grad, x2.grad), f"step {step}"
+        for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+            assert torch.equal(a.grad, b.grad), f"step {step}: {n}.grad"
