@@ -234,7 +234,9 @@ struct Slot {
   // parameter that requires grad (param_node_edges, indices into grad_param_indices).
   dwgraph::detail::NodePtr param_node;
   // Note [Parameter hooks in autograd's order]: the chain's head and relays (null with one
-  // parameter), used by calls while a parameter has tensor hooks (as of hooks_epoch).
+  // parameter), used by calls while a parameter has tensor hooks (as of hooks_epoch). Each
+  // node's edge already owns the next; the relays are held here as well so that a long
+  // chain is released one node at a time, not by a destructor recursion per parameter.
   dwgraph::detail::NodePtr param_chain;
   std::vector<dwgraph::detail::NodePtr> param_relays;
   uint64_t hooks_epoch = 0;
