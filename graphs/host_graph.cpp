@@ -114,6 +114,7 @@ void HostGraph::begin_backend() {
 void HostGraph::end_backend() {
   alloc_guard_.reset();
   recorder_->restore_caller_writes();
+  recorder_->check_none_raised("at the end of the captured region");
   recorder_->check_generator_at_end();
 }
 

@@ -167,6 +167,29 @@ void Recorder::refuse_draw_after_reseed(const c10::FunctionSchema& schema) const
   }
 }
 
+void Recorder::note_raised(const std::string& op_name, const char* what) {
+  // Note [A call that raised]: the host graph records a call when it returns. One that
+  // raised may have run kernels first (torch.utils.checkpoint's early stop raises from the
+  // pack hook of the last saving call, after its kernel wrote the output the backward then
+  // reads); a replay would skip them. That only matters if the region goes on, as the
+  // capture is abandoned otherwise.
+  if (!execute_ || !raised_op_.empty()) return;
+  raised_op_ = op_name;
+  raised_what_ = what;
+  raised_what_ = raised_what_.substr(0, std::min(raised_what_.find('\n'), size_t{200}));
+}
+
+void Recorder::check_none_raised(const char* where) const {
+  DWGRAPH_CHECK_STATE(raised_op_.empty(), "dwgraph host graph capture: ", raised_op_, " raised inside the captured "
+                      "region (", raised_what_.empty() ? std::string("no message") : raised_what_, ") and the region "
+                      "went on (", where, "): the exception was caught inside it. The host graph records a call when "
+                      "it returns, so kernels the raising call ran before it raised would not be replayed and a replay "
+                      "would read the capture's values there. torch.utils.checkpoint(use_reentrant=False) ends its "
+                      "recomputation this way under early stop: checkpoints made inside a dwgraph capture recompute "
+                      "whole; one made outside the captured region, or under set_checkpoint_early_stop(True) inside "
+                      "it, is refused. Catch exceptions outside the captured region");
+}
+
 void Recorder::snapshot_if_caller(const TensorSlot& s, const at::Tensor& t) {
   if (!execute_ || !s.defined || s.no_memory) return;
   if (ledger_.entry(s.entry).ownership == allocator::Ownership::kGraph) return;
@@ -200,7 +223,10 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   const size_t base = stack->size() - nargs;
   refuse_data_dependent(schema, *stack, base);
   refuse_draw_after_reseed(schema);
-  if (depth_ == 0) check_generator(c10::str("before ", op_name).c_str());
+  if (depth_ == 0) {
+    check_none_raised(c10::str("before ", op_name).c_str());
+    check_generator(c10::str("before ", op_name).c_str());
+  }
 
   // Our own bookkeeping below must not be recorded.
   std::optional<c10::impl::ExcludeDispatchKeyGuard> exclude(std::in_place, kCaptureModeKey);
@@ -245,8 +271,17 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   ++depth_;
   try {
     run_recorded_call(redispatch);
+  } catch (const c10::Error& e) {
+    --depth_;
+    note_raised(op_name, e.what_without_backtrace());
+    throw;
+  } catch (const std::exception& e) {
+    --depth_;
+    note_raised(op_name, e.what());
+    throw;
   } catch (...) {
     --depth_;
+    note_raised(op_name, "");
     throw;
   }
   --depth_;

@@ -99,6 +99,9 @@ class Recorder {
   // Host: throws unless the default CPU generator is where the recorded kernels left it
   // (see check_generator); called at capture end.
   void check_generator_at_end() const { check_generator("at the end of the captured region"); }
+  // Host: throws if a recorded call raised and the region went on (see on_call); called
+  // before each top-level call and at capture end.
+  void check_none_raised(const char* where) const;
   std::vector<OpRecord> take_records() { return std::move(records_); }
   // Note [Host work around a replay]: what the region hoisted out of the graph, and the
   // pool whose graphs share replay buffers.
@@ -119,6 +122,7 @@ class Recorder {
   // previous call left it: Python that reseeds, restores (fork_rng, set_state, activation
   // checkpointing's recompute) or draws outside the kernels would be lost at replay.
   void check_generator(const char* where) const;
+  void note_raised(const std::string& op_name, const char* what);
   void note_generator();
   std::vector<size_t> written_entries(const OpRecord& rec) const;
   void mark_defined(size_t entry);
@@ -135,6 +139,9 @@ class Recorder {
   uint64_t reseed_epoch_;  // this thread's reseeds when the capture began
   at::Tensor generator_state_;  // host: the default CPU generator where the last top-level call left it
   int depth_ = 0;               // nesting of recorded calls
+  // Host: the first recorded call that raised ("" while none did), and its message.
+  std::string raised_op_;
+  std::string raised_what_;
   std::vector<OpRecord> records_;
   HostCalls host_calls_;
   GraphPool* pool_ = nullptr;

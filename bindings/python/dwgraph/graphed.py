@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from . import _C, _guards, _spec, _watch
 from . import fp8 as _fp8
 from .errors import ArgumentError
-from .graphs import RefuseHostReads, compiled_code_as_captured
+from .graphs import RefuseHostReads, torch_code_as_captured
 
 __all__ = ["make_graphed_callables", "GraphedCallable", "graphed_handle", "summary"]
 
@@ -574,7 +574,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
 
         def run(tensors, call=call, in_sig=in_sigs[i], out_sig=out_sig, i=i):
             args, kwargs = in_sig.rebuild(tensors)
-            with compiled_code_as_captured():  # Note [A step around compiled code]
+            with torch_code_as_captured():
                 out = call(*args, **kwargs)
             sig = _Signature(out)
             if "sig" not in out_sig:

@@ -19,6 +19,7 @@ import contextlib
 from typing import Optional
 
 import torch
+import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
 from . import _C
@@ -43,22 +44,37 @@ def refuse_host_read(func) -> None:
             "capture forever); move it out of the captured region")
 
 
-def compiled_code_as_captured():
-    """Note [A step around compiled code] (step.py), for every capture of a callable: inside
-    a capture on the host graph, torch.compile'd code (this thread only) runs its original
-    Python eagerly, so the host graph records its ATen kernels (inductor's CPU kernels are
-    C++ functions it calls directly, which a host capture would miss: a replay would skip
-    them and read the capture's values); anywhere else (eager calls, CUDA captures, which
-    capture inductor's kernels) it runs compiled."""
+def torch_code_as_captured():
+    """Around every captured region's Python (a callable's forward, a step, a ``Graph``
+    block): inside a capture on the host graph, two of torch's own switches are set so that
+    what runs can be recorded; anywhere else (eager calls, warmups, CUDA captures) nothing
+    changes.
+
+    * Note [A step around compiled code] (step.py): torch.compile'd code (this thread only)
+      runs its original Python eagerly, so the host graph records its ATen kernels
+      (inductor's CPU kernels are C++ functions it calls directly, which a host capture
+      would miss: a replay would skip them and read the capture's values).
+    * Note [Checkpoints recompute whole in a host capture]: a non-reentrant
+      ``torch.utils.checkpoint`` made here recomputes its whole function at backward (early
+      stop off). With early stop its recomputation ends by raising out of the last saving
+      call, after that call's kernel ran; the host graph records a call when it returns,
+      so a replay would skip that kernel and the backward would read the capture's values
+      (a silently wrong gradient). The core refuses any call that raised inside a region
+      which went on (graphs/recorder.h); this keeps the default checkpoint exact instead.
+      On CUDA the stream captured the kernel either way, and early stop stays as set."""
     if not _C.graphs.capturing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
     # torch's own thread-local switch (its compiler runs nested compiled code eagerly with
     # it); test_graphed_step.py and test_dropin.py fail if a torch without it records half
     # a region.
     eager = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "_use_eager_on_nested_compile", None)
-    if eager is None:
-        return contextlib.nullcontext()
-    return eager()
+    if eager is not None:
+        stack.enter_context(eager())
+    # A process-wide setting, read when a checkpoint's forward runs: another thread's
+    # checkpoints made meanwhile recompute whole too (slower, as exact).
+    stack.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
+    return stack
 
 
 class RefuseHostReads(TorchFunctionMode):
@@ -89,7 +105,7 @@ class Graph:
         pool reference and no capture mode remain, and the block can be captured again."""
         self._graph.capture_begin(pool)
         try:
-            with RefuseHostReads(), compiled_code_as_captured():  # Note [A step around compiled code]
+            with RefuseHostReads(), torch_code_as_captured():
                 yield self
         except BaseException:
             self._graph.capture_abort()

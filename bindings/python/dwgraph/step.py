@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 from . import _C, _optim, _spec
 from . import _watch as _state_watch
 from .errors import ArgumentError, GraphStateError, _CreatesState, _FoundMore
-from .graphs import compiled_code_as_captured as _compiled_code_as_captured
+from .graphs import torch_code_as_captured as _torch_code_as_captured
 from .graphs import refuse_host_read
 from .nn import _step_context
 
@@ -873,8 +873,8 @@ class GraphedStep:
             # Capturing: torch.optim's SGD and Adam implementations read the routed
             # optimizers' hyperparameters from their buffers (Note [Hyperparameters a
             # replay reads]).
-            with watcher, _compiled_code_as_captured(), (_optim.routing() if handed is not None
-                                                         else contextlib.nullcontext()):
+            with watcher, _torch_code_as_captured(), (_optim.routing() if handed is not None
+                                                      else contextlib.nullcontext()):
                 out = self._fn(*args, **kwargs)
         except Exception as e:
             opt = _watch.optimizer
