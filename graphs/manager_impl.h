@@ -87,6 +87,9 @@
 // mode the graphs were not captured in does: its result, its backward and (deferred
 // modules) its backward_dw() are eager's exactly. A warning says so once per set, since
 // the graphs save nothing there; capturing with samples that require grad replays them.
+// The same holds for any call in the other grad mode than the capture, trainable or not,
+// either way: some kernels branch on grad mode alone (oneDNN's RNN runs its training
+// kernel whenever grad is on), so the captured kernels are not the ones eager would run.
 //
 // Note [Deferred work of a pipeline slot]: with a pipeline order each microbatch has its
 // own slot, and a slot's backward_dw() lands that microbatch's work: its graphed backward's

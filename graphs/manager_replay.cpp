@@ -326,24 +326,26 @@ void GraphManager::verify(size_t ci, const std::string& where, bool front_end) {
 }
 
 bool GraphManager::runs_eagerly(size_t s, const std::vector<at::Tensor>& inputs) {
-  if (!at::GradMode::is_enabled()) return false;
+  const bool grad_now = at::GradMode::is_enabled();
   const Slot& slot = slots_.at(s);
-  const int64_t gaining = slot.buffers->inputs.first_gaining_grad(inputs);
   std::string why;
-  if (gaining >= 0) {
-    why = c10::str("argument ", gaining, " requires grad but its sample did not, so the graphs hold no gradient for it");
-  } else if (!grad_at_capture_) {
-    // Rare (captured under no_grad, called with grad): the parameters are read here only.
-    bool trainable = false;
-    for (const auto& t : inputs) trainable = trainable || (t.defined() && t.requires_grad());
-    for (const auto& p : callables_[slot.info.callable].parameters) trainable = trainable || p.requires_grad();
-    if (trainable) why = "it was captured under torch.no_grad() and is called with grad enabled";
+  if (grad_now != grad_at_capture_) {
+    // Kernels may branch on grad mode alone (oneDNN's RNN takes its training kernel
+    // whenever it is on, trainable or not, and its last bits differ): the captured kernels
+    // are not the ones eager runs in the other mode.
+    why = grad_now ? "it was captured under torch.no_grad() and is called with grad enabled"
+                   : "it was captured with grad enabled and is called under torch.no_grad()";
+  } else if (grad_now) {
+    const int64_t gaining = slot.buffers->inputs.first_gaining_grad(inputs);
+    if (gaining >= 0) {
+      why = c10::str("argument ", gaining, " requires grad but its sample did not, so the graphs hold no gradient for it");
+    }
   }
   if (why.empty()) return false;
   if (!warned_eager_autograd_.exchange(true)) {
     log::warning(slot.where, ": ", why, "; such calls run eagerly (eager's results and gradients, nothing "
-                 "replayed). Capture with samples that require grad, and with grad enabled, to replay them "
-                 "(docs/memory-contract.md)");
+                 "replayed). Capture in the grad mode of the calls, with samples that require grad where their "
+                 "inputs do, to replay them (docs/memory-contract.md)");
   }
   return true;
 }

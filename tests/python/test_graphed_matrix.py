@@ -672,3 +672,31 @@ def test_a_recurrent_layer_whose_kernel_branches_on_grad_mode_replays_as_eager(k
         assert torch.equal(ye, yg) and torch.equal(x.grad, x2.grad), f"step {step}"
         for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
             assert torch.equal(a.grad, b.grad), f"step {step}: {n}.grad"
+
+
+@pytest.mark.parametrize("trainable", [True, False], ids=["trainable", "frozen"])
+@pytest.mark.parametrize("call_grad", [True, False], ids=["called_with_grad", "called_under_no_grad"])
+@pytest.mark.parametrize("capture_grad", [True, False], ids=["captured_with_grad", "captured_under_no_grad"])
+def test_a_call_in_another_grad_mode_than_its_capture_is_eager_exact(capture_grad, call_grad, trainable):
+    # oneDNN's RNN takes its training kernel whenever grad mode is on (whether or not
+    # anything requires grad), and its last bits differ from the inference kernel: a call
+    # in the grad mode it was captured in replays, one in the other mode runs eagerly
+    # (Note [Calls eager autograd would differentiate further]).
+    torch.manual_seed(0)
+    eager = torch.nn.LSTM(4, 4, num_layers=2, bidirectional=True, batch_first=True)
+    for p in eager.parameters():
+        p.requires_grad_(trainable)
+    graphed = copy.deepcopy(eager)
+    with torch.set_grad_enabled(capture_grad):
+        g = dwgraph.make_graphed_callables(graphed, (torch.randn(2, 3, 4),))
+    with torch.set_grad_enabled(call_grad):
+        for step in range(2):
+            x = torch.randn(2, 3, 4)
+            ye, yg = eager(x)[0], g(x)[0]
+            assert torch.equal(ye, yg), f"step {step}: {(ye - yg).abs().max().item():.3g}"
+            assert ye.requires_grad == yg.requires_grad
+            if ye.requires_grad:
+                ye.square().sum().backward()
+                yg.square().sum().backward()
+                for (n, a), b in zip(eager.named_parameters(), graphed.parameters()):
+                    assert torch.equal(a.grad, b.grad), f"step {step}: {n}.grad"
