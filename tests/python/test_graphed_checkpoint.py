@@ -207,3 +207,60 @@ def test_early_stop_is_put_back_after_a_capture_and_untouched_in_eager_calls():
         graphed = dwgraph.make_graphed_callables(torch.nn.Linear(H, H), (torch.randn(B, H, requires_grad=True),))
         graphed(torch.randn(B, H, requires_grad=True))  # a replay: no capture, nothing set
         assert torch.utils.checkpoint._enable_checkpoint_early_stop is True
+
+
+# Fast paths that look for torch function modes --------------------------------------------------
+# A capture used to run under a torch function mode (to refuse .tolist() and .numpy()), which
+# turns off nn.TransformerEncoderLayer's and MultiheadAttention's fused inference path: a
+# graph captured in eval under no_grad replayed the standard path, 2e-7..5e-7 off eager's.
+@pytest.mark.parametrize("entry", ["make_graphed_callables", "graph"])
+@pytest.mark.parametrize("layer", ["encoder_layer", "multihead_attention"])
+def test_inference_fast_paths_replay_as_eager(layer, entry):
+    torch.manual_seed(0)
+    if layer == "encoder_layer":
+        eager = torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True).eval()
+        call = lambda mod, u: mod(u)  # noqa: E731
+    else:
+        eager = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+        call = lambda mod, u: mod(u, u, u, need_weights=False)[0]  # noqa: E731
+    m = copy.deepcopy(eager)
+    with torch.no_grad():
+        if entry == "make_graphed_callables":
+            fn = (lambda g: lambda u: g(u))(dwgraph.make_graphed_callables(
+                (lambda mod: lambda u: call(mod, u))(m), (torch.randn(2, 5, 16),)))
+        else:
+            static = torch.randn(2, 5, 16)
+            g = Graph("cpu")
+            with g.capture():
+                out = call(m, static)
+
+            def fn(u):
+                static.copy_(u)
+                g.replay()
+                return out
+        for i in range(3):
+            x = torch.randn(2, 5, 16)
+            want, got = call(eager, x), fn(x)
+            assert torch.equal(got, want), f"call {i}: {(got - want).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("read", ["tolist", "numpy", "array"])
+@pytest.mark.parametrize("entry", ["make_graphed_callables", "graph"])
+def test_host_reads_are_refused_inside_captures_and_free_outside(read, entry):
+    import numpy as np
+
+    def reading(u):
+        v = u * 2
+        {"tolist": lambda: v.tolist(), "numpy": lambda: v.numpy(), "array": lambda: np.asarray(v)}[read]()
+        return v
+
+    with pytest.raises(dwgraph.GraphStateError, match="reads a tensor's value on the host"):
+        if entry == "graph":
+            with Graph("cpu").capture():
+                reading(torch.randn(3))
+        else:
+            with torch.no_grad():
+                dwgraph.make_graphed_callables(reading, (torch.randn(3),))
+    t = torch.arange(3.0)
+    assert t.tolist() == [0.0, 1.0, 2.0] and t.numpy().tolist() == [0.0, 1.0, 2.0]
+    assert np.asarray(t).tolist() == [0.0, 1.0, 2.0]

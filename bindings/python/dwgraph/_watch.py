@@ -17,6 +17,9 @@ those checks can see:
 * torch's global module hook dicts, replaced by watching dicts;
 * torch's reseeding functions (manual_seed, set_rng_state, ...): on a capturing thread
   they tell the core, which refuses a random draw after them (the RNG watch);
+* ``Tensor.tolist``, ``numpy`` and ``__array__``, which read a value on the host without a
+  dispatcher call the core could refuse: on a capturing thread they raise (the host-read
+  watch; ``.item()``, ``bool(t)``, ``int(t)`` reach the core's own refusal);
 * per graphed module tree (:func:`watch_module_tree`): every submodule's parameter,
   buffer, child and hook dicts become watching dicts (a direct ``_parameters[name] = t``,
   as FSDP2 and ``torch.func.functional_call`` do, is seen too), and the parameters' types
@@ -43,6 +46,7 @@ import torch
 import torch.random
 
 from . import _C
+from .errors import GraphStateError
 
 __all__ = ["install", "watch_module_tree", "watch_tensor", "changed", "was_displaced"]
 
@@ -265,6 +269,34 @@ def _install_rng_watch() -> None:
                 setattr(owner, name, watched(fn))
 
 
+def _install_host_read_watch() -> None:
+    """Inside a capture, the tensor methods that read a value on the host with no dispatcher
+    call (the capture would bake the value in; CUDA cannot capture them at all) raise before
+    they read. Methods, not a torch function mode: a mode active during the capture would
+    make torch take other paths there than eagerly (nn.TransformerEncoderLayer's and
+    MultiheadAttention's fast paths are off whenever a mode is active: their last bits
+    differ). Calls outside captures cost one check."""
+    capturing = _C.graphs.capturing
+
+    def watched(fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args, **kwargs):
+            if capturing():
+                raise GraphStateError(
+                    f"dwgraph graph capture: Tensor.{fn.__name__}() reads a tensor's value on the host (as .item(), "
+                    "bool(t) do), which a graph cannot capture (it would replay the value of its capture forever); "
+                    "move it out of the captured region")
+            return fn(self, *args, **kwargs)
+
+        wrapper._dwgraph_watch = True
+        return wrapper
+
+    for name in ("tolist", "numpy", "__array__"):
+        fn = getattr(torch.Tensor, name)
+        if not getattr(fn, "_dwgraph_watch", False):
+            setattr(torch.Tensor, name, watched(fn))
+
+
 def install() -> None:
     """Once per process (import dwgraph)."""
     global _installed, _global_hooks_watched
@@ -321,6 +353,7 @@ def install() -> None:
         _global_hooks_watched = all(_replace_if_safe(vars(module_mod), n) for n in _GLOBAL_HOOK_DICTS
                                     if n in vars(module_mod))
         _install_rng_watch()
+        _install_host_read_watch()
         _installed = True
 
 

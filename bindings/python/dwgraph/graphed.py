@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from . import _C, _guards, _spec, _watch
 from . import fp8 as _fp8
 from .errors import ArgumentError
-from .graphs import RefuseHostReads, torch_code_as_captured
+from .graphs import torch_code_as_captured
 
 __all__ = ["make_graphed_callables", "GraphedCallable", "graphed_handle", "summary"]
 
@@ -618,8 +618,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
         out_sigs.append(out_sig)
 
     pool = _resolve_pool(options.pop("pool"))
-    with RefuseHostReads():
-        natives = _C.graphs.make_graphed_callables(specs, flat_args, schedule=schedule, pool=pool, **options)
+    natives = _C.graphs.make_graphed_callables(specs, flat_args, schedule=schedule, pool=pool, **options)
     return specs, forwards, out_sigs, natives
 
 

@@ -20,29 +20,10 @@ from typing import Optional
 
 import torch
 import torch.utils.checkpoint
-from torch.overrides import TorchFunctionMode
 
 from . import _C
-from .errors import GraphStateError
 
 GraphPool = _C.graphs.GraphPool
-
-# Tensor methods that read a value on the host without a dispatcher call the host graph
-# could refuse (the capture would bake the value in, and CUDA cannot capture them at all).
-_HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__bool__,
-               torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__complex__,
-               torch.Tensor.item}
-
-
-def refuse_host_read(func) -> None:
-    """Raises GraphStateError when `func` reads a tensor's value on the host while this thread
-    captures (warmup calls and replays are not captures: they may)."""
-    if func in _HOST_READS and _C.graphs.capturing():
-        raise GraphStateError(
-            f"dwgraph graph capture: Tensor.{getattr(func, '__name__', func)}() reads a tensor's value on the host "
-            "(e.g. .item(), .tolist(), bool(t)), which a graph cannot capture (it would replay the value of its "
-            "capture forever); move it out of the captured region")
-
 
 def torch_code_as_captured():
     """Around every captured region's Python (a callable's forward, a step, a ``Graph``
@@ -77,14 +58,6 @@ def torch_code_as_captured():
     return stack
 
 
-class RefuseHostReads(TorchFunctionMode):
-    """A torch function mode (this thread only) that refuses host reads inside captures."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        refuse_host_read(func)
-        return func(*args, **(kwargs or {}))
-
-
 def graph_pool_handle(device="cpu") -> GraphPool:
     """A fresh private pool; pass it to several graphs' ``capture(pool=...)`` to share it.
     A later capture may reuse memory an earlier one freed, so the pool refuses (with
@@ -105,7 +78,7 @@ class Graph:
         pool reference and no capture mode remain, and the block can be captured again."""
         self._graph.capture_begin(pool)
         try:
-            with RefuseHostReads(), torch_code_as_captured():
+            with torch_code_as_captured():
                 yield self
         except BaseException:
             self._graph.capture_abort()
