@@ -98,7 +98,10 @@ namespace fp8 {
 
 Fp8Meta make_meta(int64_t gemms, int64_t history_len, const at::Device& device) {
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
-  return Fp8Meta{at::zeros({history_len, kRoles * gemms}, opts), at::ones({kRoles * gemms}, opts)};
+  Fp8Meta meta;
+  meta.amax_history = at::zeros({history_len, kRoles * gemms}, opts);
+  meta.scale = at::ones({kRoles * gemms}, opts);
+  return meta;
 }
 
 void check_meta(const std::string& module, const Fp8Meta& meta, const Fp8Recipe& recipe, int64_t gemms) {
@@ -155,6 +158,11 @@ at::Tensor cast(const at::Tensor& t, const at::Tensor& scale, at::ScalarType dty
 Quantized quantize(const at::Tensor& t, at::ScalarType dtype, const Fp8Recipe& recipe, const Fp8Meta& meta,
                    int64_t column) {
   const double fp8_max = max_of(dtype);
+  if (recipe.scaling == Fp8Scaling::kDelayed && meta.recompute_scale.defined() && column % kRoles != kGradOutput) {
+    // Note [FP8 in a checkpoint's recomputation].
+    const at::Tensor scale = meta.recompute_scale.select(0, column);
+    return Quantized{cast(t, scale, dtype, fp8_max), at::reciprocal(scale)};
+  }
   const at::Tensor amax = amax_of(t);
   if (recipe.scaling == Fp8Scaling::kCurrent) {
     const at::Tensor scale = scale_from(amax, fp8_max, recipe.margin, at::ones({}, amax.options()));

@@ -114,6 +114,13 @@ struct Fp8Meta {
   at::Tensor amax_history;  // [history_len, 3 * gemms], FP32
   at::Tensor scale;         // [3 * gemms], FP32
   std::vector<Fp8WeightCache> weight_cache;
+  // Note [FP8 in a checkpoint's recomputation]: set only on the state a checkpointed
+  // LayerNormMLP's backward recomputes its forward with: the scales its forward quantized
+  // the inputs and weights with (a copy taken before that forward moved them). Those
+  // quantizations read it and leave the state alone, so they give the forward's FP8
+  // operands bit for bit and the state moves once per call, as without checkpoint; the
+  // output gradients' quantizations update the state as always.
+  at::Tensor recompute_scale;
   bool defined() const { return scale.defined(); }
 };
 

@@ -837,6 +837,7 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
     WeightRefPtr fc1_weight, fc1_bias, fc2_weight, fc2_bias;
     std::string activation;
     WgradConfig cfg;
+    Fp8Slot fp8;  // the forward's FP8 state (Note [FP8 in a checkpoint's recomputation], ops/fp8.h)
   };
 
   CheckpointedMLPBackward(Parts parts, const at::Tensor& x)
@@ -887,7 +888,7 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
       const AutocastStateGuard forward_precision(autocast_);
       const Norm norm{alias[1], alias[2], parts_.norm.eps, parts_.norm.rms};
       y = mlp_forward(alias[0], norm, ref(parts_.fc1_weight, 3), ref(parts_.fc1_bias, 4), parts_.activation,
-                      ref(parts_.fc2_weight, 5), ref(parts_.fc2_bias, 6), fc1_cfg, fc2_cfg);
+                      ref(parts_.fc2_weight, 5), ref(parts_.fc2_bias, 6), fc1_cfg, fc2_cfg, parts_.fp8);
     }
     variable_list wrt;
     std::vector<size_t> where;
@@ -944,22 +945,27 @@ at::Tensor layernorm_mlp(const at::Tensor& x, const at::Tensor& ln_weight, const
   check_activation(cfg.module_name, activation);
   const Norm norm = make_norm(cfg.module_name, x, ln_weight, ln_bias, eps, normalization, "hidden_size");
   const Fp8Slot fp8 = fp8_slot(cfg.module_name, fp8_meta, 2);
-  // The recomputation would quantize again and move the scaling state twice per step.
-  DWGRAPH_CHECK_ARG(!checkpoint || !fp8.state.enabled, cfg.module_name,
-                    ": checkpoint=True is not supported under fp8_autocast (the backward's recomputation would "
-                    "update the FP8 scaling state a second time); build it with checkpoint=False, or run it outside "
-                    "fp8_autocast");
+  // A cached weight is refilled or reused by the microbatch's flag at the forward; the
+  // recomputation would have to reuse exactly what that forward multiplied by.
+  DWGRAPH_CHECK_ARG(!checkpoint || !fp8.state.enabled || fp8.meta.weight_cache.empty(), cfg.module_name,
+                    ": checkpoint=True is not supported with FP8 weight caching (cache_quantized_params / "
+                    "is_first_microbatch); build it with checkpoint=False, or quantize the weights on every call");
   if (!checkpoint || !at::GradMode::is_enabled()) {
     return mlp_forward(x, norm, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg, fp8);
   }
-  CheckpointedMLPBackward::Parts parts{norm, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, cfg};
+  Fp8Slot recompute = fp8;
+  if (fp8.state.enabled && fp8.meta.defined()) {
+    const at::NoGradGuard no_grad;
+    recompute.meta.recompute_scale = fp8.meta.scale.clone();  // before this forward moves it
+  }
+  CheckpointedMLPBackward::Parts parts{norm, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, cfg, recompute};
   // Checked here what the recomputation would refuse only in the backward.
   check_config(cfg);
   check_leaf_parameters(cfg, {fc1_weight, fc2_weight}, non_null({fc1_bias, fc2_bias}));
   at::Tensor y;
   {
     const at::NoGradGuard no_grad;  // nothing saved: the backward recomputes it
-    y = mlp_forward(x, norm, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg);
+    y = mlp_forward(x, norm, fc1_weight, fc1_bias, activation, fc2_weight, fc2_bias, cfg, cfg, fp8);
   }
   auto node = dwgraph::detail::make_node<CheckpointedMLPBackward>(std::move(parts), x);
   const auto inputs = node->inputs(x);

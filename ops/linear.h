@@ -52,8 +52,9 @@ std::pair<at::Tensor, at::Tensor> layernorm_linear(const at::Tensor& x, const at
 // follow `cfg`; one forward queues one unit holding fc2's and fc1's work. With `checkpoint`
 // the forward keeps only its input and the backward recomputes the rest (Note
 // [Checkpointed LayerNormMLP] in linear.cpp): the same gradients and units, bit for bit.
-// Under fp8_autocast `fp8_meta` holds two GEMMs' state (fc1's, then fc2's); checkpoint is
-// refused there.
+// Under fp8_autocast `fp8_meta` holds two GEMMs' state (fc1's, then fc2's); with checkpoint
+// the recomputation quantizes with the forward's scales (Note [FP8 in a checkpoint's
+// recomputation], ops/fp8.h); checkpoint with FP8 weight caching is refused.
 at::Tensor layernorm_mlp(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
                          double eps, const WeightRefPtr& fc1_weight, const WeightRefPtr& fc1_bias,
                          const std::string& activation, const WeightRefPtr& fc2_weight,
