@@ -171,3 +171,92 @@ def test_parameter_hooks_run_in_eagers_order_on_the_device_thread():
     assert [n for n, _ in runs["graphed"]] == [n for n, _ in runs["eager"]]
     for (_, a), (_, b) in zip(runs["graphed"], runs["eager"]):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+# Note [FP8 in a checkpoint's recomputation] on CUDA: the recomputation runs on autograd's
+# device thread, outside the caller's fp8_autocast, with the scales its forward kept; the
+# graphed pipeline replays the snapshot of fp8_scale as a kernel.
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_fp8_checkpointed_mlp_on_cuda_equals_checkpoint_false_and_replays_bitwise(scaling):
+    from dwgraph.fp8 import DelayedScaling, Float8CurrentScaling, fp8_autocast
+
+    recipe = DelayedScaling(amax_history_len=4) if scaling == "delayed" else Float8CurrentScaling()
+
+    def make(ckpt):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(dwgraph.nn.LayerNormMLP(H, 4 * H, checkpoint=ckpt, delay_wgrad_compute=True,
+                                                           fuse_wgrad_accumulation=True, device="cuda"))
+
+    plain, eager, layer = make(False), make(True), make(True)
+    m = 4
+    order = one_f_one_b(m)
+    samples = tuple((torch.randn(B, H, device="cuda", requires_grad=True),) for _ in range(m))
+    slots = dwgraph.make_graphed_callables((layer,), samples, order=order, enabled=True, recipe=recipe)
+    opts = [(mod, torch.optim.SGD(mod.parameters(), lr=1e-2)) for mod in (layer, eager, plain)]
+    for step in range(3):
+        xs = [torch.randn(B, H, device="cuda", requires_grad=True) for _ in range(m)]
+        run_order(order, lambda mb, x: slots[mb](x), lambda mb: slots[mb].backward_dw(), xs)
+        copies = {}
+        for name, mod in (("eager", eager), ("plain", plain)):
+            ex = copies[name] = [x.detach().clone().requires_grad_() for x in xs]
+
+            def fwd(mb, x, mod=mod):
+                with fp8_autocast(enabled=True, recipe=recipe):
+                    return mod(x)
+
+            run_order(order, fwd, lambda mb, mod=mod: [d.backward_dw() for d in mod], ex)
+        torch.cuda.synchronize()
+        for i in range(m):
+            assert torch.equal(xs[i].grad, copies["eager"][i].grad), f"step {step}: graphed input gradient"
+            assert torch.equal(copies["plain"][i].grad, copies["eager"][i].grad), f"step {step}: checkpoint=False"
+        assert_same_as_eager(layer, eager, f"step {step}")
+        assert_same_as_eager(plain, eager, f"step {step}: checkpoint=False")
+        assert_same_fp8_state(layer, eager, f"step {step}")
+        assert_same_fp8_state(plain, eager, f"step {step}: checkpoint=False")
+        step_on_main_grads(opts)
+
+
+# Note [Checkpoints recompute whole in a host capture] is host-only: a CUDA capture keeps
+# torch's early stop, whose recomputation raises out of its last saving call after the
+# stream captured that call's kernels. The replay must still be eager's.
+@pytest.mark.parametrize("entry", ["make_graphed_callables", "graphed_step"])
+def test_torch_checkpoint_with_early_stop_replays_eagers_gradients_on_cuda(entry):
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(H, H, device="cuda")
+
+        def forward(self, u):
+            return checkpoint(lambda v: torch.tanh(self.lin(v)), u, use_reentrant=False)
+
+    eager, block = Block(), Block()
+    if entry == "make_graphed_callables":
+        graphed = dwgraph.make_graphed_callables(block, (torch.randn(B, H, device="cuda", requires_grad=True),))
+
+        def run(mod, x):
+            mod(x).square().sum().backward()
+    else:
+        def body(mod, x):
+            loss = mod(x).square().sum()
+            loss.backward()
+            return loss
+
+        graphed = dwgraph.graphed_step(lambda x: body(block, x), warmup_iters=1)
+    for call in range(4):
+        xv = torch.randn(B, H, device="cuda")
+        if entry == "make_graphed_callables":
+            xg, xe = xv.clone().requires_grad_(), xv.clone().requires_grad_()
+            run(graphed, xg)
+            run(eager, xe)
+        else:
+            assert torch.equal(graphed(xv.clone()), body(eager, xv.clone())), f"call {call}: loss"
+        torch.cuda.synchronize()
+        if entry == "make_graphed_callables":
+            assert torch.equal(xg.grad, xe.grad), f"call {call}: input gradient"
+        for p, q in zip(block.parameters(), eager.parameters()):
+            assert torch.equal(p.grad, q.grad), f"call {call}: weight gradient"
+        block.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
