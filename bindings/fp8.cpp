@@ -5,6 +5,8 @@
 #include "common/check.h"
 #include "ops/fp8.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -90,9 +92,10 @@ void init_fp8(py::module_& parent) {
                         return Float8CurrentScaling(Fp8Recipe::current(t[0].cast<Fp8Format>(), t[1].cast<int64_t>()));
                       }));
 
-  py::class_<Fp8State>(m, "State")
+  py::class_<Fp8State>(m, "State", py::dynamic_attr())
       .def_readonly("enabled", &Fp8State::enabled)
       .def_property_readonly("recipe", [](const Fp8State& s) { return s.enabled ? as_python(s.recipe) : py::none(); })
+      .def_readonly("amax_reduction", &Fp8State::amax_reduction)
       .def("__eq__", [](const Fp8State& a, const Fp8State& b) { return a == b; })
       .def("__repr__", &Fp8State::describe);
 
@@ -100,13 +103,33 @@ void init_fp8(py::module_& parent) {
   // only when enabled.
   m.def(
       "make_state",
-      [](bool enabled, const py::object& recipe) {
+      [](bool enabled, const py::object& recipe, std::optional<int64_t> amax_reduction_group) {
+        const bool amax_reduction = amax_reduction_group.has_value();
         Fp8State s;
         s.enabled = enabled;
         if (enabled) s.recipe = recipe_of(recipe);
+        // Note [Amax reduced across ranks]: the reduction sets scales from histories.
+        DWGRAPH_CHECK_ARG(!amax_reduction || !enabled || s.recipe.scaling == Fp8Scaling::kDelayed,
+                          "dwgraph.fp8: an amax_reduction_group needs delayed scaling (", s.recipe.describe(),
+                          " scales each tensor by its own amax inside the forward, where a graph cannot reduce "
+                          "across ranks)");
+        s.amax_reduction = enabled && amax_reduction;
+        s.amax_group = s.amax_reduction ? *amax_reduction_group : 0;
         return s;
       },
-      py::arg("enabled"), py::arg("recipe") = py::none());
+      py::arg("enabled"), py::arg("recipe") = py::none(), py::arg("amax_reduction_group") = py::none());
+  m.def(
+      "update_scales",
+      [](const at::Tensor& amax_history, const at::Tensor& scale, const Fp8Recipe& recipe) {
+        ops::Fp8Meta meta;
+        meta.amax_history = amax_history;
+        meta.scale = scale;
+        ops::fp8::check_meta("dwgraph.fp8.reduce_amax", meta, recipe,
+                            scale.dim() == 1 ? scale.size(0) / ops::fp8::kRoles : 0);
+        const at::NoGradGuard no_grad;
+        ops::fp8::update_scales(meta, recipe);
+      },
+      py::arg("amax_history"), py::arg("scale"), py::arg("recipe"));
   m.def("current_state", &Fp8State::current);
   m.def("exchange_state", &ops::exchange_fp8_state, py::arg("state"));
 

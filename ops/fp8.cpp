@@ -83,7 +83,9 @@ std::string Fp8Recipe::describe() const {
 
 Fp8State Fp8State::current() { return tls_state; }
 
-std::string Fp8State::describe() const { return enabled ? "on (" + recipe.describe() + ")" : "off"; }
+std::string Fp8State::describe() const {
+  return enabled ? "on (" + recipe.describe() + (amax_reduction ? ", amax reduced over group " + std::to_string(amax_group) : std::string()) + ")" : "off";
+}
 
 Fp8State exchange_fp8_state(const Fp8State& state) {
   Fp8State previous = tls_state;
@@ -173,9 +175,22 @@ Quantized quantize(const at::Tensor& t, at::ScalarType dtype, const Fp8Recipe& r
   at::Tensor col = meta.amax_history.select(1, column);
   if (col.size(0) > 1) col.copy_(at::roll(col, {1}, {0}));
   col.select(0, 0).copy_(amax);
+  if (meta.hold_scale) return q;  // Note [Amax reduced across ranks]: set after the reduction
   const at::Tensor reduced = recipe.amax_compute_algo == AmaxAlgo::kMax ? at::amax(col) : amax;
   scale.copy_(scale_from(reduced, fp8_max, recipe.margin, scale));
   return q;
+}
+
+void update_scales(const Fp8Meta& meta, const Fp8Recipe& recipe) {
+  DWGRAPH_CHECK_ARG(recipe.scaling == Fp8Scaling::kDelayed && meta.defined(),
+                    "dwgraph.fp8: only delayed scaling keeps scales to update, got ", recipe.describe());
+  for (int64_t c = 0; c < meta.scale.size(0); ++c) {
+    const double fp8_max = max_of(c % kRoles == kGradOutput ? recipe.backward_dtype() : recipe.forward_dtype());
+    const at::Tensor col = meta.amax_history.select(1, c);
+    const at::Tensor reduced = recipe.amax_compute_algo == AmaxAlgo::kMax ? at::amax(col) : col.select(0, 0);
+    at::Tensor scale = meta.scale.select(0, c);
+    scale.copy_(scale_from(reduced, fp8_max, recipe.margin, scale));
+  }
 }
 
 void check_weight_cache(const std::string& module, const std::string& name, const Fp8WeightCache& cache,

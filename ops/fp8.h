@@ -65,9 +65,18 @@ struct Fp8Recipe {
 struct Fp8State {
   bool enabled = false;
   Fp8Recipe recipe;
+  // Note [Amax reduced across ranks]: fp8_autocast(amax_reduction_group=...). Quantizations
+  // record their amax in the history and keep the scales; dwgraph.fp8.reduce_amax, once per
+  // step outside any graph, reduces the histories over the group and sets the scales
+  // (update_scales), in eager and graphed code alike.
+  bool amax_reduction = false;
+  int64_t amax_group = 0;  // which group (Python's id of it): a state under another group is another state
 
   static Fp8State current();
-  bool operator==(const Fp8State& o) const { return enabled == o.enabled && (!enabled || recipe == o.recipe); }
+  bool operator==(const Fp8State& o) const {
+    return enabled == o.enabled && (!enabled || (recipe == o.recipe && amax_reduction == o.amax_reduction &&
+                                                      amax_group == o.amax_group));
+  }
   bool operator!=(const Fp8State& o) const { return !(*this == o); }
   std::string describe() const;  // "off", "on (DelayedScaling(...))"
 };
@@ -121,6 +130,8 @@ struct Fp8Meta {
   // operands bit for bit and the state moves once per call, as without checkpoint; the
   // output gradients' quantizations update the state as always.
   at::Tensor recompute_scale;
+  // Note [Amax reduced across ranks]: quantizations record their amax, the scale stays.
+  bool hold_scale = false;
   bool defined() const { return scale.defined(); }
 };
 
@@ -157,6 +168,11 @@ Quantized quantize(const at::Tensor& t, at::ScalarType dtype, const Fp8Recipe& r
 // multiplies by.
 Quantized quantize_weight(const at::Tensor& w, const Fp8Recipe& recipe, const Fp8Meta& meta, int64_t column,
                           const Fp8WeightCache& cache);
+
+// Sets every column's scale from its (reduced) amax history under `recipe`, as a
+// quantization does after recording: fp8_max of the column's role / reduce(history) / 2^margin,
+// keeping the old scale where that amax is zero or not finite (Note [Amax reduced across ranks]).
+void update_scales(const Fp8Meta& meta, const Fp8Recipe& recipe);
 
 // Checks that `cache` fits weight `w` (ArgumentError naming `module` and `name`).
 void check_weight_cache(const std::string& module, const std::string& name, const Fp8WeightCache& cache,

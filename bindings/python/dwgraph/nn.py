@@ -198,6 +198,8 @@ class _DeferredWgradModule(torch.nn.Module):
     _fp8_weight_names = ("weight",)  # their weights, in GEMM order
     _fp8_graph_caching = False  # captured with cache_quantized_params=True (graphed.py sets it)
     _fp8_cache_versions = None  # (id, version) of each weight when its FP8 cache was filled
+    _fp8_group = None  # the amax reduction group of the last FP8 forward (Note [Amax reduced across ranks])
+    _fp8_recipe = None  # and its recipe, which dwgraph.fp8.reduce_amax sets the scales by
     _fp8_filling = None  # the versions a first microbatch's forward records once it has succeeded
 
     def _fp8_kwargs(self, is_first_microbatch: Optional[bool] = None) -> dict:
@@ -215,6 +217,8 @@ class _DeferredWgradModule(torch.nn.Module):
             return {}
         recipe = state.recipe
         self._prepare_fp8(recipe)
+        # Note [Amax reduced across ranks] (ops/fp8.h): what dwgraph.fp8.reduce_amax reduces over.
+        self._fp8_group, self._fp8_recipe = (_fp8.current_group(), recipe) if state.amax_reduction else (None, None)
         kw = dict(amax_history=self.fp8_amax_history, scale=self.fp8_scale) if recipe.delayed() else {}
         # A module captured with weight caching reads its flag only inside its graphed
         # callable (capture, eager fallback); called on its own it decides as any eager call.
