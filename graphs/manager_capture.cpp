@@ -7,6 +7,7 @@
 #include "graphs/state_epoch.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/ones_like.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -788,6 +789,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
   }
   forward_autocast_ = ops::AutocastState::current();
   grad_at_capture_ = at::GradMode::is_enabled();  // Note [Calls eager autograd would differentiate further]
+  inference_at_capture_ = c10::InferenceMode::is_enabled();
   backward_autocast_ = backward_state(forward_autocast_, opts_.backward_under_autocast);
   // Note [Slots share the pool by liveness]: the pipeline schedule's slots follow an
   // explicit order on a pool of their own. (Graph sets sharing a caller's pool, and the

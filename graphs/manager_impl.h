@@ -383,6 +383,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   // parameters' tensor hooks registered since off them first (CallerStateGuard::take_tensor_hooks).
   CallerStateGuard* capture_guard_ = nullptr;
   bool grad_at_capture_ = true;  // grad mode at capture (Note [Calls eager autograd would differentiate further])
+  bool inference_at_capture_ = false;  // inference mode at capture: its static tensors are inference tensors
   std::atomic<bool> warned_eager_autograd_{false};
   std::vector<CapturedParameters> params_;    // per callable
   std::vector<CapturedMainGrads> main_grads_;  // per callable

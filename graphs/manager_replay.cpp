@@ -8,6 +8,7 @@
 #include "graphs/state_epoch.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/engine.h>
@@ -329,7 +330,12 @@ bool GraphManager::runs_eagerly(size_t s, const std::vector<at::Tensor>& inputs)
   const bool grad_now = at::GradMode::is_enabled();
   const Slot& slot = slots_.at(s);
   std::string why;
-  if (grad_now != grad_at_capture_) {
+  if (inference_at_capture_ && !c10::InferenceMode::is_enabled()) {
+    // Graphs captured under torch.inference_mode() hold inference tensors, which only an
+    // inference-mode call may write (their static inputs). The other way replays: a call
+    // in inference mode returns inference tensors, as eager's does.
+    why = "it was captured under torch.inference_mode() and is called outside it";
+  } else if (grad_now != grad_at_capture_) {
     // Kernels may branch on grad mode alone (oneDNN's RNN takes its training kernel
     // whenever it is on, trainable or not, and its last bits differ): the captured kernels
     // are not the ones eager runs in the other mode.

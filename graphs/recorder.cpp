@@ -97,6 +97,11 @@ void Recorder::check_generator(const char* where) const {
 TensorSlot Recorder::tensor_slot(const at::Tensor& t) {
   TensorSlot s;
   if (!t.defined()) return s;
+  // A nested tensor (nn.TransformerEncoder's fast path over a padding mask) has no one
+  // size and stride a replay could rebuild it by.
+  DWGRAPH_CHECK_STATE(!t.is_nested(), "dwgraph graph capture: a nested tensor reaches a captured kernel; graphs "
+                      "capture strided tensors of fixed shape only (for nn.TransformerEncoder, pass "
+                      "enable_nested_tensor=False, or run it outside the captured region)");
   DWGRAPH_CHECK_STATE(t.layout() == at::kStrided, "dwgraph graph capture: a ", t.layout(), " ", t.scalar_type(),
                       " tensor of shape ", t.sizes(), " reaches a captured kernel; graphs capture strided tensors only "
                       "(for a sparse nn.Embedding, pass sparse=False or run it outside the captured region)");

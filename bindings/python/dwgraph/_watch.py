@@ -17,7 +17,7 @@ those checks can see:
 * torch's global module hook dicts, replaced by watching dicts;
 * torch's reseeding functions (manual_seed, set_rng_state, ...): on a capturing thread
   they tell the core, which refuses a random draw after them (the RNG watch);
-* ``Tensor.tolist``, ``numpy`` and ``__array__``, which read a value on the host without a
+* ``Tensor.tolist``, ``numpy``, ``__array__`` and ``__dlpack__``, which read a value on the host without a
   dispatcher call the core could refuse: on a capturing thread they raise (the host-read
   watch; ``.item()``, ``bool(t)``, ``int(t)`` reach the core's own refusal);
 * per graphed module tree (:func:`watch_module_tree`): every submodule's parameter,
@@ -44,6 +44,7 @@ import weakref
 
 import torch
 import torch.random
+import torch.utils.dlpack
 
 from . import _C
 from .errors import GraphStateError
@@ -291,10 +292,16 @@ def _install_host_read_watch() -> None:
         wrapper._dwgraph_watch = True
         return wrapper
 
-    for name in ("tolist", "numpy", "__array__"):
+    for name in ("tolist", "numpy", "__array__", "__dlpack__"):
         fn = getattr(torch.Tensor, name)
         if not getattr(fn, "_dwgraph_watch", False):
             setattr(torch.Tensor, name, watched(fn))
+    to_dlpack = torch.utils.dlpack.to_dlpack
+    if not getattr(to_dlpack, "_dwgraph_watch", False):
+        to_dlpack = watched(to_dlpack)
+        torch.utils.dlpack.to_dlpack = to_dlpack
+        if getattr(torch, "to_dlpack", None) is not None:
+            torch.to_dlpack = to_dlpack
 
 
 def install() -> None:

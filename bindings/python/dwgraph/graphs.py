@@ -16,6 +16,7 @@ replayed. See docs/graphs.md.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Optional
 
 import torch
@@ -52,10 +53,35 @@ def torch_code_as_captured():
     eager = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "_use_eager_on_nested_compile", None)
     if eager is not None:
         stack.enter_context(eager())
-    # A process-wide setting, read when a checkpoint's forward runs: another thread's
-    # checkpoints made meanwhile recompute whole too (slower, as exact).
-    stack.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
+    stack.enter_context(_whole_recomputation())
     return stack
+
+
+_recompute_lock = threading.Lock()
+_recompute_open = 0  # captured regions running now, on any thread
+_recompute_saved = None  # torch's setting when the first of them began
+
+
+@contextlib.contextmanager
+def _whole_recomputation():
+    """Early stop off while any host capture's region runs. torch's setting is one per
+    process, read when a checkpoint's forward runs: it is put back when the last region
+    open ends, not when each does (two threads' captures that overlap without nesting
+    would otherwise switch it on under the other one, or leave it off). Another thread's
+    eager checkpoints made meanwhile recompute whole too: slower, as exact."""
+    global _recompute_open, _recompute_saved
+    with _recompute_lock:
+        if _recompute_open == 0:
+            _recompute_saved = torch.utils.checkpoint._enable_checkpoint_early_stop
+        _recompute_open += 1
+        torch.utils.checkpoint._enable_checkpoint_early_stop = False
+    try:
+        yield
+    finally:
+        with _recompute_lock:
+            _recompute_open -= 1
+            if _recompute_open == 0:
+                torch.utils.checkpoint._enable_checkpoint_early_stop = _recompute_saved
 
 
 def graph_pool_handle(device="cpu") -> GraphPool:

@@ -119,6 +119,8 @@ def _seen_module(module, _inputs) -> None:
     its whole module tree and every parameter in it (its frozen ones too)."""
     if torch.compiler.is_compiling():
         return
+    if _watch.seeing:
+        _refuse_fast_path(module, _inputs)
     inner = _compiled_module_tree(module)
     for step, watcher in _watch.seeing:
         step._see_module(module)
@@ -126,6 +128,28 @@ def _seen_module(module, _inputs) -> None:
             step._see_module(m)
             for p in m.parameters(recurse=False):
                 watcher._see(p)
+
+
+def _refuse_fast_path(module, inputs) -> None:
+    """Note [Fast paths a step's mode turns off]: torch runs nn.TransformerEncoder(Layer) and
+    nn.MultiheadAttention in eval without grad through a fused inference path only while no
+    torch function mode is active; a step's call (warmup or capture) runs under its gradient
+    watch, so there they would take the standard path, whose values differ from eager's (a
+    nested-tensor encoder's padded positions wholly). Refused while the fast path could
+    apply (make_graphed_callables and Graph captures run no mode and replay eager's path)."""
+    kinds = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
+    if not isinstance(module, kinds) or module.training:
+        return
+    if isinstance(module, torch.nn.MultiheadAttention) and not module.batch_first:
+        return
+    if torch.is_grad_enabled() and (any(p.requires_grad for p in module.parameters()) or
+                                    any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)):
+        return
+    raise GraphStateError(
+        f"dwgraph.graphed_step: a {type(module).__name__} runs in eval without grad inside the step, where torch "
+        "takes its fused inference path only when no torch function mode is active; the step watches its calls "
+        "with one, so it would run torch's standard path, whose values differ from eager's. Call it outside the "
+        "step, or graph it with dwgraph.make_graphed_callables or dwgraph.graphs.Graph (which run no mode)")
 
 
 _seen_module._dwgraph_internal = True  # not a user's global hook (make_graphed_callables refuses those)
