@@ -847,6 +847,8 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
       const at::Tensor& p = i == 0 ? parts_.norm.weight : parts_.norm.bias;
       ln_versions_[i] = p.defined() ? p._version() : 0;
     }
+    const std::array<WeightRefPtr, 4> fc = {parts_.fc1_weight, parts_.fc1_bias, parts_.fc2_weight, parts_.fc2_bias};
+    for (size_t i = 0; i < fc.size(); ++i) fc_versions_[i] = fc[i] ? fc[i]->param._version() : 0;
   }
   std::string name() const override { return "dwgraph::LayerNormMLPCheckpointBackward"; }
   void release_variables() override { x_.reset_data(); }
@@ -868,6 +870,7 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
     if (!any) return out;
     const at::Tensor x = x_.unpack();  // refuses an input changed in place since the forward
     check_layer_norm_versions();
+    check_fp8_operand_versions();
     const std::array<at::Tensor, kInputs> original = inputs(x);
     std::array<at::Tensor, kInputs> alias;
     for (size_t i = 0; i < kInputs; ++i) {
@@ -921,10 +924,26 @@ class CheckpointedMLPBackward final : public torch::autograd::Node {
     }
   }
 
+  // In FP8 the non-checkpointed nodes keep the forward's quantized operands; the
+  // recomputation would quantize the parameters as they are now: refused if they changed.
+  void check_fp8_operand_versions() const {
+    if (!parts_.fp8.state.enabled) return;
+    const std::array<WeightRefPtr, 4> fc = {parts_.fc1_weight, parts_.fc1_bias, parts_.fc2_weight, parts_.fc2_bias};
+    for (size_t i = 0; i < fc.size(); ++i) {
+      if (!fc[i]) continue;
+      DWGRAPH_CHECK_STATE(fc[i]->param._version() == fc_versions_[i], parts_.cfg.module_name, ": parameter '",
+                          fc[i]->name, "' was modified in place after the FP8 forward (version ", fc_versions_[i],
+                          ", now ", fc[i]->param._version(), "); checkpoint=True recomputes the forward from it in "
+                          "the backward, which would no longer give the forward's FP8 operands. Run the backward "
+                          "before changing it");
+    }
+  }
+
   Parts parts_;
   SavedVariable x_;
   AutocastState autocast_;
   std::array<uint32_t, 2> ln_versions_{};
+  std::array<uint32_t, 4> fc_versions_{};
   char keys_[2] = {0, 0};  // the recomputed fc1's and fc2's WgradStore keys
 };
 

@@ -931,3 +931,15 @@ def test_tied_weights_in_fp8_graphed_equal_eager_bitwise(scaling, fused, cache):
             assert torch.equal(got, want), f"step {step}: {n}"
         assert_same_fp8_state(model, eager, f"step {step}")
         step_on_main_grads([(model, opt_g), (eager, opt_e)])
+
+
+def test_checkpointed_mlp_refuses_an_fc_parameter_changed_after_its_fp8_forward():
+    # Without checkpoint the backward multiplies by the forward's FP8 operands; the
+    # recomputation would quantize the changed parameter: refused, as for the LayerNorm's.
+    mlp = dwgraph.nn.LayerNormMLP(K, 2 * K, checkpoint=True)
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+        y = mlp(torch.randn(3, K, requires_grad=True))
+    with torch.no_grad():
+        mlp.fc1_weight.add_(0.05)
+    with pytest.raises(dwgraph.GraphStateError, match="fc1_weight' was modified in place after the FP8 forward"):
+        y.sum().backward()

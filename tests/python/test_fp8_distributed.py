@@ -2,7 +2,7 @@
 ops/fp8.h) on two gloo processes (dist_harness).
 
 Under ``fp8_autocast(amax_reduction_group=...)`` (or graphs captured with it) the
-quantizations record their amax and keep the scales; ``dwgraph.fp8.reduce_amax(model)``,
+quantizations record their amax and keep the scales; ``dwgraph.fp8.reduce_amax(model, group)``,
 once per step after the last ``backward_dw()``, reduces the histories over the group and
 sets the scales. Each rank trains on its own data. Shown: graphed equals eager bitwise on
 every rank over several steps and microbatches (both schedules, weight caching on and off);
@@ -96,7 +96,7 @@ def _train(ctx, schedule: str, cache: bool):
                     else:
                         dw(b - 1)
             before = _fp8_state(target)
-            reduce_amax(target)
+            reduce_amax(target, group)
             results.append(([x.grad for x in inputs] + [p.main_grad.clone() for p in target.parameters()], before,
                             _fp8_state(target)))
         (g_grads, g_before, g_after), (e_grads, e_before, e_after) = results
@@ -130,15 +130,60 @@ def scenario_pipeline_cache(ctx):
     return _train(ctx, "pipeline", True)
 
 
+def _one_fp8_step(ctx, model, group, modules=None):
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4), amax_reduction_group=group):
+        x = torch.randn(ROWS, H, device=ctx.device)
+        y = x
+        for m in (modules if modules is not None else model):
+            y = m(y)
+        y.sum().backward()
+
+
 def scenario_ranks_with_other_modules(ctx):
     import torch.distributed as dist
 
     model = _model(ctx.device)
-    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4), amax_reduction_group=dist.group.WORLD):
-        x = torch.randn(ROWS, H, device=ctx.device)
-        # Rank 1 runs only the first module under the group.
-        (model(x) if ctx.rank == 0 else model[0](x)).sum().backward()
-    reduce_amax(model)
+    # Rank 1 runs only the first module in FP8: the ranks hold different state.
+    _one_fp8_step(ctx, model, dist.group.WORLD, None if ctx.rank == 0 else [model[0]])
+    reduce_amax(model, dist.group.WORLD)
+
+
+def scenario_one_rank_without_fp8(ctx):
+    import torch.distributed as dist
+
+    model = _model(ctx.device)
+    if ctx.rank == 0:
+        _one_fp8_step(ctx, model, dist.group.WORLD)
+    reduce_amax(model, dist.group.WORLD)  # rank 1 holds nothing: an error on both, no rank left waiting
+
+
+def scenario_reset_on_one_rank(ctx):
+    import torch.distributed as dist
+
+    model = _model(ctx.device)
+    _one_fp8_step(ctx, model, dist.group.WORLD)
+    if ctx.rank == 1:
+        model[1].reset_fp8_state()
+    reduce_amax(model, dist.group.WORLD)
+
+
+def scenario_chunks_copies_and_other_groups(ctx):
+    import copy
+
+    import torch.distributed as dist
+
+    # Model chunks as a list; a group made with new_group; a deep copy after an FP8 step
+    # (the group is not kept on the modules); an eager call without a group in between.
+    g2 = dist.new_group([0, 1])
+    chunks = [_model(ctx.device), _model(ctx.device)]
+    _one_fp8_step(ctx, None, g2, [chunks[0][0], chunks[0][1], chunks[1][0], chunks[1][1]])
+    clone = copy.deepcopy(chunks)
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+        chunks[1][1](torch.randn(ROWS, H, device=ctx.device))
+        clone[1][1](torch.randn(ROWS, H, device=ctx.device))
+    reduce_amax(chunks, g2)
+    reduce_amax(clone, g2)
+    return [b.cpu() for c in chunks for n, b in c.named_buffers() if n.endswith(("fp8_amax_history", "fp8_scale"))]
 
 
 def scenario_current_scaling_with_a_group(ctx):
@@ -162,12 +207,12 @@ def scenario_reduce_inside_a_capture(ctx):
     with fp8_autocast(recipe=DelayedScaling(amax_history_len=4), amax_reduction_group=dist.group.WORLD):
         model(torch.randn(ROWS, H, device=ctx.device))
     with dwgraph.graphs.Graph("cpu").capture():
-        reduce_amax(model)
+        reduce_amax(model, dist.group.WORLD)
 
 
 TRAIN = ["sequential_requantize", "sequential_cache", "pipeline_requantize", "pipeline_cache"]
-SCENARIOS = [*TRAIN, "ranks_with_other_modules", "current_scaling_with_a_group", "not_a_group",
-             "reduce_inside_a_capture"]
+SCENARIOS = [*TRAIN, "ranks_with_other_modules", "one_rank_without_fp8", "reset_on_one_rank",
+             "chunks_copies_and_other_groups", "current_scaling_with_a_group", "not_a_group", "reduce_inside_a_capture"]
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +268,8 @@ def test_graphed_equals_eager_and_the_ranks_agree_after_each_reduction(trained, 
 
 @pytest.mark.parametrize("name,kind,match", [
     ("ranks_with_other_modules", "GraphStateError", "another rank a different count"),
+    ("one_rank_without_fp8", "GraphStateError", "another rank a different count"),
+    ("reset_on_one_rank", "GraphStateError", "another rank a different count"),
     ("current_scaling_with_a_group", "ArgumentError", "needs delayed scaling"),
     ("not_a_group", "ArgumentError", "must be a torch.distributed ProcessGroup"),
     ("reduce_inside_a_capture", "GraphStateError", "inside a graph capture"),
@@ -230,3 +277,8 @@ def test_graphed_equals_eager_and_the_ranks_agree_after_each_reduction(trained, 
 def test_refusals_are_typed_errors_on_every_rank(results, name, kind, match):
     for r in results[name]:
         assert isinstance(r, Failure) and r.type == kind and match in r.message, r
+
+
+def test_chunks_copies_and_groups_made_with_new_group(results):
+    r0, r1 = _ok(results["chunks_copies_and_other_groups"], "chunks_copies_and_other_groups")
+    assert len(r0) == 8 and all(torch.equal(a, b) for a, b in zip(r0, r1)), "the ranks disagree after the reduction"

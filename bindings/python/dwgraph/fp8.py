@@ -44,36 +44,16 @@ def make_state(api: str, enabled, calibrating=False, recipe=None, amax_reduction
             raise ArgumentError(f"{api}: amax_reduction_group must be a torch.distributed ProcessGroup "
                                 f"(dist.group.WORLD, dist.new_group(...)), got {type(amax_reduction_group).__name__}")
     group_id = id(amax_reduction_group) if amax_reduction_group is not None else None
-    state = _C.fp8.make_state(enabled, recipe, amax_reduction_group=group_id)
-    if state.amax_reduction:
-        state.amax_reduction_group = amax_reduction_group  # the object; the core keeps its id
-    return state
-
-
-class _Groups(threading.local):
-    stack: list
-
-    def __init__(self):
-        self.stack = []
-
-
-_groups = _Groups()
-
-
-def current_group():
-    """The amax reduction group of the innermost FP8 state this thread runs under (None: none)."""
-    return _groups.stack[-1] if _groups.stack else None
+    return _C.fp8.make_state(enabled, recipe, amax_reduction_group=group_id)
 
 
 @contextlib.contextmanager
 def state_scope(state):
     """Runs the block under the C++ FP8 ``state`` (a ``_C.fp8.State``), then restores the previous one."""
     previous = _C.fp8.exchange_state(state)
-    _groups.stack.append(getattr(state, "amax_reduction_group", None))
     try:
         yield
     finally:
-        _groups.stack.pop()
         _C.fp8.exchange_state(previous)
 
 
@@ -115,48 +95,69 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, recipe=None, a
     return state_scope(state)
 
 
-def reduce_amax(model) -> None:
-    """Note [Amax reduced across ranks] (ops/fp8.h): for the dwgraph modules of ``model`` whose
-    last FP8 forward ran under ``fp8_autocast(amax_reduction_group=...)`` (or graphs captured
-    with it), reduces their amax histories over that group (elementwise max: one all-reduce
-    per group) and sets their scales from the reduced histories. Under such a state the
+def reduce_amax(model, group) -> None:
+    """Note [Amax reduced across ranks] (ops/fp8.h): reduces the amax histories of every
+    dwgraph module with delayed-scaling state in ``model`` (a module, or a list of model
+    chunks) over the process group ``group`` (elementwise max, one all-reduce) and sets their
+    scales from the reduced histories by the recipe of each module's last FP8 forward.
+    Under ``fp8_autocast(amax_reduction_group=group)`` (or graphs captured with it) the
     quantizations record their amax and keep the scales, so call this once per step after
-    the step's last ``backward_dw()``, at the same point in eager and graphed code (outside
-    any capture: a graph replays kernels, not collectives). Every rank of a group must call
-    it with the same modules; a mismatch is a typed error on every rank."""
+    the step's last ``backward_dw()``, at the same point in eager and graphed code, outside
+    any capture (a graph replays kernels, not collectives). The ranks first agree on what
+    they reduce: a rank holding other modules, or a module it cannot update, is a
+    ``GraphStateError`` on every rank, never a collective one rank waits in alone."""
     import torch
     import torch.distributed as dist
 
+    api = "dwgraph.fp8.reduce_amax"
     if _C.graphs.capturing():
-        raise GraphStateError("dwgraph.fp8.reduce_amax: called inside a graph capture; a graph replays kernels, "
-                              "not collectives. Call it after the step, outside the captured region")
-    held = [m for m in model.modules() if getattr(m, "_fp8_group", None) is not None]
-    if not held:
-        raise ArgumentError("dwgraph.fp8.reduce_amax: no module of the model has run in FP8 under an "
-                            "amax_reduction_group (fp8_autocast(amax_reduction_group=...) or "
-                            "make_graphed_callables(..., amax_reduction_group=...))")
-    groups: dict = {}
-    for m in held:
-        groups.setdefault(id(m._fp8_group), (m._fp8_group, []))[1].append(m)
-    for group, mods in groups.values():
-        flat = torch.cat([m.fp8_amax_history.detach().reshape(-1) for m in mods])
-        # The same modules on every rank: sizes compared first, so a mismatch is an error
-        # on every rank instead of an all-reduce of different lengths.
-        sizes = torch.tensor([flat.numel(), -flat.numel(), len(mods), -len(mods)], dtype=torch.int64,
-                             device=flat.device)
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
-        if sizes.tolist() != [flat.numel(), -flat.numel(), len(mods), -len(mods)]:
-            raise GraphStateError(f"dwgraph.fp8.reduce_amax: this rank holds {len(mods)} modules with "
-                                  f"{flat.numel()} amax entries under the group, another rank a different count; "
-                                  "every rank must run the same FP8 modules under the group before reducing")
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-        offset = 0
-        with torch.no_grad():
-            for m in mods:
-                n = m.fp8_amax_history.numel()
-                m.fp8_amax_history.copy_(flat[offset:offset + n].view_as(m.fp8_amax_history))
-                offset += n
-                _C.fp8.update_scales(m.fp8_amax_history, m.fp8_scale, m._fp8_recipe)
+        raise GraphStateError(f"{api}: called inside a graph capture; a graph replays kernels, not collectives. "
+                              "Call it after the step, outside the captured region")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ArgumentError(f"{api}: torch.distributed is not initialised (init_process_group)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ArgumentError(f"{api}: group must be a torch.distributed ProcessGroup (dist.group.WORLD, "
+                            f"dist.new_group(...)), got {type(group).__name__}")
+    roots = [model] if isinstance(model, torch.nn.Module) else list(model)
+    if not roots or not all(isinstance(r, torch.nn.Module) for r in roots):
+        raise ArgumentError(f"{api}: model must be a torch.nn.Module or a list of them (model chunks)")
+    seen, mods = set(), []
+    for root in roots:
+        for m in root.modules():
+            if id(m) not in seen and "fp8_amax_history" in m._buffers and "fp8_scale" in m._buffers:
+                seen.add(id(m))
+                mods.append(m)
+    unusable = [m for m in mods if getattr(m, "_fp8_recipe", None) is None]
+    if mods:
+        device = mods[0].fp8_amax_history.device
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
+            torch.device("cpu")
+    flat = torch.cat([m.fp8_amax_history.detach().reshape(-1) for m in mods]) if mods else \
+        torch.zeros(0, device=device)
+    mine = [flat.numel(), -flat.numel(), len(mods), -len(mods), 1 if unusable else 0]
+    agreed = torch.tensor(mine, dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    agreed = agreed.tolist()
+    if agreed[4]:
+        what = (f"{type(unusable[0]).__name__} has FP8 state but has run no FP8 forward since it was made or "
+                "loaded (its recipe is unknown)") if unusable else "a module of another rank cannot be updated"
+        raise GraphStateError(f"{api}: {what}; run a forward under fp8_autocast first")
+    if agreed[:4] != mine[:4]:
+        raise GraphStateError(f"{api}: this rank holds {len(mods)} modules with delayed-scaling FP8 state "
+                              f"({flat.numel()} amax entries), another rank a different count; every rank of the "
+                              "group must run the same FP8 modules before reducing")
+    if not mods:
+        raise ArgumentError(f"{api}: no module of the model has delayed-scaling FP8 state (no FP8 forward under "
+                            "DelayedScaling yet)")
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    offset = 0
+    with torch.no_grad():
+        for m in mods:
+            n = m.fp8_amax_history.numel()
+            m.fp8_amax_history.copy_(flat[offset:offset + n].view_as(m.fp8_amax_history))
+            offset += n
+            _C.fp8.update_scales(m.fp8_amax_history, m.fp8_scale, m._fp8_recipe)
 
 
 def is_fp8_enabled() -> bool:

@@ -198,8 +198,7 @@ class _DeferredWgradModule(torch.nn.Module):
     _fp8_weight_names = ("weight",)  # their weights, in GEMM order
     _fp8_graph_caching = False  # captured with cache_quantized_params=True (graphed.py sets it)
     _fp8_cache_versions = None  # (id, version) of each weight when its FP8 cache was filled
-    _fp8_group = None  # the amax reduction group of the last FP8 forward (Note [Amax reduced across ranks])
-    _fp8_recipe = None  # and its recipe, which dwgraph.fp8.reduce_amax sets the scales by
+    _fp8_recipe = None  # of the last delayed-scaling forward: dwgraph.fp8.reduce_amax sets the scales by it
     _fp8_filling = None  # the versions a first microbatch's forward records once it has succeeded
 
     def _fp8_kwargs(self, is_first_microbatch: Optional[bool] = None) -> dict:
@@ -217,8 +216,8 @@ class _DeferredWgradModule(torch.nn.Module):
             return {}
         recipe = state.recipe
         self._prepare_fp8(recipe)
-        # Note [Amax reduced across ranks] (ops/fp8.h): what dwgraph.fp8.reduce_amax reduces over.
-        self._fp8_group, self._fp8_recipe = (_fp8.current_group(), recipe) if state.amax_reduction else (None, None)
+        if recipe.delayed():
+            self._fp8_recipe = recipe  # Note [Amax reduced across ranks] (ops/fp8.h)
         kw = dict(amax_history=self.fp8_amax_history, scale=self.fp8_scale) if recipe.delayed() else {}
         # A module captured with weight caching reads its flag only inside its graphed
         # callable (capture, eager fallback); called on its own it decides as any eager call.
@@ -298,6 +297,7 @@ class _DeferredWgradModule(torch.nn.Module):
             self._buffers.pop(f"_fp8_weight_cache{i}", None)
             self._buffers.pop(f"_fp8_weight_scale_inv{i}", None)
         self._fp8_cache_versions = self._fp8_filling = None
+        self._fp8_recipe = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
