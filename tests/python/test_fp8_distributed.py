@@ -167,6 +167,16 @@ def scenario_reset_on_one_rank(ctx):
     reduce_amax(model, dist.group.WORLD)
 
 
+def scenario_other_recipes_with_equal_sizes(ctx):
+    import torch.distributed as dist
+
+    model = _model(ctx.device)
+    recipe = DelayedScaling(amax_history_len=4, margin=ctx.rank)  # same sizes, other margins
+    with fp8_autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+        model(torch.randn(ROWS, H, device=ctx.device)).sum().backward()
+    reduce_amax(model, dist.group.WORLD)
+
+
 def scenario_chunks_copies_and_other_groups(ctx):
     import copy
 
@@ -211,7 +221,7 @@ def scenario_reduce_inside_a_capture(ctx):
 
 
 TRAIN = ["sequential_requantize", "sequential_cache", "pipeline_requantize", "pipeline_cache"]
-SCENARIOS = [*TRAIN, "ranks_with_other_modules", "one_rank_without_fp8", "reset_on_one_rank",
+SCENARIOS = [*TRAIN, "ranks_with_other_modules", "one_rank_without_fp8", "reset_on_one_rank", "other_recipes_with_equal_sizes",
              "chunks_copies_and_other_groups", "current_scaling_with_a_group", "not_a_group", "reduce_inside_a_capture"]
 
 
@@ -270,6 +280,7 @@ def test_graphed_equals_eager_and_the_ranks_agree_after_each_reduction(trained, 
     ("ranks_with_other_modules", "GraphStateError", "another rank a different count"),
     ("one_rank_without_fp8", "GraphStateError", "another rank a different count"),
     ("reset_on_one_rank", "GraphStateError", "another rank a different count"),
+    ("other_recipes_with_equal_sizes", "GraphStateError", "under other recipes"),
     ("current_scaling_with_a_group", "ArgumentError", "needs delayed scaling"),
     ("not_a_group", "ArgumentError", "must be a torch.distributed ProcessGroup"),
     ("reduce_inside_a_capture", "GraphStateError", "inside a graph capture"),

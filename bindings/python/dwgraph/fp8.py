@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import zlib
 
 from . import _C
 from .errors import ArgumentError, GraphStateError
@@ -135,11 +136,14 @@ def reduce_amax(model, group) -> None:
             torch.device("cpu")
     flat = torch.cat([m.fp8_amax_history.detach().reshape(-1) for m in mods]) if mods else \
         torch.zeros(0, device=device)
-    mine = [flat.numel(), -flat.numel(), len(mods), -len(mods), 1 if unusable else 0]
+    # Each module's history shape and recipe, in order: ranks whose totals match but whose
+    # columns do not line up (other history lengths, another recipe) must not reduce.
+    layout = zlib.crc32("|".join(f"{tuple(m.fp8_amax_history.shape)}:{m._fp8_recipe!r}" for m in mods).encode())
+    mine = [flat.numel(), -flat.numel(), len(mods), -len(mods), layout, -layout, 1 if unusable else 0]
     agreed = torch.tensor(mine, dtype=torch.int64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     agreed = agreed.tolist()
-    if agreed[4]:
+    if agreed[6]:
         what = (f"{type(unusable[0]).__name__} has FP8 state but has run no FP8 forward since it was made or "
                 "loaded (its recipe is unknown)") if unusable else "a module of another rank cannot be updated"
         raise GraphStateError(f"{api}: {what}; run a forward under fp8_autocast first")
@@ -147,6 +151,10 @@ def reduce_amax(model, group) -> None:
         raise GraphStateError(f"{api}: this rank holds {len(mods)} modules with delayed-scaling FP8 state "
                               f"({flat.numel()} amax entries), another rank a different count; every rank of the "
                               "group must run the same FP8 modules before reducing")
+    if agreed[4:6] != mine[4:6]:
+        raise GraphStateError(f"{api}: the ranks' modules hold their FP8 state in other layouts or under other "
+                              "recipes (history lengths, margins, formats); every rank of the group must run the same "
+                              "modules under the same recipe before reducing")
     if not mods:
         raise ArgumentError(f"{api}: no module of the model has delayed-scaling FP8 state (no FP8 forward under "
                             "DelayedScaling yet)")
