@@ -358,6 +358,14 @@ _BY_IDENTITY = (torch.nn.Module, torch.optim.Optimizer, types.FunctionType, type
 
 def _flatten(obj, tensors: List[torch.Tensor], path: str):
     """(key text, rebuild function) of `obj`; its tensors are appended to `tensors`."""
+    if type(obj) is tuple and obj and all(type(c) is torch.Tensor for c in obj):
+        # The common call, step(x, y): the text and rebuild the general branch below gives.
+        base, n = len(tensors), len(obj)
+        tensors.extend(obj)
+        key = _TENSOR_TUPLES.get(n)
+        if key is None:
+            key = _TENSOR_TUPLES[n] = f"tuple{None!r}[{','.join(['T'] * n)}]"
+        return key, lambda ts, base=base, n=n: tuple(ts[base:base + n])
     node = _CONTAINERS.get(type(obj))
     if node is not None:  # a plain tuple, list or dict: the pytree branch below, without its lookups
         return _flatten_node(obj, node, tensors, path) if obj else _EMPTY[type(obj)]
@@ -402,6 +410,7 @@ def _flatten_node(obj, node, tensors: List[torch.Tensor], path: str):
 
 # Exact types only: a subclass (a namedtuple, an OrderedDict) takes the general path.
 _CONTAINERS = {t: pytree.SUPPORTED_NODES[t] for t in (tuple, list, dict)}
+_TENSOR_TUPLES: Dict[int, str] = {}  # key text of a tuple of n plain tensors (_flatten's fast path)
 # What an empty one flattens to (a step called without arguments); each rebuild makes a new one.
 _EMPTY = {t: _flatten_node(t(), node, [], "") for t, node in _CONTAINERS.items()}
 
