@@ -977,3 +977,24 @@ def test_step_around_an_inductor_compiled_model(device, kind):
         # Inductor's fusion changed bits on some call: the test tells a compiled step from
         # an uncompiled (graph-broken) one.
         assert fused_differs, "inductor gave the uncompiled bits on every call; the test no longer tells them apart"
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("repeat", [False, True], ids=["distinct", "one_tensor_twice"])
+def test_the_tensor_tuple_fast_path_gives_the_general_key_and_rebuild(n, repeat):
+    from dwgraph import step as step_module
+
+    xs = tuple(torch.randn(2) for _ in range(n))
+    if repeat:
+        xs = xs + xs[:1]
+    found, general = [], []
+    key, rebuild = step_module._flatten(xs, found, "args")
+    key2, rebuild2 = step_module._flatten_node(xs, step_module._CONTAINERS[tuple], general, "args")
+    assert key == key2 and [id(t) for t in found] == [id(t) for t in general]
+    ts = [torch.randn(1) for _ in found]
+    a, b = rebuild(ts), rebuild2(ts)
+    assert type(a) is tuple and len(a) == len(b) and all(p is q for p, q in zip(a, b))
+    # A Parameter or another tensor type takes the general path (the same key either way).
+    mixed = (xs[0], torch.nn.Parameter(torch.randn(2)))
+    assert step_module._flatten(mixed, [], "args")[0] == key2.replace(key2, step_module._flatten_node(
+        mixed, step_module._CONTAINERS[tuple], [], "args")[0])
