@@ -177,6 +177,14 @@ def scenario_other_recipes_with_equal_sizes(ctx):
     reduce_amax(model, dist.group.WORLD)
 
 
+def scenario_empty_chunk_list_on_one_rank(ctx):
+    import torch.distributed as dist
+
+    model = _model(ctx.device)
+    _one_fp8_step(ctx, model, dist.group.WORLD)
+    reduce_amax(model if ctx.rank == 0 else [], dist.group.WORLD)  # refused on both, after the agreement
+
+
 def scenario_chunks_copies_and_other_groups(ctx):
     import copy
 
@@ -222,6 +230,7 @@ def scenario_reduce_inside_a_capture(ctx):
 
 TRAIN = ["sequential_requantize", "sequential_cache", "pipeline_requantize", "pipeline_cache"]
 SCENARIOS = [*TRAIN, "ranks_with_other_modules", "one_rank_without_fp8", "reset_on_one_rank", "other_recipes_with_equal_sizes",
+             "empty_chunk_list_on_one_rank",
              "chunks_copies_and_other_groups", "current_scaling_with_a_group", "not_a_group", "reduce_inside_a_capture"]
 
 
@@ -281,11 +290,17 @@ def test_graphed_equals_eager_and_the_ranks_agree_after_each_reduction(trained, 
     ("one_rank_without_fp8", "GraphStateError", "another rank a different count"),
     ("reset_on_one_rank", "GraphStateError", "another rank a different count"),
     ("other_recipes_with_equal_sizes", "GraphStateError", "under other recipes"),
+    ("empty_chunk_list_on_one_rank", None, None),
     ("current_scaling_with_a_group", "ArgumentError", "needs delayed scaling"),
     ("not_a_group", "ArgumentError", "must be a torch.distributed ProcessGroup"),
     ("reduce_inside_a_capture", "GraphStateError", "inside a graph capture"),
 ])
 def test_refusals_are_typed_errors_on_every_rank(results, name, kind, match):
+    if kind is None:  # the rank with the bad argument says so; its peer learns it from the agreement
+        r0, r1 = results[name]
+        assert isinstance(r0, Failure) and r0.type == "GraphStateError" and "cannot be updated" in r0.message, r0
+        assert isinstance(r1, Failure) and r1.type == "ArgumentError" and "non-empty list" in r1.message, r1
+        return
     for r in results[name]:
         assert isinstance(r, Failure) and r.type == kind and match in r.message, r
 

@@ -368,3 +368,25 @@ def test_overlapping_captures_on_two_threads_keep_early_stop_off_and_put_it_back
     assert not errors, errors
     assert seen == {"A": False, "B": False}
     assert torch.utils.checkpoint._enable_checkpoint_early_stop is before
+
+
+@pytest.mark.parametrize("layer", ["cross_attention", "odd_heads", "sequence_first_layer"])
+def test_graphed_step_graphs_attention_that_takes_no_fast_path_eagerly(layer):
+    # torch's own conditions: no fused path eagerly either, so nothing to refuse.
+    torch.manual_seed(0)
+    if layer == "cross_attention":
+        mod = torch.nn.MultiheadAttention(16, 4, dropout=0.0, batch_first=True).eval()
+        memory = torch.randn(2, 3, 16)
+        call = lambda m, u: m(u, memory, memory, need_weights=False)[0]  # noqa: E731
+    elif layer == "odd_heads":
+        mod = torch.nn.MultiheadAttention(16, 1, dropout=0.0, batch_first=True).eval()
+        call = lambda m, u: m(u, u, u, need_weights=False)[0]  # noqa: E731
+    else:
+        mod = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=False).eval()
+        call = lambda m, u: m(u)  # noqa: E731
+    eager = copy.deepcopy(mod)
+    step = dwgraph.graphed_step(lambda u: call(mod, u), warmup_iters=1)
+    with torch.no_grad():
+        for i in range(3):
+            x = torch.randn(2, 5, 16)
+            assert torch.equal(step(x), call(eager, x)), f"call {i}"

@@ -119,9 +119,11 @@ def reduce_amax(model, group) -> None:
     if not isinstance(group, dist.ProcessGroup):
         raise ArgumentError(f"{api}: group must be a torch.distributed ProcessGroup (dist.group.WORLD, "
                             f"dist.new_group(...)), got {type(group).__name__}")
-    roots = [model] if isinstance(model, torch.nn.Module) else list(model)
-    if not roots or not all(isinstance(r, torch.nn.Module) for r in roots):
-        raise ArgumentError(f"{api}: model must be a torch.nn.Module or a list of them (model chunks)")
+    # A bad `model` on one rank is refused after the agreement, so its peers do not wait.
+    roots = [model] if isinstance(model, torch.nn.Module) else (list(model) if isinstance(model, (list, tuple)) else [])
+    bad_model = not roots or not all(isinstance(r, torch.nn.Module) for r in roots)
+    if bad_model:
+        roots = []
     seen, mods = set(), []
     for root in roots:
         for m in root.modules():
@@ -139,11 +141,14 @@ def reduce_amax(model, group) -> None:
     # Each module's history shape and recipe, in order: ranks whose totals match but whose
     # columns do not line up (other history lengths, another recipe) must not reduce.
     layout = zlib.crc32("|".join(f"{tuple(m.fp8_amax_history.shape)}:{m._fp8_recipe!r}" for m in mods).encode())
-    mine = [flat.numel(), -flat.numel(), len(mods), -len(mods), layout, -layout, 1 if unusable else 0]
+    mine = [flat.numel(), -flat.numel(), len(mods), -len(mods), layout, -layout, 1 if unusable or bad_model else 0]
     agreed = torch.tensor(mine, dtype=torch.int64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     agreed = agreed.tolist()
     if agreed[6]:
+        if bad_model:
+            raise ArgumentError(f"{api}: model must be a torch.nn.Module or a non-empty list of them (model chunks), "
+                                f"got {type(model).__name__}")
         what = (f"{type(unusable[0]).__name__} has FP8 state but has run no FP8 forward since it was made or "
                 "loaded (its recipe is unknown)") if unusable else "a module of another rank cannot be updated"
         raise GraphStateError(f"{api}: {what}; run a forward under fp8_autocast first")

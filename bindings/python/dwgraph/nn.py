@@ -216,8 +216,10 @@ class _DeferredWgradModule(torch.nn.Module):
             return {}
         recipe = state.recipe
         self._prepare_fp8(recipe)
-        if recipe.delayed():
-            self._fp8_recipe = recipe  # Note [Amax reduced across ranks] (ops/fp8.h)
+        if recipe.delayed() and self.fp8_amax_history.shape[0] == recipe.amax_history_len:
+            # Note [Amax reduced across ranks] (ops/fp8.h); a recipe the core refuses (another
+            # history length) is not the one the state follows.
+            self._fp8_recipe = recipe
         kw = dict(amax_history=self.fp8_amax_history, scale=self.fp8_scale) if recipe.delayed() else {}
         # A module captured with weight caching reads its flag only inside its graphed
         # callable (capture, eager fallback); called on its own it decides as any eager call.

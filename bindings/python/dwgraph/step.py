@@ -130,7 +130,7 @@ def _seen_module(module, _inputs) -> None:
                 watcher._see(p)
 
 
-def _refuse_fast_path(module, inputs) -> None:
+def _refuse_fast_path(module, inputs) -> None:  # noqa: C901 - torch's conditions, spelled out
     """Note [Fast paths a step's mode turns off]: torch runs nn.TransformerEncoder(Layer) and
     nn.MultiheadAttention in eval without grad through a fused inference path only while no
     torch function mode is active; a step's call (warmup or capture) runs under its gradient
@@ -140,8 +140,21 @@ def _refuse_fast_path(module, inputs) -> None:
     kinds = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
     if not isinstance(module, kinds) or module.training:
         return
-    if isinstance(module, torch.nn.MultiheadAttention) and not module.batch_first:
-        return
+
+    def fast_attention(mha) -> bool:  # torch's own conditions on the module (the call's come below)
+        return (isinstance(mha, torch.nn.MultiheadAttention) and mha.batch_first and mha._qkv_same_embed_dim and
+                mha.num_heads % 2 == 0 and mha.bias_k is None and not mha.add_zero_attn)
+
+    if isinstance(module, torch.nn.MultiheadAttention):
+        # Self-attention only; called with keywords (which a pre-hook does not see): refused.
+        self_attention = len(inputs) < 3 or (inputs[0] is inputs[1] and inputs[1] is inputs[2])
+        if not (fast_attention(module) and self_attention):
+            return
+    else:
+        layer = module.layers[0] if isinstance(module, torch.nn.TransformerEncoder) and len(module.layers) else module
+        if not (isinstance(layer, torch.nn.TransformerEncoderLayer) and fast_attention(layer.self_attn) and
+                getattr(layer, "activation_relu_or_gelu", False)):
+            return
     if torch.is_grad_enabled() and (any(p.requires_grad for p in module.parameters()) or
                                     any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)):
         return
