@@ -267,6 +267,16 @@ def test_host_reads_are_refused_inside_captures_and_free_outside(read, entry):
     assert np.asarray(t).tolist() == [0.0, 1.0, 2.0]
 
 
+def _assert_graphed_step_as_eager(mod, call, calls=3):
+    """graphed_step over call(mod, x) against call(a copy of mod, x) under no_grad, bitwise."""
+    eager = copy.deepcopy(mod)
+    step = dwgraph.graphed_step(lambda u: call(mod, u), warmup_iters=1)
+    with torch.no_grad():
+        for i in range(calls):
+            x = torch.randn(2, 5, 16)
+            assert torch.equal(step(x), call(eager, x)), f"call {i}"
+
+
 def _padding_mask(lens, s=5):
     return torch.arange(s)[None, :] >= torch.tensor(lens)[:, None]
 
@@ -312,12 +322,7 @@ def test_graphed_step_refuses_a_fast_path_its_watch_would_turn_off(layer):
         step(torch.randn(2, 5, 16))
     # In training mode (no fast path eagerly either) the step graphs it, bitwise.
     mod.train()  # (no dropout: the layers are built with dropout=0.0)
-    eager = copy.deepcopy(mod)
-    step = dwgraph.graphed_step(lambda u: call(mod, u), warmup_iters=1)
-    with torch.no_grad():
-        for i in range(3):
-            x = torch.randn(2, 5, 16)
-            assert torch.equal(step(x), call(eager, x)), f"call {i}"
+    _assert_graphed_step_as_eager(mod, call)
 
 
 def test_a_capture_under_inference_mode_called_outside_it_runs_eagerly():
@@ -384,9 +389,4 @@ def test_graphed_step_graphs_attention_that_takes_no_fast_path_eagerly(layer):
     else:
         mod = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=False).eval()
         call = lambda m, u: m(u)  # noqa: E731
-    eager = copy.deepcopy(mod)
-    step = dwgraph.graphed_step(lambda u: call(mod, u), warmup_iters=1)
-    with torch.no_grad():
-        for i in range(3):
-            x = torch.randn(2, 5, 16)
-            assert torch.equal(step(x), call(eager, x)), f"call {i}"
+    _assert_graphed_step_as_eager(mod, call)
