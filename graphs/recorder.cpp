@@ -229,8 +229,9 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   refuse_data_dependent(schema, *stack, base);
   refuse_draw_after_reseed(schema);
   if (depth_ == 0) {
-    check_none_raised(c10::str("before ", op_name).c_str());
-    check_generator(c10::str("before ", op_name).c_str());
+    const std::string where = c10::str("before ", op_name);
+    check_none_raised(where.c_str());
+    check_generator(where.c_str());
   }
 
   // Our own bookkeeping below must not be recorded.

@@ -151,6 +151,13 @@ at::Tensor scale_from(const at::Tensor& amax, double fp8_max, int64_t margin, co
   return at::where(at::logical_and(at::gt(amax, 0), at::isfinite(amax)), s, fallback);
 }
 
+// The scale of one column from its history (max over it, or its newest row), as every
+// update of the state sets it: after a quantization, and after an amax reduction.
+void rescale(const at::Tensor& col, at::Tensor scale, double fp8_max, const Fp8Recipe& recipe) {
+  const at::Tensor reduced = recipe.amax_compute_algo == AmaxAlgo::kMax ? at::amax(col) : col.select(0, 0);
+  scale.copy_(scale_from(reduced, fp8_max, recipe.margin, scale));
+}
+
 at::Tensor cast(const at::Tensor& t, const at::Tensor& scale, at::ScalarType dtype, double fp8_max) {
   return at::clamp(at::mul(t.to(at::kFloat), scale), -fp8_max, fp8_max).to(dtype).contiguous();
 }
@@ -176,8 +183,7 @@ Quantized quantize(const at::Tensor& t, at::ScalarType dtype, const Fp8Recipe& r
   if (col.size(0) > 1) col.copy_(at::roll(col, {1}, {0}));
   col.select(0, 0).copy_(amax);
   if (meta.hold_scale) return q;  // Note [Amax reduced across ranks]: set after the reduction
-  const at::Tensor reduced = recipe.amax_compute_algo == AmaxAlgo::kMax ? at::amax(col) : amax;
-  scale.copy_(scale_from(reduced, fp8_max, recipe.margin, scale));
+  rescale(col, scale, fp8_max, recipe);
   return q;
 }
 
@@ -186,10 +192,7 @@ void update_scales(const Fp8Meta& meta, const Fp8Recipe& recipe) {
                     "dwgraph.fp8: only delayed scaling keeps scales to update, got ", recipe.describe());
   for (int64_t c = 0; c < meta.scale.size(0); ++c) {
     const double fp8_max = max_of(c % kRoles == kGradOutput ? recipe.backward_dtype() : recipe.forward_dtype());
-    const at::Tensor col = meta.amax_history.select(1, c);
-    const at::Tensor reduced = recipe.amax_compute_algo == AmaxAlgo::kMax ? at::amax(col) : col.select(0, 0);
-    at::Tensor scale = meta.scale.select(0, c);
-    scale.copy_(scale_from(reduced, fp8_max, recipe.margin, scale));
+    rescale(meta.amax_history.select(1, c), meta.scale.select(0, c), fp8_max, recipe);
   }
 }
 
