@@ -76,7 +76,9 @@ void init_graphs(py::module_& parent) {
   py::class_<Graph>(m, "Graph")
       .def(py::init([](c10::Device device) { return graphs::make_graph(device); }), py::arg("device"))
       .def_property_readonly("device", &Graph::device)
-      .def("capture_begin", &Graph::capture_begin, py::arg("pool") = nullptr)
+      // Released: on CUDA it runs a backward through the engine (Note [torch's cuBLAS handles
+      // before a capture]), which refuses a caller holding the GIL.
+      .def("capture_begin", &Graph::capture_begin, py::arg("pool") = nullptr, py::call_guard<py::gil_scoped_release>())
       .def("capture_end", &Graph::capture_end)
       .def("capture_abort", &Graph::capture_abort)
       .def("replay", &Graph::replay, py::call_guard<py::gil_scoped_release>())

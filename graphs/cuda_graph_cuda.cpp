@@ -5,14 +5,23 @@
 #include "graphs/recorder.h"
 #include "ops/gemm.h"
 
+#include <ATen/core/grad_mode.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/ones.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <torch/csrc/autograd/autograd.h>
+
 #include <algorithm>
 #include <mutex>
 #include <optional>
+#include <set>
+#include <utility>
 
 namespace dwgraph::graphs {
 namespace {
@@ -28,6 +37,32 @@ void stream_wait(cudaStream_t waiter, cudaStream_t signaller) {
   C10_CUDA_CHECK(cudaEventRecord(e, signaller));
   C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, e, 0));
   C10_CUDA_CHECK(cudaEventDestroy(e));
+}
+
+// Note [torch's cuBLAS handles before a capture]: creating a cuBLAS handle is illegal
+// while a stream captures (cublasCreate fails with CUBLAS_STATUS_NOT_INITIALIZED, and the
+// capture is invalidated), and torch (2.11 at least) creates one per thread lazily at its
+// first GEMM, with a workspace per (handle, stream). Two threads run a capture's GEMMs:
+// the capturing thread (forward) and autograd's device thread (the captured backward, on
+// the capture stream). torch's make_graphed_callables relies on its warmup for both; a
+// Graph capture has none, so before each capture the capturing thread asks for its handles
+// with the capture stream current, and once per (device, capture stream) a 1x1 GEMM's
+// backward runs through the engine so the device thread does the same.
+void prepare_torch_blas(c10::Device device, const c10::cuda::CUDAStream& capture_stream) {
+  const c10::cuda::CUDAStreamGuard on(capture_stream);
+  (void)at::cuda::getCurrentCUDABlasHandle();
+  (void)at::cuda::getCurrentCUDABlasLtHandle();
+  (void)at::cuda::getCUDABlasLtWorkspace();
+  static std::mutex mu;
+  static std::set<std::pair<int, c10::StreamId>> primed;
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    if (!primed.emplace(device.index(), capture_stream.id()).second) return;
+  }
+  const c10::InferenceMode not_inference(false);
+  const at::AutoGradMode grad(true);
+  const at::Tensor a = at::ones({1, 1}, at::TensorOptions().device(device).dtype(at::kFloat)).requires_grad_(true);
+  (void)torch::autograd::grad({at::mm(a, a)}, {a}, {at::ones({1, 1}, a.options())});
 }
 
 class CudaGraphPool final : public GraphPool {
@@ -160,8 +195,10 @@ class CudaGraph final : public Graph {
     ambient_ = c10::cuda::getCurrentCUDAStream(device_.index());
     stream_wait(stream.stream(), ambient_->stream());  // the capture follows the work queued so far
     on_capture_stream_.emplace(stream);
-    // Handles and workspaces before capture (Note [cuBLASLt under capture]).
+    // Handles and workspaces before capture (Note [cuBLASLt under capture], Note [torch's
+    // cuBLAS handles before a capture]).
     ops::prepare_for_capture(c10::Stream(stream));
+    prepare_torch_blas(device_, stream);
     graph_ = std::make_unique<at::cuda::CUDAGraph>();
     graph_->capture_begin(pool().id(), cudaStreamCaptureModeThreadLocal);
   }

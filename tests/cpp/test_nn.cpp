@@ -12,6 +12,7 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/matmul.h>
+#include <torch/csrc/autograd/function.h>  // Node::name(); older torch does not include it through TensorBase
 
 using dwgraph::nn::DeferredOptions;
 
