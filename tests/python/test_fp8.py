@@ -933,6 +933,57 @@ def test_tied_weights_in_fp8_graphed_equal_eager_bitwise(scaling, fused, cache):
         step_on_main_grads([(model, opt_g), (eager, opt_e)])
 
 
+def _torch_checkpoint_module(kind):
+    return {"Linear": lambda: dwgraph.nn.Linear(K, N),
+            "LayerNormLinear": lambda: dwgraph.nn.LayerNormLinear(K, N),
+            "LayerNormMLP": lambda: dwgraph.nn.LayerNormMLP(K, 2 * K),
+            "Linear_deferred": lambda: dwgraph.nn.Linear(K, N, delay_wgrad_compute=True)}[kind]()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "Linear_deferred"])
+def test_torch_checkpoint_of_a_delayed_scaling_module_is_refused_before_it_writes(kind, reentrant):
+    # Note [A delayed-scaling forward inside a backward]: the recomputation would quantize with
+    # the moved scales and roll the history again; it is refused, and the state is what the
+    # forward alone left (the same module run without checkpoint, forward only).
+    torch.manual_seed(3)
+    m = _torch_checkpoint_module(kind)
+    ref = copy.deepcopy(m)
+    x = torch.randn(8, K, requires_grad=True)
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+        ref(x.detach())
+        y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=reentrant)
+        with pytest.raises(dwgraph.ArgumentError, match="delayed scaling ran inside a backward pass"):
+            y.square().sum().backward()
+    assert_same_fp8_state(m, ref, "after the refused recomputation")
+    # Outside a checkpoint the module goes on as usual.
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+        m(x).sum().backward()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "Linear_deferred"])
+def test_torch_checkpoint_under_current_scaling_equals_no_checkpoint_bitwise(kind, reentrant):
+    # Current scaling depends only on the tensors: the recomputation quantizes bit for bit.
+    torch.manual_seed(3)
+    m = _torch_checkpoint_module(kind)
+    ref = copy.deepcopy(m)
+    for step in range(3):
+        x = torch.randn(8, K, requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        with fp8_autocast(recipe=Float8CurrentScaling()):
+            y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=reentrant)
+            y.square().sum().backward()
+            ye = ref(xe)
+            ye.square().sum().backward()
+        if kind == "Linear_deferred":
+            m.backward_dw()
+            ref.backward_dw()
+        assert torch.equal(y, ye) and torch.equal(x.grad, xe.grad), f"step {step}"
+        for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {name}.grad"
+
+
 def test_checkpointed_mlp_refuses_an_fc_parameter_changed_after_its_fp8_forward():
     # Without checkpoint the backward multiplies by the forward's FP8 operands; the
     # recomputation would quantize the changed parameter: refused, as for the LayerNorm's.
