@@ -933,11 +933,14 @@ def test_tied_weights_in_fp8_graphed_equal_eager_bitwise(scaling, fused, cache):
         step_on_main_grads([(model, opt_g), (eager, opt_e)])
 
 
-def _torch_checkpoint_module(kind):
-    return {"Linear": lambda: dwgraph.nn.Linear(K, N),
-            "LayerNormLinear": lambda: dwgraph.nn.LayerNormLinear(K, N),
-            "LayerNormMLP": lambda: dwgraph.nn.LayerNormMLP(K, 2 * K),
-            "Linear_deferred": lambda: dwgraph.nn.Linear(K, N, delay_wgrad_compute=True)}[kind]()
+def _torch_checkpoint_pair(kind):
+    """A module of `kind` and a copy of it, the reference without checkpoint."""
+    torch.manual_seed(3)
+    m = {"Linear": lambda: dwgraph.nn.Linear(K, N),
+         "LayerNormLinear": lambda: dwgraph.nn.LayerNormLinear(K, N),
+         "LayerNormMLP": lambda: dwgraph.nn.LayerNormMLP(K, 2 * K),
+         "Linear_deferred": lambda: dwgraph.nn.Linear(K, N, delay_wgrad_compute=True)}[kind]()
+    return m, copy.deepcopy(m)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
@@ -946,9 +949,7 @@ def test_torch_checkpoint_of_a_delayed_scaling_module_is_refused_before_it_write
     # Note [A delayed-scaling forward inside a backward]: the recomputation would quantize with
     # the moved scales and roll the history again; it is refused, and the state is what the
     # forward alone left (the same module run without checkpoint, forward only).
-    torch.manual_seed(3)
-    m = _torch_checkpoint_module(kind)
-    ref = copy.deepcopy(m)
+    m, ref = _torch_checkpoint_pair(kind)
     x = torch.randn(8, K, requires_grad=True)
     with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
         ref(x.detach())
@@ -965,9 +966,7 @@ def test_torch_checkpoint_of_a_delayed_scaling_module_is_refused_before_it_write
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "Linear_deferred"])
 def test_torch_checkpoint_under_current_scaling_equals_no_checkpoint_bitwise(kind, reentrant):
     # Current scaling depends only on the tensors: the recomputation quantizes bit for bit.
-    torch.manual_seed(3)
-    m = _torch_checkpoint_module(kind)
-    ref = copy.deepcopy(m)
+    m, ref = _torch_checkpoint_pair(kind)
     for step in range(3):
         x = torch.randn(8, K, requires_grad=True)
         xe = x.detach().clone().requires_grad_()
