@@ -4,6 +4,7 @@
 
 #include "common/check.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/_scaled_mm.h>
 #include <ATen/ops/abs.h>
 #include <ATen/ops/amax.h>
@@ -19,6 +20,8 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/ones.h>
+
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <cmath>
 #include <sstream>
@@ -185,6 +188,23 @@ Quantized quantize(const at::Tensor& t, at::ScalarType dtype, const Fp8Recipe& r
   if (meta.hold_scale) return q;  // Note [Amax reduced across ranks]: set after the reduction
   rescale(col, scale, fp8_max, recipe);
   return q;
+}
+
+void check_not_recomputing(const std::string& module, const Fp8State& state, bool last_forward_fp8) {
+  if (!at::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() == -1) return;
+  DWGRAPH_CHECK_ARG(!state.enabled || state.recipe.scaling != Fp8Scaling::kDelayed, module,
+                    ": an FP8 forward with delayed scaling ran inside a backward pass with grad mode on (torch.utils."
+                    "checkpoint's recomputation); it would quantize with scales moved since the forward and move the "
+                    "scaling state a second time, giving other gradients and scales than without checkpoint. Keep FP8 "
+                    "modules with delayed scaling outside torch.utils.checkpoint (LayerNormMLP(checkpoint=True) "
+                    "recomputes with its forward's scales), or use Float8CurrentScaling");
+  DWGRAPH_CHECK_ARG(state.enabled || !last_forward_fp8, module,
+                    ": a forward without FP8 ran inside a backward pass with grad mode on (torch.utils.checkpoint's "
+                    "recomputation) after a forward in FP8; it would recompute in high precision what the forward "
+                    "computed in FP8, giving other gradients. Run the backward inside the same fp8_autocast as the "
+                    "forward with use_reentrant=False (on CUDA autograd runs a reentrant checkpoint's recomputation "
+                    "on its own thread, outside the caller's fp8_autocast), or keep FP8 modules outside "
+                    "torch.utils.checkpoint");
 }
 
 void update_scales(const Fp8Meta& meta, const Fp8Recipe& recipe) {

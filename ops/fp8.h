@@ -174,6 +174,23 @@ Quantized quantize_weight(const at::Tensor& w, const Fp8Recipe& recipe, const Fp
 // keeping the old scale where that amax is zero or not finite (Note [Amax reduced across ranks]).
 void update_scales(const Fp8Meta& meta, const Fp8Recipe& recipe);
 
+// Note [A forward recomputed inside a backward]: torch.utils.checkpoint (either kind) runs
+// a module's forward again inside the backward, with grad mode on. Nothing links torch's
+// two calls, and two recomputations give silently other results than the forward:
+//  * under delayed scaling, one that quantizes with the scales the forward had just moved
+//    and moves the state a second time (other weight gradients; a step later other scales);
+//  * one without FP8 of a forward that ran in FP8 (the backward outside fp8_autocast with
+//    use_reentrant=True, and on CUDA any reentrant one: autograd runs it on its device
+//    thread, where the caller's fp8_autocast is not active): a high-precision recomputation
+//    of an FP8 forward.
+// So a forward while an autograd graph task runs on the thread with grad mode on is refused
+// in those two cases (ArgumentError naming `module`), before it writes anything; a forward
+// from a backward hook runs with grad mode off and is not concerned. Current scaling depends
+// only on the tensors: its recomputation quantizes bit for bit and is allowed.
+// `last_forward_fp8`: whether the module's previous forward ran in FP8 (the Python modules
+// keep it; false where unknown).
+void check_not_recomputing(const std::string& module, const Fp8State& state, bool last_forward_fp8);
+
 // Checks that `cache` fits weight `w` (ArgumentError naming `module` and `name`).
 void check_weight_cache(const std::string& module, const std::string& name, const Fp8WeightCache& cache,
                         const at::Tensor& w, const Fp8Recipe& recipe);

@@ -21,7 +21,6 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -588,21 +587,7 @@ struct Fp8Slot {
 Fp8Slot fp8_slot(const std::string& module, const Fp8Meta& meta, int64_t gemms) {
   Fp8Slot slot{Fp8State::current(), meta, 0};
   if (slot.state.enabled) fp8::check_meta(module, meta, slot.state.recipe, gemms);
-  // Note [A delayed-scaling forward inside a backward]: torch.utils.checkpoint (either
-  // kind) runs the forward again inside the backward. With delayed scaling that second
-  // forward quantizes with the scales the first one moved and moves the state again: the
-  // recomputed operands differ from those the forward used (other weight gradients) and
-  // the history rolls twice, silently (found by review). Nothing links the two calls, so
-  // the recomputation is refused before it writes anything. Current scaling depends only
-  // on the tensors, so its recomputation quantizes bit for bit as the forward did.
-  DWGRAPH_CHECK_ARG(!slot.state.enabled || slot.state.recipe.scaling != Fp8Scaling::kDelayed ||
-                        torch::autograd::get_current_graph_task_id() == -1,
-                    module, ": an FP8 forward with delayed scaling ran inside a backward pass (torch.utils."
-                    "checkpoint's recomputation, or a forward called from a backward hook); it would quantize with "
-                    "scales moved since the forward and move the scaling state a second time, giving other "
-                    "gradients and scales than without checkpoint. Keep FP8 modules with delayed scaling outside "
-                    "torch.utils.checkpoint (LayerNormMLP(checkpoint=True) recomputes with its forward's scales), "
-                    "or use Float8CurrentScaling");
+  fp8::check_not_recomputing(module, slot.state, /*last_forward_fp8=*/false);  // Note [A forward recomputed inside a backward]
   slot.meta.hold_scale = slot.state.enabled && slot.state.amax_reduction;  // Note [Amax reduced across ranks]
   return slot;
 }

@@ -962,6 +962,70 @@ def test_torch_checkpoint_of_a_delayed_scaling_module_is_refused_before_it_write
         m(x).sum().backward()
 
 
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_torch_checkpoint_recomputing_an_fp8_forward_without_fp8_is_refused(reentrant, scaling):
+    # Note [A forward recomputed inside a backward]: the backward outside fp8_autocast
+    # recomputes in high precision what the forward ran in FP8 (reentrant: silently other
+    # gradients, ~1 off, before; non-reentrant: torch's untyped CheckpointError). On CUDA a
+    # reentrant recomputation runs on autograd's device thread, outside the caller's autocast.
+    recipe = DelayedScaling(amax_history_len=4) if scaling == "delayed" else Float8CurrentScaling()
+    m, _ = _torch_checkpoint_pair("Linear")
+    x = torch.randn(8, K, requires_grad=True)
+    with fp8_autocast(recipe=recipe):
+        y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=reentrant)
+    with pytest.raises(dwgraph.ArgumentError, match="a forward without FP8 ran inside a backward pass"):
+        y.square().sum().backward()
+    assert x.grad is None and m.weight.grad is None
+
+
+def test_fp8_forwards_from_backward_hooks_and_functions_without_grad_are_not_refused():
+    # Only a forward with grad mode on inside a backward is taken for a recomputation: a
+    # hook, or an autograd.Function's backward under no_grad, runs the module as anywhere.
+    recipe = DelayedScaling(amax_history_len=4)
+    probe, ref = _torch_checkpoint_pair("Linear")
+    z = torch.randn(8, K)
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            with torch.no_grad(), fp8_autocast(recipe=recipe):
+                seen.append(probe(z))
+            return g
+
+    x = torch.randn(8, K, requires_grad=True)
+    x.register_hook(lambda g: seen.append(probe(z)) and None)
+    with fp8_autocast(recipe=recipe):
+        Probe.apply(x).sum().backward()
+        with torch.no_grad():
+            expected = [ref(z), ref(z)]
+    assert len(seen) == 2 and all(torch.equal(a, b) for a, b in zip(seen, expected))
+    assert_same_fp8_state(probe, ref, "forwards from the backward")
+
+
+def test_refused_recomputation_leaves_the_weight_cache_usable():
+    # The check runs before the module writes anything of its own (cache versions, recipe).
+    recipe = DelayedScaling(amax_history_len=4)
+    m, ref = _torch_checkpoint_pair("Linear")
+    x = torch.randn(8, K, requires_grad=True)
+    with fp8_autocast(recipe=recipe):
+        m(x, is_first_microbatch=True)
+        ref(x, is_first_microbatch=True)
+        y = torch.utils.checkpoint.checkpoint(lambda t: m(t, is_first_microbatch=False), x, use_reentrant=False)
+        with fp8_autocast(recipe=DelayedScaling(amax_history_len=4, margin=2)), \
+                pytest.raises(dwgraph.ArgumentError, match="delayed scaling ran inside a backward pass"):
+            y.square().sum().backward()
+        ref(x, is_first_microbatch=False)
+        assert torch.equal(m(x, is_first_microbatch=False), ref(x, is_first_microbatch=False))
+    assert_same_fp8_state(m, ref, "after the refused recomputation")
+    assert m._fp8_recipe.margin == 0  # the forward's recipe, which reduce_amax scales by
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "Linear_deferred"])
 def test_torch_checkpoint_under_current_scaling_equals_no_checkpoint_bitwise(kind, reentrant):

@@ -200,6 +200,7 @@ class _DeferredWgradModule(torch.nn.Module):
     _fp8_cache_versions = None  # (id, version) of each weight when its FP8 cache was filled
     _fp8_recipe = None  # of the last delayed-scaling forward: dwgraph.fp8.reduce_amax sets the scales by it
     _fp8_filling = None  # the versions a first microbatch's forward records once it has succeeded
+    _fp8_last_forward = False  # whether the last forward ran in FP8 (Note [A forward recomputed inside a backward])
 
     def _fp8_kwargs(self, is_first_microbatch: Optional[bool] = None) -> dict:
         """The module's FP8 state for the C++ forward under fp8_autocast (buffers made on the
@@ -210,8 +211,12 @@ class _DeferredWgradModule(torch.nn.Module):
             # As a graphed callable's: a truthy string or tensor is no decision.
             raise ArgumentError(f"{self._display_name()}: is_first_microbatch must be True, False or None, got "
                                 f"{is_first_microbatch!r}")
-        self._fp8_filling = None
         state = _C.fp8.current_state()
+        # Note [A forward recomputed inside a backward] (ops/fp8.h): asked before anything
+        # below is written.
+        _C.fp8.check_not_recomputing(self._display_name(), state, self._fp8_last_forward)
+        self._fp8_last_forward = state.enabled
+        self._fp8_filling = None
         if not state.enabled:
             return {}
         recipe = state.recipe
