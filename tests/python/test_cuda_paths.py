@@ -260,3 +260,27 @@ def test_torch_checkpoint_with_early_stop_replays_eagers_gradients_on_cuda(entry
             assert torch.equal(p.grad, q.grad), f"call {call}: weight gradient"
         block.zero_grad(set_to_none=True)
         eager.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_torch_checkpoint_of_fp8_current_scaling_on_cuda_is_exact_or_refused(reentrant):
+    # Note [A forward recomputed inside a backward]: on CUDA the recomputation runs on
+    # autograd's device thread, where the caller's fp8_autocast (thread-local) is not
+    # active: it must be refused (typed) rather than recompute in high precision; where it
+    # does see FP8 it must equal the module without checkpoint bitwise. Never silently other.
+    from dwgraph.fp8 import Float8CurrentScaling, fp8_autocast
+    torch.manual_seed(0)
+    m = dwgraph.nn.Linear(H, H, device="cuda")
+    ref = copy.deepcopy(m)
+    x = torch.randn(B, H, device="cuda", requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
+    with fp8_autocast(recipe=Float8CurrentScaling()):
+        ye = ref(xe)
+        ye.square().sum().backward()
+        y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=reentrant)
+        try:
+            y.square().sum().backward()
+        except dwgraph.ArgumentError as e:
+            assert "inside a backward pass" in str(e)
+            return
+    assert torch.equal(y, ye) and torch.equal(x.grad, xe.grad) and torch.equal(m.weight.grad, ref.weight.grad)
