@@ -86,8 +86,16 @@ class PoolOrder {
   bool enforced_ = true;
   Intervals captured_writer_;  // capture-time simulation
   Intervals replay_writer_;    // who really wrote each range last
-  // Data a replay wrote that a reader still has to read: (begin, end, reader) per writer.
-  std::vector<std::pair<Range, GraphId>> pending_;  // (range with reader, writer)
+  // Data a replay wrote that a reader still has to read, by byte range (Note [Pending reads
+  // indexed by bytes]): start -> (end, (writer, reader) pairs), non-overlapping pieces.
+  using Pair = std::pair<GraphId, GraphId>;
+  using Pending = std::map<uintptr_t, std::pair<uintptr_t, std::vector<Pair>>>;
+  static Pending::iterator split_at(Pending& map, uintptr_t at);
+  // Adds `pair` over [begin, end); removes the pairs `drop` selects there (empty pieces go).
+  static void add_pending(Pending& map, uintptr_t begin, uintptr_t end, Pair pair);
+  template <class Drop>
+  static void drop_pending(Pending& map, uintptr_t begin, uintptr_t end, Drop drop);
+  Pending pending_;
 };
 
 }  // namespace dwgraph::graphs

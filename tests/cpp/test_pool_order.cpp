@@ -5,6 +5,13 @@
 #include "common/check.h"
 #include "graphs/pool_order.h"
 
+#include <array>
+#include <map>
+#include <random>
+#include <set>
+#include <tuple>
+#include <vector>
+
 using dwgraph::graphs::MemoryAccess;
 using dwgraph::graphs::PoolOrder;
 using Kind = MemoryAccess::Kind;
@@ -81,4 +88,143 @@ TEST_CASE("PoolOrder: a removed graph releases its bytes and its readers", "[poo
   const auto z = order.add_graph("z", {{0, 16, Kind::kWrite}});
   order.replayed(z);
   CHECK_THROWS_AS(order.check_replay(y), dwgraph::GraphStateError);  // z overwrote part of x's data
+}
+
+namespace {
+
+// A byte-by-byte model of Note [Replay order on a shared pool], independent of PoolOrder's
+// intervals: who wrote each byte at capture and at replay, and which (writer, reader) reads
+// pend on each byte.
+struct ByteModel {
+  static constexpr int kBytes = 48;
+  struct G {
+    std::map<int, uint64_t> expects;  // byte -> capture-time writer
+    std::set<int> writes;
+  };
+  std::map<uint64_t, G> graphs;
+  std::array<uint64_t, kBytes> captured{}, replayed{};
+  std::set<std::tuple<int, uint64_t, uint64_t>> pending;  // (byte, writer, reader)
+
+  void add(uint64_t id, const std::vector<MemoryAccess>& accesses) {
+    G g;
+    std::set<int> own;
+    for (const auto& a : accesses) {
+      for (int b = static_cast<int>(a.begin); b < static_cast<int>(a.end); ++b) {
+        if (a.kind != Kind::kWrite && !own.count(b) && captured[b] != 0) g.expects[b] = captured[b];
+      }
+      if (a.kind != Kind::kRead) {
+        for (int b = static_cast<int>(a.begin); b < static_cast<int>(a.end); ++b) own.insert(b);
+      }
+    }
+    g.writes = own;
+    for (int b : own) captured[b] = id;
+    graphs[id] = g;
+  }
+  bool refuses(uint64_t x) const {
+    const G& g = graphs.at(x);
+    for (const auto& [b, w] : g.expects) {
+      if (replayed[b] != w) return true;
+    }
+    for (const auto& [b, w, r] : pending) {
+      if (g.writes.count(b) && r != x && w != x) return true;
+    }
+    return false;
+  }
+  void replay(uint64_t x) {
+    for (auto it = pending.begin(); it != pending.end();) {
+      it = (std::get<1>(*it) == x || std::get<2>(*it) == x) ? pending.erase(it) : std::next(it);
+    }
+    for (int b : graphs.at(x).writes) replayed[b] = x;
+    for (const auto& [id, g] : graphs) {
+      for (const auto& [b, w] : g.expects) {
+        if (w == x) pending.emplace(b, x, id);
+      }
+    }
+  }
+  void abandon(uint64_t w, uint64_t r) {
+    for (auto it = pending.begin(); it != pending.end();) {
+      it = (std::get<1>(*it) == w && std::get<2>(*it) == r) ? pending.erase(it) : std::next(it);
+    }
+  }
+  void remove(uint64_t x) {
+    for (auto* bytes : {&captured, &replayed}) {
+      for (auto& owner : *bytes) {
+        if (owner == x) owner = 0;
+      }
+    }
+    for (auto it = pending.begin(); it != pending.end();) {
+      it = (std::get<1>(*it) == x || std::get<2>(*it) == x) ? pending.erase(it) : std::next(it);
+    }
+    graphs.erase(x);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("PoolOrder refuses exactly what a byte-by-byte model of its rules refuses", "[pool_order][cpu]") {
+  // Random graphs (reads, writes, read-writes of random ranges), replays in random orders,
+  // abandons and removals; each check against the model. Note [Pending reads indexed by
+  // bytes] keeps its pending reads by ranges: this is the independent reference.
+  std::mt19937 rng(20261204);
+  const auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
+  const auto random_accesses = [&] {
+    std::vector<MemoryAccess> out;
+    const int n = 1 + pick(4);
+    for (int i = 0; i < n; ++i) {
+      const int b = pick(ByteModel::kBytes - 1);
+      const int e = b + 1 + pick(std::min(16, ByteModel::kBytes - b));
+      out.push_back(MemoryAccess{static_cast<uintptr_t>(b), static_cast<uintptr_t>(e),
+                                 static_cast<Kind>(pick(3))});
+    }
+    return out;
+  };
+  int refusals = 0, replays = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    PoolOrder order;
+    ByteModel model;
+    std::vector<uint64_t> ids;
+    const auto add = [&] {
+      const auto acc = random_accesses();
+      const auto id = order.add_graph("g", acc);
+      model.add(id, acc);
+      ids.push_back(id);
+    };
+    for (int i = 0, n = 2 + pick(5); i < n; ++i) add();
+    for (int op = 0; op < 60; ++op) {
+      const int what = pick(20);
+      if (what == 0 && ids.size() > 1) {  // forget a graph
+        const size_t k = static_cast<size_t>(pick(static_cast<int>(ids.size())));
+        order.remove_graph(ids[k]);
+        model.remove(ids[k]);
+        ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(k));
+      } else if (what == 1) {
+        add();
+      } else if (what == 2) {
+        const auto w = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
+        const auto r = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
+        order.abandon(w, r);
+        model.abandon(w, r);
+      } else {
+        const auto x = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
+        bool refused = false;
+        try {
+          order.check_replay(x);
+        } catch (const dwgraph::GraphStateError&) {
+          refused = true;
+        }
+        INFO("trial " << trial << ", op " << op << ", graph " << x);
+        REQUIRE(refused == model.refuses(x));
+        if (refused) {
+          ++refusals;
+        } else {
+          order.replayed(x);
+          model.replay(x);
+          ++replays;
+        }
+      }
+    }
+  }
+  // Both outcomes were exercised many times.
+  CHECK(refusals > 1000);
+  CHECK(replays > 1000);
 }
