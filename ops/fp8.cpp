@@ -190,8 +190,8 @@ Quantized quantize(const at::Tensor& t, at::ScalarType dtype, const Fp8Recipe& r
   return q;
 }
 
-void check_not_recomputing(const std::string& module, const Fp8State& state, bool last_forward_fp8) {
-  if (!at::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() == -1) return;
+bool check_not_recomputing(const std::string& module, const Fp8State& state, bool last_forward_fp8) {
+  if (!at::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() == -1) return false;
   DWGRAPH_CHECK_ARG(!state.enabled || state.recipe.scaling != Fp8Scaling::kDelayed, module,
                     ": an FP8 forward with delayed scaling ran inside a backward pass with grad mode on (torch.utils."
                     "checkpoint's recomputation); it would quantize with scales moved since the forward and move the "
@@ -205,6 +205,7 @@ void check_not_recomputing(const std::string& module, const Fp8State& state, boo
                     "forward with use_reentrant=False (on CUDA autograd runs a reentrant checkpoint's recomputation "
                     "on its own thread, outside the caller's fp8_autocast), or keep FP8 modules outside "
                     "torch.utils.checkpoint");
+  return true;
 }
 
 void update_scales(const Fp8Meta& meta, const Fp8Recipe& recipe) {

@@ -188,8 +188,11 @@ void update_scales(const Fp8Meta& meta, const Fp8Recipe& recipe);
 // from a backward hook runs with grad mode off and is not concerned. Current scaling depends
 // only on the tensors: its recomputation quantizes bit for bit and is allowed.
 // `last_forward_fp8`: whether the module's previous forward ran in FP8 (the Python modules
-// keep it; false where unknown).
-void check_not_recomputing(const std::string& module, const Fp8State& state, bool last_forward_fp8);
+// keep it; false where unknown). Returns whether this forward is a recomputation (one that
+// is allowed): with weight caching it then reuses the copy its forward filled rather than
+// deciding again (a first-microbatch flag would refill it, and a recomputation stopped early
+// would leave it counted as unfilled).
+bool check_not_recomputing(const std::string& module, const Fp8State& state, bool last_forward_fp8);
 
 // Checks that `cache` fits weight `w` (ArgumentError naming `module` and `name`).
 void check_weight_cache(const std::string& module, const std::string& name, const Fp8WeightCache& cache,

@@ -979,6 +979,31 @@ def test_torch_checkpoint_recomputing_an_fp8_forward_without_fp8_is_refused(reen
     assert x.grad is None and m.weight.grad is None
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_torch_checkpoint_with_fp8_weight_caching_reuses_the_forwards_copy(reentrant):
+    # A recomputation with is_first_microbatch=True reuses the copy its forward filled (it
+    # was refilled, and a non-reentrant recomputation stopped early left the cache counted
+    # as unfilled: the next microbatch's False raised, found by review). Two steps of two
+    # microbatches with an optimizer step between, bitwise equal to no checkpoint.
+    m, ref = _torch_checkpoint_pair("Linear")
+    opts = [torch.optim.SGD(mod.parameters(), lr=0.1) for mod in (m, ref)]
+    for step in range(2):
+        for mb in range(2):
+            x = torch.randn(8, K, requires_grad=True)
+            xe = x.detach().clone().requires_grad_()
+            with fp8_autocast(recipe=Float8CurrentScaling()):
+                y = torch.utils.checkpoint.checkpoint(lambda t: m(t, is_first_microbatch=mb == 0), x,
+                                                      use_reentrant=reentrant)
+                y.square().sum().backward()
+                ye = ref(xe, is_first_microbatch=mb == 0)
+                ye.square().sum().backward()
+            assert torch.equal(y, ye) and torch.equal(x.grad, xe.grad), f"step {step}, microbatch {mb}"
+        assert torch.equal(m.weight.grad, ref.weight.grad), f"step {step}"
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+
+
 def test_fp8_forwards_from_backward_hooks_and_functions_without_grad_are_not_refused():
     # Only a forward with grad mode on inside a backward is taken for a recomputation: a
     # hook, or an autograd.Function's backward under no_grad, runs the module as anywhere.

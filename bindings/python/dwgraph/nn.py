@@ -214,8 +214,11 @@ class _DeferredWgradModule(torch.nn.Module):
         state = _C.fp8.current_state()
         # Note [A forward recomputed inside a backward] (ops/fp8.h): asked before anything
         # below is written.
-        _C.fp8.check_not_recomputing(self._display_name(), state, self._fp8_last_forward)
+        recomputing = _C.fp8.check_not_recomputing(self._display_name(), state, self._fp8_last_forward)
         self._fp8_last_forward = state.enabled
+        if recomputing and is_first_microbatch:
+            # The copy this microbatch's forward filled: reused, not refilled (ops/fp8.h).
+            is_first_microbatch = False
         self._fp8_filling = None
         if not state.enabled:
             return {}
