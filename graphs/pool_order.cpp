@@ -3,6 +3,7 @@
 #include "common/check.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace dwgraph::graphs {
 
@@ -77,52 +78,94 @@ void PoolOrder::coalesce(std::vector<std::pair<uintptr_t, uintptr_t>>& ranges) {
 }
 
 // Note [Pending reads indexed by bytes]: what a replay wrote for a reader that has not
-// replayed since is kept by byte range, so a replay's checks and bookkeeping cost the pool
-// blocks it touches (its writes, what it reads, its readers' ranges), not every pending read
-// of every graph on the pool: with one graph per layer (or per deferred module) a list
-// scanned at each replay made a step quadratic in the layers (bench_overhead: backward_dw of
-// 1024 deferred layers in one callable 16 ms, a third of it here). A piece's pairs are the
-// (writer, reader) of each pending read over it; the writer of a pair is the graph that last
-// wrote those bytes at replay, since any other write over them is refused while it pends.
-PoolOrder::Pending::iterator PoolOrder::split_at(Pending& map, uintptr_t at) {
+// replayed since (a pending read) is kept once, with its range, listed under its writer and
+// its reader; a map of byte pieces counts the live reads over each. So a replay drops and
+// arms the reads it is party to, and its check looks at the pieces under its own writes:
+// with one graph per layer (or per deferred module) nothing scans every pending read of the
+// pool at each replay, which made a step quadratic in the layers (backward_dw() of 1024
+// deferred layers in one callable: 16 ms, a third of it here). Reads overlapping one
+// another in many ways stay quadratic as with the flat list, at about ten times its
+// constant (N readers of sliding windows over one block: 8.7 ms a step at N = 1024, the
+// list 0.8); c2e5895 copied each read into every piece it covered, N^3 there (review).
+PoolOrder::Cover::iterator PoolOrder::split_at(Cover& map, uintptr_t at) {
   auto it = map.lower_bound(at);
   if (it == map.begin()) return it;
   auto prev = std::prev(it);
   if (prev->second.first <= at) return it;
-  auto tail = prev->second;  // (end, pairs), the part from `at` on
+  const auto tail = prev->second;  // (end, count), the part from `at` on
   prev->second.first = at;
-  return map.emplace_hint(it, at, std::move(tail));
+  return map.emplace_hint(it, at, tail);
 }
 
-void PoolOrder::add_pending(Pending& map, uintptr_t begin, uintptr_t end, Pair pair) {
+void PoolOrder::cover(Cover& map, uintptr_t begin, uintptr_t end, int64_t delta) {
   if (begin >= end) return;
-  auto it = split_at(map, begin);
+  split_at(map, begin);
   split_at(map, end);
-  it = map.lower_bound(begin);
+  auto it = map.lower_bound(begin);
   uintptr_t at = begin;
   while (at < end) {
-    if (it == map.end() || it->first > at) {  // a gap: a new piece up to the next one
+    if (it == map.end() || it->first > at) {  // a gap: only an added read makes a piece there
       const uintptr_t stop = (it == map.end()) ? end : std::min(end, it->first);
-      it = map.emplace_hint(it, at, std::make_pair(stop, std::vector<Pair>{pair}));
-    } else {
-      it->second.second.push_back(pair);
+      if (delta > 0) it = std::next(map.emplace_hint(it, at, std::make_pair(stop, delta)));
+      at = stop;
+      continue;
     }
     at = it->second.first;
-    ++it;
+    it->second.second += delta;
+    it = it->second.second == 0 ? map.erase(it) : std::next(it);
   }
+}
+
+void PoolOrder::add_pending(uintptr_t begin, uintptr_t end, GraphId writer, GraphId reader) {
+  if (begin >= end) return;
+  const size_t slot = reads_.size();
+  reads_.push_back(PendingRead{begin, end, writer, reader, true});
+  reads_of_[writer].push_back(slot);
+  reads_of_[reader].push_back(slot);
+  cover(cover_, begin, end, 1);
 }
 
 template <class Drop>
-void PoolOrder::drop_pending(Pending& map, uintptr_t begin, uintptr_t end, Drop drop) {
-  if (begin >= end || map.empty()) return;
-  auto it = split_at(map, begin);
-  split_at(map, end);
-  it = map.lower_bound(begin);
-  while (it != map.end() && it->first < end) {
-    auto& pairs = it->second.second;
-    pairs.erase(std::remove_if(pairs.begin(), pairs.end(), drop), pairs.end());
-    it = pairs.empty() ? map.erase(it) : std::next(it);
+void PoolOrder::drop_pending(GraphId g, Drop drop) {
+  auto it = reads_of_.find(g);
+  if (it == reads_of_.end()) return;
+  auto& slots = it->second;
+  size_t kept = 0;
+  for (size_t slot : slots) {
+    PendingRead& r = reads_[slot];
+    if (!r.live) continue;  // dropped through the other party
+    if (drop(r)) {
+      r.live = false;
+      cover(cover_, r.begin, r.end, -1);
+      ++dead_reads_;
+    } else {
+      slots[kept++] = slot;
+    }
   }
+  slots.resize(kept);
+  if (slots.empty()) reads_of_.erase(it);
+}
+
+void PoolOrder::compact_reads() {
+  if (dead_reads_ < 64 || dead_reads_ * 2 < reads_.size()) return;
+  std::vector<size_t> renumber(reads_.size(), SIZE_MAX);
+  std::vector<PendingRead> live;
+  for (size_t i = 0; i < reads_.size(); ++i) {
+    if (!reads_[i].live) continue;
+    renumber[i] = live.size();
+    live.push_back(reads_[i]);
+  }
+  for (auto it = reads_of_.begin(); it != reads_of_.end();) {
+    auto& slots = it->second;
+    size_t kept = 0;
+    for (size_t slot : slots) {
+      if (renumber[slot] != SIZE_MAX) slots[kept++] = renumber[slot];
+    }
+    slots.resize(kept);
+    it = slots.empty() ? reads_of_.erase(it) : std::next(it);
+  }
+  reads_ = std::move(live);
+  dead_reads_ = 0;
 }
 
 PoolOrder::GraphId PoolOrder::add_graph(std::string name, const std::vector<MemoryAccess>& accesses) {
@@ -171,10 +214,8 @@ void PoolOrder::remove_graph(GraphId id) {
       }
     }
   }
-  // Its pending reads as writer lie over its writes, as reader over what it expects.
-  const auto mine = [id](const Pair& p) { return p.first == id || p.second == id; };
-  for (const auto& [b, e] : it->second.writes) drop_pending(pending_, b, e, mine);
-  for (const Range& r : it->second.expects) drop_pending(pending_, r.begin, r.end, mine);
+  drop_pending(id, [](const PendingRead&) { return true; });
+  compact_reads();
   for (auto& [other, info] : graphs_) {
     info.readers.erase(std::remove_if(info.readers.begin(), info.readers.end(),
                                       [&](const Range& r) { return r.graph == id; }),
@@ -216,19 +257,29 @@ void PoolOrder::check_replay(GraphId id) const {
                     "replay them in capture order (or capture them in the order you replay). Nothing was run.");
     }
   }
-  // The pending reads over the bytes this graph would write (Note [Pending reads indexed by
-  // bytes]).
+  // The pending reads over the bytes this graph would write, less its own (Note [Pending
+  // reads indexed by bytes]).
+  const auto own = reads_of_.find(id);
   for (const auto& [b, e] : me.writes) {
-    auto it = pending_.upper_bound(b);
-    if (it != pending_.begin()) --it;
-    for (; it != pending_.end() && it->first < e; ++it) {
-      if (it->second.first <= b) continue;
-      for (const auto& [writer, reader] : it->second.second) {
-        if (reader == id || writer == id) continue;
+    auto it = cover_.upper_bound(b);
+    if (it != cover_.begin()) --it;
+    for (; it != cover_.end() && it->first < e; ++it) {
+      const uintptr_t pb = std::max(it->first, b), pe = std::min(it->second.first, e);
+      if (pe <= pb) continue;
+      int64_t mine = 0;
+      if (own != reads_of_.end()) {
+        for (size_t slot : own->second) {
+          const PendingRead& r = reads_[slot];
+          mine += r.live && (r.writer == id || r.reader == id) && r.begin < pe && r.end > pb;
+        }
+      }
+      if (it->second.second <= mine) continue;
+      for (const PendingRead& r : reads_) {  // the refusal: name one of the others
+        if (!r.live || r.writer == id || r.reader == id || r.begin >= pe || r.end <= pb) continue;
         DWGRAPH_RAISE(ErrorCode::kGraphState, "dwgraph: replaying the ", name_of(id), " now would overwrite pool "
-                      "memory that holds data the ", name_of(writer), " wrote for the ", name_of(reader),
+                      "memory that holds data the ", name_of(r.writer), " wrote for the ", name_of(r.reader),
                       ", which has not replayed yet. Graphs that share a pool must replay in an order whose memory "
-                      "reuse matches the capture: run the ", name_of(reader), " first (or capture in the order "
+                      "reuse matches the capture: run the ", name_of(r.reader), " first (or capture in the order "
                       "you replay). Nothing was run.");
       }
     }
@@ -237,24 +288,18 @@ void PoolOrder::check_replay(GraphId id) const {
 
 void PoolOrder::abandon(GraphId writer, GraphId reader) {
   const std::lock_guard<std::mutex> lock(mu_);
-  auto it = graphs_.find(writer);
-  if (it == graphs_.end()) return;
-  for (const Range& r : it->second.readers) {
-    if (r.graph != reader) continue;
-    drop_pending(pending_, r.begin, r.end, [&](const Pair& p) { return p.first == writer && p.second == reader; });
-  }
+  drop_pending(writer, [&](const PendingRead& r) { return r.writer == writer && r.reader == reader; });
+  compact_reads();
 }
 
 void PoolOrder::replayed(GraphId id) {
   const std::lock_guard<std::mutex> lock(mu_);
   const GraphInfo& me = graphs_.at(id);
   for (const auto& [b, e] : me.writes) assign(replay_writer_, b, e, id);
-  // What this graph read is consumed (over what it expects); what it wrote before is
-  // superseded (over its writes).
-  const auto mine = [id](const Pair& p) { return p.first == id || p.second == id; };
-  for (const Range& r : me.expects) drop_pending(pending_, r.begin, r.end, mine);
-  for (const auto& [b, e] : me.writes) drop_pending(pending_, b, e, mine);
-  for (const auto& r : me.readers) add_pending(pending_, r.begin, r.end, Pair{id, r.graph});
+  // What this graph read is consumed; what it wrote before is superseded.
+  drop_pending(id, [](const PendingRead&) { return true; });
+  for (const auto& r : me.readers) add_pending(r.begin, r.end, id, r.graph);
+  compact_reads();
 }
 
 }  // namespace dwgraph::graphs

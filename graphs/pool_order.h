@@ -86,16 +86,28 @@ class PoolOrder {
   bool enforced_ = true;
   Intervals captured_writer_;  // capture-time simulation
   Intervals replay_writer_;    // who really wrote each range last
-  // Data a replay wrote that a reader still has to read, by byte range (Note [Pending reads
-  // indexed by bytes]): start -> (end, (writer, reader) pairs), non-overlapping pieces.
-  using Pair = std::pair<GraphId, GraphId>;
-  using Pending = std::map<uintptr_t, std::pair<uintptr_t, std::vector<Pair>>>;
-  static Pending::iterator split_at(Pending& map, uintptr_t at);
-  // Adds `pair` over [begin, end); removes the pairs `drop` selects there (empty pieces go).
-  static void add_pending(Pending& map, uintptr_t begin, uintptr_t end, Pair pair);
+  // Data a replay wrote that a reader still has to read (Note [Pending reads indexed by
+  // bytes]): each read once, with its range; by graph (writer or reader) for the drops; and
+  // how many live reads cover each byte piece, for the checks.
+  struct PendingRead {
+    uintptr_t begin, end;
+    GraphId writer, reader;
+    bool live;
+  };
+  using Cover = std::map<uintptr_t, std::pair<uintptr_t, int64_t>>;  // start -> (end, reads), non-overlapping
+  static Cover::iterator split_at(Cover& map, uintptr_t at);
+  static void cover(Cover& map, uintptr_t begin, uintptr_t end, int64_t delta);
+  void add_pending(uintptr_t begin, uintptr_t end, GraphId writer, GraphId reader);
+  // Drops the live reads of `g` (as writer or reader) that `drop` selects.
   template <class Drop>
-  static void drop_pending(Pending& map, uintptr_t begin, uintptr_t end, Drop drop);
-  Pending pending_;
+  void drop_pending(GraphId g, Drop drop);
+  // Renumbers the live reads once the dead ones outnumber them (slots are never reused, so
+  // a graph's list never holds one slot twice).
+  void compact_reads();
+  std::vector<PendingRead> reads_;
+  size_t dead_reads_ = 0;
+  std::map<GraphId, std::vector<size_t>> reads_of_;  // slots where the graph is writer or reader
+  Cover cover_;
 };
 
 }  // namespace dwgraph::graphs

@@ -96,7 +96,7 @@ namespace {
 // intervals: who wrote each byte at capture and at replay, and which (writer, reader) reads
 // pend on each byte.
 struct ByteModel {
-  static constexpr int kBytes = 48;
+  static constexpr int kBytes = 96;
   struct G {
     std::map<int, uint64_t> expects;  // byte -> capture-time writer
     std::set<int> writes;
@@ -189,7 +189,7 @@ TEST_CASE("PoolOrder refuses exactly what a byte-by-byte model of its rules refu
       model.add(id, acc);
       ids.push_back(id);
     };
-    for (int i = 0, n = 2 + pick(5); i < n; ++i) add();
+    for (int i = 0, n = 2 + pick(10); i < n; ++i) add();
     for (int op = 0; op < 60; ++op) {
       const int what = pick(20);
       if (what == 0 && ids.size() > 1) {  // forget a graph
