@@ -191,6 +191,8 @@ Quantized quantize(const at::Tensor& t, at::ScalarType dtype, const Fp8Recipe& r
 }
 
 bool check_not_recomputing(const std::string& module, const Fp8State& state, bool last_forward_fp8) {
+  // Neither rule can apply to a forward without FP8 after one without: nothing to look up.
+  if (!state.enabled && !last_forward_fp8) return false;
   if (!at::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() == -1) return false;
   DWGRAPH_CHECK_ARG(!state.enabled || state.recipe.scaling != Fp8Scaling::kDelayed, module,
                     ": an FP8 forward with delayed scaling ran inside a backward pass with grad mode on (torch.utils."

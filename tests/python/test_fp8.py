@@ -946,7 +946,7 @@ def _torch_checkpoint_pair(kind):
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "Linear_deferred"])
 def test_torch_checkpoint_of_a_delayed_scaling_module_is_refused_before_it_writes(kind, reentrant):
-    # Note [A delayed-scaling forward inside a backward]: the recomputation would quantize with
+    # Note [A forward recomputed inside a backward]: the recomputation would quantize with
     # the moved scales and roll the history again; it is refused, and the state is what the
     # forward alone left (the same module run without checkpoint, forward only).
     m, ref = _torch_checkpoint_pair(kind)

@@ -213,8 +213,10 @@ class _DeferredWgradModule(torch.nn.Module):
                                 f"{is_first_microbatch!r}")
         state = _C.fp8.current_state()
         # Note [A forward recomputed inside a backward] (ops/fp8.h): asked before anything
-        # below is written.
-        recomputing = _C.fp8.check_not_recomputing(self._display_name(), state, self._fp8_last_forward)
+        # below is written. Without FP8 now or at the last forward neither rule applies, and
+        # nothing is asked (a forward without FP8 pays no extra call).
+        recomputing = (state.enabled or self._fp8_last_forward) and \
+            _C.fp8.check_not_recomputing(self._display_name(), state, self._fp8_last_forward)
         self._fp8_last_forward = state.enabled
         if recomputing and is_first_microbatch:
             # The copy this microbatch's forward filled: reused, not refilled (ops/fp8.h).
