@@ -132,7 +132,7 @@ void init_fp8(py::module_& parent) {
       py::arg("amax_history"), py::arg("scale"), py::arg("recipe"));
   m.def("current_state", &Fp8State::current);
   m.def("check_not_recomputing", &ops::fp8::check_not_recomputing, py::arg("module"), py::arg("state"),
-        py::arg("last_forward_fp8"));
+        py::arg("ran_fp8"), py::arg("ran_without_fp8"));
   m.def("exchange_state", &ops::exchange_fp8_state, py::arg("state"));
 
   // What a module passes to its C++ forward under fp8_autocast (ops::Fp8Meta): its

@@ -190,9 +190,10 @@ Quantized quantize(const at::Tensor& t, at::ScalarType dtype, const Fp8Recipe& r
   return q;
 }
 
-bool check_not_recomputing(const std::string& module, const Fp8State& state, bool last_forward_fp8) {
-  // Neither rule can apply to a forward without FP8 after one without: nothing to look up.
-  if (!state.enabled && !last_forward_fp8) return false;
+bool check_not_recomputing(const std::string& module, const Fp8State& state, bool ran_fp8,
+                           bool ran_without_fp8) {
+  // Neither rule can apply to a forward without FP8 of a module that never ran in FP8.
+  if (!state.enabled && !ran_fp8) return false;
   if (!at::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() == -1) return false;
   DWGRAPH_CHECK_ARG(!state.enabled || state.recipe.scaling != Fp8Scaling::kDelayed, module,
                     ": an FP8 forward with delayed scaling ran inside a backward pass with grad mode on (torch.utils."
@@ -200,13 +201,20 @@ bool check_not_recomputing(const std::string& module, const Fp8State& state, boo
                     "scaling state a second time, giving other gradients and scales than without checkpoint. Keep FP8 "
                     "modules with delayed scaling outside torch.utils.checkpoint (LayerNormMLP(checkpoint=True) "
                     "recomputes with its forward's scales), or use Float8CurrentScaling");
-  DWGRAPH_CHECK_ARG(state.enabled || !last_forward_fp8, module,
+  DWGRAPH_CHECK_ARG(state.enabled || !ran_fp8, module,
                     ": a forward without FP8 ran inside a backward pass with grad mode on (torch.utils.checkpoint's "
-                    "recomputation) after a forward in FP8; it would recompute in high precision what the forward "
+                    "recomputation) in a module that has run forwards in FP8; the recomputation cannot tell whether "
+                    "its forward was one of them, and would recompute in high precision what the forward may have "
                     "computed in FP8, giving other gradients. Run the backward inside the same fp8_autocast as the "
                     "forward with use_reentrant=False (on CUDA autograd runs a reentrant checkpoint's recomputation "
                     "on its own thread, outside the caller's fp8_autocast), or keep FP8 modules outside "
                     "torch.utils.checkpoint");
+  DWGRAPH_CHECK_ARG(!state.enabled || !ran_without_fp8, module,
+                    ": an FP8 forward ran inside a backward pass with grad mode on (torch.utils.checkpoint's "
+                    "recomputation) in a module that has run forwards without FP8; the recomputation cannot tell "
+                    "whether its forward was one of them, and would quantize what the forward may have computed in "
+                    "high precision, giving other gradients. Run the forward and the backward under the same "
+                    "fp8_autocast, and every forward of a checkpointed module in FP8");
   return true;
 }
 

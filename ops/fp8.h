@@ -179,20 +179,28 @@ void update_scales(const Fp8Meta& meta, const Fp8Recipe& recipe);
 // two calls, and two recomputations give silently other results than the forward:
 //  * under delayed scaling, one that quantizes with the scales the forward had just moved
 //    and moves the state a second time (other weight gradients; a step later other scales);
-//  * one without FP8 of a forward that ran in FP8 (the backward outside fp8_autocast with
-//    use_reentrant=True, and on CUDA any reentrant one: autograd runs it on its device
-//    thread, where the caller's fp8_autocast is not active): a high-precision recomputation
-//    of an FP8 forward.
+//  * one without FP8 in a module that has run forwards in FP8 (the backward outside
+//    fp8_autocast with use_reentrant=True, and on CUDA any reentrant one: autograd runs it on
+//    its device thread, where the caller's fp8_autocast is not active): a high-precision
+//    recomputation of what may have been an FP8 forward. Which forward a recomputation
+//    repeats is not known, so the module's whole history counts (`ran_fp8`: a forward of it
+//    ever ran in FP8, kept through reset_fp8_state(), which may come between a forward and
+//    its backward; a flag of the last forward alone was cleared by an evaluation forward in
+//    between, found by review); false where unknown. A module that once ran in FP8 is
+//    therefore never recomputed without FP8.
 // So a forward while an autograd graph task runs on the thread with grad mode on is refused
 // in those two cases (ArgumentError naming `module`), before it writes anything; a forward
 // from a backward hook runs with grad mode off and is not concerned. Current scaling depends
-// only on the tensors: its recomputation quantizes bit for bit and is allowed.
-// `last_forward_fp8`: whether the module's previous forward ran in FP8 (the Python modules
-// keep it; false where unknown). Returns whether this forward is a recomputation (one that
-// is allowed): with weight caching it then reuses the copy its forward filled rather than
-// deciding again (a first-microbatch flag would refill it, and a recomputation stopped early
-// would leave it counted as unfilled).
-bool check_not_recomputing(const std::string& module, const Fp8State& state, bool last_forward_fp8);
+// only on the tensors: its recomputation quantizes bit for bit, and is allowed when every
+// forward of the module ran in FP8 (`ran_without_fp8`: one ran without, ever: an FP8
+// recomputation of a forward outside fp8_autocast would quantize what ran in high precision,
+// found by review). So a module checkpointed under current scaling runs all its forwards in
+// FP8, evaluation too.
+// Returns whether this forward is a recomputation (one that is allowed): with weight caching
+// it then reuses the copy its forward filled rather than deciding again (a first-microbatch
+// flag would refill it, and a recomputation stopped early would leave it counted as
+// unfilled).
+bool check_not_recomputing(const std::string& module, const Fp8State& state, bool ran_fp8, bool ran_without_fp8);
 
 // Checks that `cache` fits weight `w` (ArgumentError naming `module` and `name`).
 void check_weight_cache(const std::string& module, const std::string& name, const Fp8WeightCache& cache,

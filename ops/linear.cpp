@@ -587,7 +587,7 @@ struct Fp8Slot {
 Fp8Slot fp8_slot(const std::string& module, const Fp8Meta& meta, int64_t gemms) {
   Fp8Slot slot{Fp8State::current(), meta, 0};
   if (slot.state.enabled) fp8::check_meta(module, meta, slot.state.recipe, gemms);
-  (void)fp8::check_not_recomputing(module, slot.state, /*last_forward_fp8=*/false);  // Note [A forward recomputed inside a backward]
+  (void)fp8::check_not_recomputing(module, slot.state, /*ran_fp8=*/false, /*ran_without_fp8=*/false);  // Note [A forward recomputed inside a backward]
   slot.meta.hold_scale = slot.state.enabled && slot.state.amax_reduction;  // Note [Amax reduced across ranks]
   return slot;
 }

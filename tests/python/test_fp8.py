@@ -962,9 +962,10 @@ def test_torch_checkpoint_of_a_delayed_scaling_module_is_refused_before_it_write
         m(x).sum().backward()
 
 
+@pytest.mark.parametrize("between", ["nothing", "eval_forward_without_fp8", "reset_fp8_state"])
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
-def test_torch_checkpoint_recomputing_an_fp8_forward_without_fp8_is_refused(reentrant, scaling):
+def test_torch_checkpoint_recomputing_an_fp8_forward_without_fp8_is_refused(reentrant, scaling, between):
     # Note [A forward recomputed inside a backward]: the backward outside fp8_autocast
     # recomputes in high precision what the forward ran in FP8 (reentrant: silently other
     # gradients, ~1 off, before; non-reentrant: torch's untyped CheckpointError). On CUDA a
@@ -974,6 +975,13 @@ def test_torch_checkpoint_recomputing_an_fp8_forward_without_fp8_is_refused(reen
     x = torch.randn(8, K, requires_grad=True)
     with fp8_autocast(recipe=recipe):
         y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=reentrant)
+    # Whatever ran since (found by review: the rule read only the last forward, and an
+    # evaluation forward without FP8, or reset_fp8_state(), let the recomputation through).
+    if between == "reset_fp8_state":
+        m.reset_fp8_state()
+    elif between == "eval_forward_without_fp8":
+        with torch.no_grad():
+            m(torch.randn(8, K))
     with pytest.raises(dwgraph.ArgumentError, match="a forward without FP8 ran inside a backward pass"):
         y.square().sum().backward()
     assert x.grad is None and m.weight.grad is None
@@ -1002,6 +1010,20 @@ def test_torch_checkpoint_with_fp8_weight_caching_reuses_the_forwards_copy(reent
         for o in opts:
             o.step()
             o.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_fp8_recomputation_of_a_module_that_ran_without_fp8_is_refused(reentrant):
+    # Found by review: a checkpointed forward outside fp8_autocast recomputed inside it under
+    # current scaling quantized what ran in high precision (w.grad ~1 off with
+    # use_reentrant=True, silently). A module that has run forwards both ways is refused.
+    m, _ = _torch_checkpoint_pair("Linear")
+    x = torch.randn(8, K, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=reentrant)
+    with fp8_autocast(recipe=Float8CurrentScaling()), \
+            pytest.raises(dwgraph.ArgumentError, match="an FP8 forward ran inside a backward pass"):
+        y.square().sum().backward()
+    assert x.grad is None and m.weight.grad is None
 
 
 def test_fp8_forwards_from_backward_hooks_and_functions_without_grad_are_not_refused():

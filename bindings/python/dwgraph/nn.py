@@ -200,7 +200,8 @@ class _DeferredWgradModule(torch.nn.Module):
     _fp8_cache_versions = None  # (id, version) of each weight when its FP8 cache was filled
     _fp8_recipe = None  # of the last delayed-scaling forward: dwgraph.fp8.reduce_amax sets the scales by it
     _fp8_filling = None  # the versions a first microbatch's forward records once it has succeeded
-    _fp8_last_forward = False  # whether the last forward ran in FP8 (Note [A forward recomputed inside a backward])
+    _fp8_ran = False  # a forward of this module ever ran in FP8 (Note [A forward recomputed inside a backward])
+    _fp8_ran_without = False  # ... and one without FP8
 
     def _fp8_kwargs(self, is_first_microbatch: Optional[bool] = None) -> dict:
         """The module's FP8 state for the C++ forward under fp8_autocast (buffers made on the
@@ -213,11 +214,14 @@ class _DeferredWgradModule(torch.nn.Module):
                                 f"{is_first_microbatch!r}")
         state = _C.fp8.current_state()
         # Note [A forward recomputed inside a backward] (ops/fp8.h): asked before anything
-        # below is written. Without FP8 now or at the last forward neither rule applies, and
-        # nothing is asked (a forward without FP8 pays no extra call).
-        recomputing = (state.enabled or self._fp8_last_forward) and \
-            _C.fp8.check_not_recomputing(self._display_name(), state, self._fp8_last_forward)
-        self._fp8_last_forward = state.enabled
+        # below is written. Without FP8 now or ever no rule applies, and nothing is asked (a
+        # module that never runs in FP8 pays no extra call).
+        recomputing = (state.enabled or self._fp8_ran) and \
+            _C.fp8.check_not_recomputing(self._display_name(), state, self._fp8_ran, self._fp8_ran_without)
+        if state.enabled:
+            self._fp8_ran = True
+        else:
+            self._fp8_ran_without = True
         if recomputing and is_first_microbatch:
             # The copy this microbatch's forward filled: reused, not refilled (ops/fp8.h).
             is_first_microbatch = False
@@ -309,7 +313,7 @@ class _DeferredWgradModule(torch.nn.Module):
             self._buffers.pop(f"_fp8_weight_cache{i}", None)
             self._buffers.pop(f"_fp8_weight_scale_inv{i}", None)
         self._fp8_cache_versions = self._fp8_filling = None
-        self._fp8_recipe = None
+        self._fp8_recipe = None  # _fp8_ran stays: a checkpointed FP8 forward may still be pending
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
