@@ -211,6 +211,46 @@ def test_linear_gemms_match_the_reference(scaling, fmt, dtype, wgrad):
         assert "fp8_scale" not in dict(m.named_buffers())  # current scaling keeps no state
 
 
+@pytest.mark.parametrize("recipe", [DelayedScaling(margin=2, amax_history_len=3, amax_compute_algo="most_recent"),
+                                    DelayedScaling(margin=1, amax_history_len=3, amax_compute_algo="max"),
+                                    Float8CurrentScaling(margin=2)],
+                         ids=["delayed_margin2_most_recent", "delayed_margin1_max", "current_margin2"])
+def test_margin_and_amax_algorithm_set_the_scales_as_the_reference(recipe):
+    """The recipe's margin (scale = fmax / amax / 2^margin) and amax algorithm (the history's
+    max, or its most recent entry) in the scales each GEMM quantizes with: four steps of
+    growing inputs, the scaling state after each against the plain-PyTorch update, and the
+    forward and dgrad against the reference GEMMs with the scales the recipe gives."""
+    torch.manual_seed(17)
+    delayed = isinstance(recipe, DelayedScaling)
+    margin, algo = recipe.margin, (recipe.amax_compute_algo if delayed else None)
+    m = dwgraph.nn.Linear(K, N)
+    w = m.weight.detach()
+    hist, scale = torch.zeros(3, 3), torch.ones(3)
+    for step in range(4):
+        x = ((step + 1) * torch.randn(6, K)).requires_grad_(True)
+        gy = torch.randn(6, N) / (step + 1)
+        if delayed:
+            sx, sw, sdy = scale[0], scale[1], scale[2]
+        else:
+            sx, sw, sdy = (current_scale(x.detach(), E4M3, margin), current_scale(w, E4M3, margin),
+                           current_scale(gy, E5M2, margin))
+        with fp8_autocast(recipe=recipe):
+            y = m(x)
+        y.backward(gy)
+        xr, wr, dyr = roundtrip(x.detach(), sx, E4M3), roundtrip(w, sw, E4M3), roundtrip(gy, sdy, E5M2)
+        y32 = xr @ wr.T + m.bias.detach()
+        assert_within(y, y32, accumulation_bound(xr, wr.T), f"step {step}: forward")
+        assert_within(x.grad, dyr @ wr, accumulation_bound(dyr, wr), f"step {step}: dgrad")
+        if delayed:
+            for col, t, dt in ((0, x.detach(), E4M3), (1, w, E4M3), (2, gy, E5M2)):
+                hist, scale = reference_update(hist, scale, col, t, dt, margin=margin, algo=algo)
+            assert torch.equal(m.fp8_amax_history, hist), f"step {step}: amax history"
+            assert torch.equal(m.fp8_scale, scale), f"step {step}: scales"
+    if delayed and algo == "most_recent":  # the inputs grew: the newest amax, not the history's max
+        assert torch.equal(scale[0], torch.full((), FMAX[E4M3]) / hist[0, 0] / 2.0 ** margin)
+        assert hist[0, 2] < hist[1:, 2].max()  # the shrinking gradients: max would pick an older amax
+
+
 @pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3], ids=["hybrid", "e4m3"])
 def test_current_scaling_is_within_fp8s_error_of_the_exact_product(fmt):
     torch.manual_seed(2)
@@ -491,21 +531,40 @@ def test_graphed_fp8_equals_eager_bitwise_over_ten_steps(schedule, scaling, kind
 
 
 # ----------------------------------------------------------------------------- state_dict
-@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
-def test_state_dict_resumes_fp8_training_bitwise(kind):
+@pytest.mark.parametrize("mode", ["eager", "graphed", "graphed_cached"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP", "GroupedLinear"])
+def test_state_dict_resumes_fp8_training_bitwise(kind, mode):
+    """Three steps, a checkpoint through torch.save, three more on a fresh module loaded from
+    it (graphed: captured after the load), against six steps straight: every parameter and
+    FP8 buffer bitwise. Each step has two microbatches (with caching, the first quantizes the
+    weight and the second reuses it)."""
     recipe = DelayedScaling(amax_history_len=3)
     torch.manual_seed(5)
-    data = [(torch.randn(ROWS, H), torch.randn(ROWS, H)) for _ in range(6)]
+    data = [[(torch.randn(ROWS, H), torch.randn(ROWS, H)) for _ in range(2)] for _ in range(6)]
+    cache = mode == "graphed_cached"
 
-    def train(chunk, batches):
+    def train(chunk, steps, graphed=True):
         opt = torch.optim.SGD(chunk.parameters(), lr=0.01)
-        for x, w in batches:
+        if mode == "eager" or not graphed:
+            def call(x, first):
+                with fp8_autocast(recipe=recipe):
+                    return chunk[0](x, is_first_microbatch=first) if cache else chunk(x)
+
+            def dw():
+                for m in dw_modules(chunk):
+                    m.backward_dw()
+        else:
+            g = dwgraph.make_graphed_callables(chunk, (torch.randn(ROWS, H, requires_grad=True),), enabled=True,
+                                               recipe=recipe, cache_quantized_params=cache)
+
+            def call(x, first):
+                return g(x, is_first_microbatch=first) if cache else g(x)
+            dw = g.backward_dw
+        for batches in steps:
             opt.zero_grad(set_to_none=True)
-            with fp8_autocast(recipe=recipe):
-                y = chunk(x)
-            (y * w).sum().backward()
-            for m in dw_modules(chunk):
-                m.backward_dw()
+            for i, (x, w) in enumerate(batches):
+                (call(x, i == 0) * w).sum().backward()
+                dw()
             for p in chunk.parameters():  # the FP32 main_grad is the weights' gradient
                 if hasattr(p, "main_grad"):
                     p.grad = p.main_grad.clone()
@@ -513,10 +572,14 @@ def test_state_dict_resumes_fp8_training_bitwise(kind):
             opt.step()
         return chunk
 
+    def saved(chunk):
+        return {k: v for k, v in chunk.state_dict().items() if not k.split(".")[-1].startswith("_fp8")}
+
     straight = train(make_chunk(kind, 20), data)
     first = train(make_chunk(kind, 20), data[:3])
     sd = first.state_dict()
     assert any(k.endswith("fp8_amax_history") for k in sd) and any(k.endswith("fp8_scale") for k in sd)
+    assert not any("weight_cache" in k for k in sd)  # the cache is refilled, not saved
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
@@ -524,8 +587,14 @@ def test_state_dict_resumes_fp8_training_bitwise(kind):
     assert not list(resumed.buffers())
     resumed.load_state_dict(torch.load(buf))
     train(resumed, data[3:])
-    for (n, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
-        assert torch.equal(a, b), f"{n} after resuming"
+    a, b = saved(straight), saved(resumed)
+    assert list(a) == list(b)
+    for n in a:
+        assert torch.equal(a[n], b[n]), f"{n} after resuming"
+    if mode != "eager":  # and the graphed run is the eager one
+        e = saved(train(make_chunk(kind, 20), data, graphed=False))
+        for n in a:
+            assert torch.equal(a[n], e[n]), f"{n}: graphed and eager differ"
 
 
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP", "GroupedLinear"])
@@ -663,6 +732,7 @@ def test_a_failed_first_microbatch_leaves_the_cache_unfilled(graphed):
         call(torch.randn(ROWS, H, requires_grad=True), is_first_microbatch=False)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's FP8 shape rule is CUDA's")
 @pytest.mark.xfail(strict=True, reason="the weight-gradient GEMM dW = dy^T x multiplies over the tokens, which "
                    "cuBLASLt's FP8 GEMM needs in multiples of 16 (and GroupedLinear per group, its m_splits); only "
@@ -709,6 +779,38 @@ def test_weight_changed_through_data_between_microbatches_is_refused():
         m.weight.data.mul_(2.0)  # as optimizers writing p.data do
         with pytest.raises(dwgraph.GraphStateError, match="stale FP8 copy of 'weight'"):
             m(x, is_first_microbatch=False)
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+@pytest.mark.parametrize("replace", ["assign", "vector_to_parameters"])
+def test_weight_given_new_data_between_microbatches_is_refused(graphed, replace):
+    """An assignment to .data keeps the parameter object and its version counter: the
+    stale-cache check sees it by the weight's memory."""
+    torch.manual_seed(11)
+    recipe = Float8CurrentScaling()
+    m = dwgraph.nn.Linear(H, H, delay_wgrad_compute=graphed)
+    x = torch.randn(ROWS, H)
+    if graphed:
+        g = dwgraph.make_graphed_callables(torch.nn.Sequential(m), (torch.randn(ROWS, H, requires_grad=True),),
+                                           enabled=True, recipe=recipe, cache_quantized_params=True)
+        g(x, is_first_microbatch=True)
+        call = lambda: g(x, is_first_microbatch=False)  # noqa: E731
+    else:
+        with fp8_autocast(recipe=recipe):
+            m(x, is_first_microbatch=True)
+
+        def call():
+            with fp8_autocast(recipe=recipe):
+                return m(x, is_first_microbatch=False)
+    version = m.weight._version
+    if replace == "assign":
+        m.weight.data = m.weight.detach() * 2.0
+    else:
+        torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(m.parameters()) * 2.0,
+                                            m.parameters())
+    assert m.weight._version == version  # what the version check alone would miss
+    with pytest.raises(dwgraph.GraphStateError, match=r"stale FP8 copy of 'weight': its data was replaced"):
+        call()
 
 
 def test_weight_cache_does_not_follow_the_default_dtype():
@@ -815,6 +917,74 @@ def test_layernorm_mlp_uses_fc1s_then_fc2s_scaling_columns():
     assert not torch.equal(s[0:3], s[3:6])  # the two GEMMs keep their own state
 
 
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3], ids=["hybrid", "e4m3"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred"])
+def test_layernorm_mlp_backward_gemms_match_the_reference(scaling, fmt, deferred):
+    """LayerNormMLP's four backward GEMMs (fc2 dgrad and wgrad, fc1 dgrad and wgrad) against
+    the plain-PyTorch reference: the output gradient quantized with fc2's gradient column,
+    fc2's dgrad through the activation's derivative at fc1's FP32 output, that quantized with
+    fc1's gradient column. Each GEMM's bound is the FP32 accumulation bound of its
+    quantized operands (this CPU agrees bitwise; a different GEMM may differ by that much,
+    and a value quantized after it may then round to the neighbouring FP8 value)."""
+    torch.manual_seed(13)
+    recipe = recipe_of(scaling, fmt, history=2)
+    m = dwgraph.nn.LayerNormMLP(K, N, activation="gelu", delay_wgrad_compute=deferred)
+    bdt = bwd_dtype(fmt)
+
+    def step(x, gy):
+        with fp8_autocast(recipe=recipe):
+            y = m(x)
+        y.backward(gy)
+        if deferred:
+            m.backward_dw()
+        return y
+
+    for _ in range(2):  # every delayed-scaling column off its unit scale
+        step(torch.randn(6, K, requires_grad=True), torch.randn(6, K))
+    for p_ in m.parameters():
+        p_.grad = None
+    x = (2 * torch.randn(6, K)).requires_grad_(True)
+    gy = torch.randn(6, K)
+    s = m.fp8_scale.clone() if scaling == "delayed" else None
+    p = {n: t.detach() for n, t in m.named_parameters()}
+    step(x, gy)
+
+    xd = x.detach().requires_grad_(True)
+    lnw, lnb = p["layer_norm_weight"].clone().requires_grad_(True), p["layer_norm_bias"].clone().requires_grad_(True)
+    h = torch.nn.functional.layer_norm(xd, (K,), lnw, lnb, m.eps)
+    hd = h.detach()
+    sc = (lambda i, t, dt: s[i]) if scaling == "delayed" else (lambda i, t, dt: current_scale(t, dt))
+    hr, w1r = roundtrip(hd, sc(0, hd, E4M3), E4M3), roundtrip(p["fc1_weight"], sc(1, p["fc1_weight"], E4M3), E4M3)
+    z = (hr @ w1r.T + p["fc1_bias"]).requires_grad_(True)
+    a = torch.nn.functional.gelu(z)
+    ad = a.detach()
+    ar, w2r = roundtrip(ad, sc(3, ad, E4M3), E4M3), roundtrip(p["fc2_weight"], sc(4, p["fc2_weight"], E4M3), E4M3)
+    dyr = roundtrip(gy, sc(5, gy, bdt), bdt)
+    # fc2: dgrad and wgrad from the quantized output gradient
+    da = dyr @ w2r
+    dw2 = dyr.T @ ar
+    assert_within(m.fc2_weight.grad, dw2, accumulation_bound(dyr.T, ar), "fc2 wgrad")
+    assert_within(m.fc2_bias.grad, gy.sum(0), 2.0 ** -20 * gy.abs().sum(0), "fc2 bias grad")
+    # the activation's derivative at fc1's output, then fc1's dgrad and wgrad
+    (dz,) = torch.autograd.grad(a, z, da)
+    dzr = roundtrip(dz, sc(2, dz, bdt), bdt)
+    dh = dzr @ w1r
+    dw1 = dzr.T @ hr
+    assert_within(m.fc1_weight.grad, dw1, accumulation_bound(dzr.T, hr), "fc1 wgrad")
+    assert_within(m.fc1_bias.grad, dz.sum(0), 2.0 ** -20 * dz.abs().sum(0) + 2.0 ** -20, "fc1 bias grad")
+    # the layer norm's backward (not FP8) from fc1's dgrad
+    dx, dlnw, dlnb = torch.autograd.grad(h, (xd, lnw, lnb), dh)
+    tol = dict(rtol=2.0 ** -18, atol=2.0 ** -20)
+    torch.testing.assert_close(x.grad, dx, **tol)
+    torch.testing.assert_close(m.layer_norm_weight.grad, dlnw, **tol)
+    torch.testing.assert_close(m.layer_norm_bias.grad, dlnb, **tol)
+    if scaling == "delayed":  # the backward moved exactly the two gradient columns
+        h0 = m.fp8_amax_history
+        assert torch.equal(h0[0, 5], amax_of(gy))
+        torch.testing.assert_close(h0[0, 2], amax_of(dz), rtol=2.0 ** -20, atol=0)  # dz: a reference value
+
+
 def test_fp8_under_torch_autocast_runs_in_the_autocast_dtype():
     torch.manual_seed(4)
     m = dwgraph.nn.Linear(K, N, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)  # FP32 parameters
@@ -884,53 +1054,92 @@ def test_graphed_step_trains_in_fp8_bitwise_and_keys_on_the_fp8_state():
 
 
 # ----------------------------------------------------------------------------- tied weights
-TIED_H, TIED_ROWS, TIED_STEPS = 32, 16, 4
+TIED_H, TIED_ROWS = 32, 16
 
 
-def _tied_model(fused):
+def _tied_chunks(fused):
+    """Two chunks, Linear a and GELU + Linear b, b's weight tied to a's."""
     torch.manual_seed(3)
     a = dwgraph.nn.Linear(TIED_H, TIED_H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
     b = dwgraph.nn.Linear(TIED_H, TIED_H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
     b.weight = a.weight  # tied: one parameter, two GEMMs with their own scaling state
-    return torch.nn.Sequential(a, torch.nn.GELU(), b)
+    return torch.nn.Sequential(a), torch.nn.Sequential(torch.nn.GELU(), b)
 
 
+@pytest.mark.parametrize("schedule", ["sequential", "pipeline"])
 @pytest.mark.parametrize("cache", [False, True], ids=["requantize", "cache_weights"])
 @pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
-def test_tied_weights_in_fp8_graphed_equal_eager_bitwise(scaling, fused, cache):
+def test_tied_weights_in_fp8_graphed_equal_eager_bitwise(scaling, fused, cache, schedule):
     """A weight tied between two FP8 GEMMs: each module keeps its own scaling state (and, with
     caching, its own quantized copy of the one weight), the deferred units both land into the
-    one parameter's gradient; graphed equals eager bitwise, the optimizer changing the weight
-    between steps (the caches refreshed on each step's first microbatch)."""
+    one parameter's gradient; graphed equals eager bitwise over ten steps of N_MICRO
+    microbatches, the optimizer changing the weight between steps (the caches refreshed on
+    each step's first microbatch). Sequential: both modules in one callable, each
+    microbatch's forward, backward and backward_dw in turn. Pipeline: the two modules in two
+    chunks (the tie crosses them), graphed with ORDER: every forward, then the backwards
+    and backward_dw."""
     recipe = DelayedScaling(amax_history_len=4) if scaling == "delayed" else Float8CurrentScaling()
-    eager = _tied_model(fused)
+    e1, e2 = _tied_chunks(fused)
+    eager = torch.nn.Sequential(e1, e2)
     model = copy.deepcopy(eager)
-    assert model[2].weight is model[0].weight
-    g = dwgraph.make_graphed_callables(model, (torch.randn(TIED_ROWS, TIED_H, requires_grad=True),), enabled=True,
-                                       recipe=recipe, cache_quantized_params=cache)
+    g1, g2 = model[0], model[1]
+    assert g2[1].weight is g1[0].weight
+    sample = lambda: (torch.randn(TIED_ROWS, TIED_H, requires_grad=True),)  # noqa: E731
+    opts = dict(enabled=True, recipe=recipe, cache_quantized_params=cache)
+    if schedule == "sequential":
+        g = dwgraph.make_graphed_callables(torch.nn.Sequential(*g1, *g2), sample(), **opts)
+        fwd = [g] * N_MICRO
+        dws = [[g.backward_dw]] * N_MICRO
+    else:
+        g = dwgraph.make_graphed_callables((g1, g2), tuple(sample() for _ in range(2 * N_MICRO)), order=ORDER,
+                                           num_layers_per_chunk=[1, 1], **opts)
+        fwd = [(lambda x, m=m, **kw: g[N_MICRO + m](g[m](x, **kw), **kw)) for m in range(N_MICRO)]
+        dws = [[g[N_MICRO + m].backward_dw, g[m].backward_dw] for m in range(N_MICRO)]
     opt_g = torch.optim.SGD(model.parameters(), lr=0.01)
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.01)
-    for step in range(TIED_STEPS):
-        for m in range(N_MICRO):
-            x = torch.randn(TIED_ROWS, TIED_H)
-            xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
-            kw = dict(is_first_microbatch=m == 0) if cache else {}
-            yg = g(xg, **kw)
+    for step in range(STEPS):
+        xs = [torch.randn(TIED_ROWS, TIED_H) for _ in range(N_MICRO)]
+        xg = [x.clone().requires_grad_() for x in xs]
+        xe = [x.clone().requires_grad_() for x in xs]
+        kws = [dict(is_first_microbatch=m == 0) if cache else {} for m in range(N_MICRO)]
+
+        def eager_forward(m):
             with fp8_autocast(enabled=True, recipe=recipe):
-                ye = eager[2](eager[1](eager[0](xe, **kw)), **kw)
-            assert torch.equal(yg, ye), f"step {step}: output"
-            yg.square().sum().backward()
-            ye.square().sum().backward()
-            g.backward_dw()
-            for m in (eager[0], eager[2]):
-                m.backward_dw()
-            assert torch.equal(xg.grad, xe.grad), f"step {step}: input gradient"
+                return e2[1](e2[0](e1[0](xe[m], **kws[m])), **kws[m])
+
+        if schedule == "sequential":
+            for m in range(N_MICRO):
+                yg, ye = fwd[m](xg[m], **kws[m]), eager_forward(m)
+                assert torch.equal(yg, ye), f"step {step}: output {m}"
+                yg.square().sum().backward()
+                ye.square().sum().backward()
+                for dw in dws[m]:  # one callable: its modules' units in module order
+                    dw()
+                e1[0].backward_dw()
+                e2[1].backward_dw()
+        else:
+            ygs = [fwd[m](xg[m], **kws[m]) for m in range(N_MICRO)]
+            yes = []
+            for m in range(N_MICRO):
+                yes.append(eager_forward(m))
+                assert torch.equal(ygs[m], yes[m]), f"step {step}: output {m}"
+            for m in range(N_MICRO):
+                ygs[m].square().sum().backward()
+                yes[m].square().sum().backward()
+                for dw in dws[m]:  # the order's -2.5 then -1.5
+                    dw()
+                e2[1].backward_dw()
+                e1[0].backward_dw()
+        for m in range(N_MICRO):
+            assert torch.equal(xg[m].grad, xe[m].grad), f"step {step}: input gradient {m}"
         for (n, p), pe in zip(model.named_parameters(), eager.parameters()):
             got, want = (p.main_grad, pe.main_grad) if hasattr(p, "main_grad") else (p.grad, pe.grad)
             assert torch.equal(got, want), f"step {step}: {n}"
         assert_same_fp8_state(model, eager, f"step {step}")
         step_on_main_grads([(model, opt_g), (eager, opt_e)])
+    if scaling == "delayed":
+        assert not torch.equal(g1[0].fp8_scale, g2[1].fp8_scale)  # the tied GEMMs kept their own state
 
 
 def _torch_checkpoint_pair(kind):

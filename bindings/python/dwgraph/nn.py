@@ -197,7 +197,7 @@ class _DeferredWgradModule(torch.nn.Module):
     _fp8_gemms = 1  # GEMMs whose scaling state the module keeps (LayerNormMLP: fc1, fc2)
     _fp8_weight_names = ("weight",)  # their weights, in GEMM order
     _fp8_graph_caching = False  # captured with cache_quantized_params=True (graphed.py sets it)
-    _fp8_cache_versions = None  # (id, version) of each weight when its FP8 cache was filled
+    _fp8_cache_versions = None  # (id, version, data_ptr) of each weight when its FP8 cache was filled
     _fp8_recipe = None  # of the last delayed-scaling forward: dwgraph.fp8.reduce_amax sets the scales by it
     _fp8_filling = None  # the versions a first microbatch's forward records once it has succeeded
     _fp8_ran = False  # a forward of this module ever ran in FP8 (Note [A forward recomputed inside a backward])
@@ -274,9 +274,11 @@ class _DeferredWgradModule(torch.nn.Module):
         changed in place since). A first one returns the weights' versions, which the caller
         records in ``_fp8_cache_versions`` once the call has succeeded (until then, and for
         good if it fails, the cache counts as unfilled: a failed first microbatch may not
-        have refreshed it)."""
+        have refreshed it). A weight is the same when it is the same object, at the same
+        version, on the same memory: an assignment to ``weight.data`` (``vector_to_parameters``,
+        ``module.to()``) keeps the object and its version but not its memory."""
         weights = [(n, getattr(self, n)) for n in self._fp8_weight_names]
-        now = [(id(w), w._version) for _, w in weights]
+        now = [(id(w), w._version, w.data_ptr()) for _, w in weights]
         if first:
             self._fp8_cache_versions = None
             return now
@@ -285,11 +287,14 @@ class _DeferredWgradModule(torch.nn.Module):
             raise GraphStateError(
                 f"{self._display_name()}: is_first_microbatch=False, but no microbatch has filled the FP8 weight "
                 "cache since it was made, captured or its weights converted to another dtype; pass is_first_microbatch=True on each step's first microbatch")
-        for (name, _), (i0, v0), (i1, v1) in zip(weights, then, now):
-            if i0 != i1 or v0 != v1:
+        for (name, _), (i0, v0, p0), (i1, v1, p1) in zip(weights, then, now):
+            if (i0, v0, p0) != (i1, v1, p1):
+                why = ("the parameter was replaced" if i0 != i1 else
+                       f"it was changed in place (version {v0}, now {v1})" if v0 != v1 else
+                       "its data was replaced (an assignment to .data)")
                 raise GraphStateError(
                     f"{self._display_name()}: is_first_microbatch=False would reuse a stale FP8 copy of '{name}': "
-                    + ("the parameter was replaced" if i0 != i1 else f"it was changed in place (version {v0}, now {v1})")
+                    + why
                     + " since the step's first microbatch quantized it. Pass is_first_microbatch=True on the first "
                     "microbatch after every weight update")
 
