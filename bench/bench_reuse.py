@@ -138,7 +138,7 @@ def run(steps, chunk_fwd, chunk_dw, xs, num_chunks):
             chunk_dw(c, mb)
 
 
-def measure(name, hidden, ffn, rows, m, dev):
+def measure(name, hidden, ffn, rows, m, dev, plan_placement=True):
     build, chunks = SCHEDULES[name]
     steps = build(m)
     layers = model(hidden, ffn, dev)
@@ -149,7 +149,8 @@ def measure(name, hidden, ffn, rows, m, dev):
                     for c in range(chunks) for _ in range(m) for l in range(per))
     mods = copy.deepcopy(layers)
     slots = dwgraph.make_graphed_callables(tuple(mods), samples, order=to_order(steps),
-                                           num_layers_per_chunk=[per] * chunks, num_warmup_iters=1)
+                                           num_layers_per_chunk=[per] * chunks, num_warmup_iters=1,
+                                           plan_placement=plan_placement)
 
     def slot(c, mb, l):
         return slots[(c - 1) * per * m + mb * per + l]
@@ -235,9 +236,12 @@ def main() -> None:
     shapes = [(256, 1024, 64)] if args.quick else [(256, 1024, 64), (512, 2048, 128)]
     counts = (4, 8) if args.quick else (4, 8, 16)
     print(f"# Graphed pipeline schedules against eager's peak ({dev}; MB = 1e6 bytes)\n")
+    print("Planned placement (the default) against one capture placed by best fit (plan_placement=False), "
+          "both in this run.\n")
     print("| schedule | model | microbatches | pool reserved MB | pool live MB | pool peak MB | eager peak MB | "
-          "reserved / eager peak | peak / eager peak | eager reserved MB | reserved / eager reserved | grads bitwise |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "reserved / eager peak | peak / eager peak | eager reserved MB | reserved / eager reserved | "
+          "best fit: reserved MB | best fit: reserved / eager peak | grads bitwise |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     flat = []
     for hidden, ffn, rows in shapes:
         label = f"2x(LayerNormMLP({hidden},{ffn}) + Linear), {rows} rows"
@@ -245,13 +249,16 @@ def main() -> None:
             res = {}
             for m in counts:
                 st, eager, same = measure(name, hidden, ffn, rows, m, dev)
+                bf, bf_eager, bf_same = measure(name, hidden, ffn, rows, m, dev, plan_placement=False)
+                same = same and bf_same
                 res[m] = (st["pool_reserved_bytes"], eager)
                 # The host measuring pool reserves too (CUDA: the default pool is everyone's).
                 er = "-" if st["eager_reserved_bytes"] is None else mb(st["eager_reserved_bytes"])
                 rr = "-" if st["eager_reserved_bytes"] is None else f"{st['pool_reserved_bytes'] / st['eager_reserved_bytes']:.2f}x"
                 print(f"| {name} | {label} | {m} | {mb(st['pool_reserved_bytes'])} | {mb(st['pool_allocated_bytes'])} | "
                       f"{mb(st['pool_peak_allocated_bytes'])} | {mb(eager)} | {st['pool_reserved_bytes'] / eager:.2f}x | "
-                      f"{st['pool_peak_allocated_bytes'] / eager:.2f}x | {er} | {rr} | {'yes' if same else 'NO'} |",
+                      f"{st['pool_peak_allocated_bytes'] / eager:.2f}x | {er} | {rr} | {mb(bf['pool_reserved_bytes'])} | "
+                      f"{bf['pool_reserved_bytes'] / bf_eager:.2f}x | {'yes' if same else 'NO'} |",
                       flush=True)
             lo, hi = min(counts), max(counts)
             flat.append((name, label, res[hi][0] / res[lo][0], res[hi][1] / res[lo][1]))

@@ -325,7 +325,7 @@ void init_manager(py::module_& parent) {
          int num_warmup_iters, bool allow_unused_input, std::optional<Schedule> schedule,
          std::shared_ptr<GraphPool> pool, bool retain_graph_in_backward, bool reuse_static_buffers,
          bool clone_outputs, bool backward_under_autocast, std::function<void()> pre_warmup_hook,
-         std::function<void()> post_warmup_hook, bool unsafe_capture_with_caller_grad) {
+         std::function<void()> post_warmup_hook, bool plan_placement, bool unsafe_capture_with_caller_grad) {
         GraphedCallableOptions o;
         o.num_warmup_iters = num_warmup_iters;
         o.allow_unused_input = allow_unused_input;
@@ -337,6 +337,7 @@ void init_manager(py::module_& parent) {
         o.backward_under_autocast = backward_under_autocast;
         o.pre_warmup_hook = std::move(pre_warmup_hook);
         o.post_warmup_hook = std::move(post_warmup_hook);
+        o.plan_placement = plan_placement;
         o.unsafe_capture_with_caller_grad = unsafe_capture_with_caller_grad;
         // Warmup and capture run the autograd engine, which must not hold the GIL; the
         // Python forward functions and hooks take it back when they are called.
@@ -346,7 +347,7 @@ void init_manager(py::module_& parent) {
       py::arg("callables"), py::arg("sample_args"), py::kw_only(), py::arg("num_warmup_iters"),
       py::arg("allow_unused_input"), py::arg("schedule"), py::arg("pool"), py::arg("retain_graph_in_backward"),
       py::arg("reuse_static_buffers"), py::arg("clone_outputs"), py::arg("backward_under_autocast"),
-      py::arg("pre_warmup_hook"), py::arg("post_warmup_hook"),
+      py::arg("pre_warmup_hook"), py::arg("post_warmup_hook"), py::arg("plan_placement"),
       py::arg("unsafe_capture_with_caller_grad"));
 
   py::class_<GraphedStep>(m, "GraphedStep")

@@ -4,6 +4,7 @@
 // graphs, the gradient hand-off and the delayed hooks. docs/memory-contract.md says who
 // owns which buffer, when, and why zero_grad(set_to_none=True) between replays is safe.
 
+#include "allocator/placement_plan.h"
 #include "graphs/graph.h"
 #include "graphs/module_spec.h"
 #include "graphs/replay_checks.h"
@@ -94,6 +95,12 @@ struct GraphedCallableOptions {
   // (.grad, buffers, main_grad, flags, queued units, the RNG) it restores after them too.
   std::function<void()> pre_warmup_hook;
   std::function<void()> post_warmup_hook;
+  // Pipeline schedule on the set's own host pool: capture a second time with the pool
+  // following a placement planned from the first capture's allocations when that holds
+  // less (Note [A second capture on a planned pool]). false: one capture, best fit.
+  bool plan_placement = true;
+  // Set by make_graphed_callables for that second capture.
+  std::shared_ptr<const allocator::PlacementPlan> placement;
   // Test-only: capture backward-dw with the caller's .grad in place and skip the
   // hand-off, i.e. the unfixed behaviour whose hazard the ledger must catch.
   bool unsafe_capture_with_caller_grad = false;

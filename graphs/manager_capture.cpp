@@ -4,6 +4,7 @@
 
 #include "common/check.h"
 #include "graphs/capture_log.h"
+#include "graphs/host_graph.h"
 #include "graphs/state_epoch.h"
 
 #include <ATen/core/grad_mode.h>
@@ -802,6 +803,17 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
   pool_ = opts_.pool ? opts_.pool : make_pool(device_);
   DWGRAPH_CHECK_ARG(pool_->device().type() == device_.type(), kApi, ": argument 'pool' is a pool of ",
                     pool_->device(), " but the sample arguments are on ", device_);
+  // Note [A second capture on a planned pool]
+  if (auto* host = dynamic_cast<HostGraphPool*>(pool_.get()); host != nullptr && pooled_buffers_) {
+    const bool hooks = std::any_of(callables_.begin(), callables_.end(),
+                                   [](const GraphableCallable& c) { return c.capture_time_hook != nullptr; });
+    if (opts_.placement) {
+      host->host_pool()->follow_plan(opts_.placement);
+    } else if (opts_.plan_placement && !hooks) {
+      host->host_pool()->record_allocations(true);
+      recorded_placement_ = true;
+    }
+  }
 
   for (size_t s = 0; s < slots_.size(); ++s) {
     for (const auto& m : callables_[slots_[s].info.callable].modules) {
@@ -854,6 +866,17 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
     pool_.reset();
     throw;
   }
+  if (recorded_placement_) static_cast<HostGraphPool&>(*pool_).host_pool()->record_allocations(false);
+}
+
+std::shared_ptr<const allocator::PlacementPlan> GraphManager::better_placement() const {
+  if (!recorded_placement_ || !pool_) return nullptr;
+  const auto& host = static_cast<const HostGraphPool&>(*pool_).host_pool();
+  auto plan = std::make_shared<allocator::PlacementPlan>(allocator::plan_placement(host->recorded()));
+  const auto reserved = static_cast<size_t>(host->stats().reserved_bytes);
+  // Worth a second capture when it saves at least 1% of the pool.
+  if (plan->sizes.empty() || plan->extent * 100 > reserved * 99) return nullptr;
+  return plan;
 }
 
 void GraphManager::share_static_buffers() {
@@ -903,8 +926,23 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
     std::vector<GraphableCallable> callables, const std::vector<std::vector<at::Tensor>>& sample_args,
     GraphedCallableOptions options) {
   const auto started = std::chrono::steady_clock::now();
-  auto manager = std::make_shared<GraphManager>(std::move(callables), std::move(options));
+  auto manager = std::make_shared<GraphManager>(callables, options);
   manager->build(sample_args);
+  // Note [A second capture on a planned pool]: captures are deterministic, so the second
+  // makes the same allocations in the same order, and the pool places them by the plan
+  // (where a size or a free range does not match, by best fit: never unsafely). Its
+  // caller state is the first's: build() leaves none behind (SPEC C3, C8). It runs no
+  // warmup and no warmup hooks (they ran); sets with capture-time hooks, which would see
+  // every capture twice, are captured once.
+  if (auto plan = manager->better_placement()) {
+    manager->reset();
+    options.placement = std::move(plan);
+    options.num_warmup_iters = 0;
+    options.pre_warmup_hook = nullptr;
+    options.post_warmup_hook = nullptr;
+    manager = std::make_shared<GraphManager>(std::move(callables), std::move(options));
+    manager->build(sample_args);
+  }
   std::vector<std::shared_ptr<GraphedCallable>> out;
   for (size_t s = 0; s < manager->num_slots(); ++s) {
     out.push_back(std::shared_ptr<GraphedCallable>(new GraphedCallable(manager, s)));

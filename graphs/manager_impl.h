@@ -286,6 +286,9 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   ~GraphManager();
 
   void build(const std::vector<std::vector<at::Tensor>>& sample_args);
+  // Note [A second capture on a planned pool]: after build(), a plan for the allocations
+  // its captures made that spans materially less than the pool holds; null otherwise.
+  std::shared_ptr<const allocator::PlacementPlan> better_placement() const;
 
   // Replay half.
   std::vector<at::Tensor> call(size_t s, const std::vector<at::Tensor>& inputs);
@@ -390,6 +393,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   std::vector<CapturedParameters> buffers_;    // per callable
   std::vector<std::unique_ptr<CallableChecks>> checks_;  // per callable
   bool pooled_buffers_ = false;  // Note [Slots share the pool by liveness]
+  bool recorded_placement_ = false;  // Note [A second capture on a planned pool]
   std::atomic<int64_t> eager_peak_bytes_{0};  // 0: none recorded
   // Note [Contributions are shared across microbatches]: (callable, module, unit of one
   // backward) -> parameter -> buffer.

@@ -357,6 +357,7 @@ def make_graphed_callables(
     clone_param_grads_on_return: bool = True,
     pre_warmup_hook: Optional[Callable[[], None]] = None,
     post_warmup_hook: Optional[Callable[[], None]] = None,
+    plan_placement: bool = True,
     _order: Optional[Sequence[float]] = None,
     _num_layers_per_chunk: Optional[Sequence[int]] = None,
     _reuse_graph_input_output_buffers: Optional[bool] = None,
@@ -414,6 +415,12 @@ def make_graphed_callables(
     restored (``.grad``, buffers, ``main_grad``, queued units, the RNG) is restored after
     these hooks too.
 
+    ``plan_placement`` (default; a pipeline schedule on the set's own host pool): the
+    captures' allocations are recorded, offsets planned for them, and when that plan spans
+    at least 1% less than the pool holds the set is captured once more on a pool that
+    follows it (no warmup, no warmup hooks; sets with ``capture_time_hooks`` are captured
+    once). ``False``: one capture, blocks placed by best fit (docs/memory-contract.md).
+
     TransformerEngine's FP8 arguments (``enabled``, ``calibrating``, ``recipe``,
     ``amax_reduction_group``, ``cache_quantized_params``, and the older ``fp8_enabled``,
     ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group``, ``fp8_weight_caching``):
@@ -422,8 +429,9 @@ def make_graphed_callables(
     any eager fallback run, whatever ``fp8_autocast`` the caller is in; the scaling state is
     made before warmup and updated inside the graphs. ``cache_quantized_params=True`` caches
     the quantized weights across microbatches: every call then takes
-    ``is_first_microbatch``. ``calibrating=True`` and an amax reduction group are refused
-    (docs/fp8.md).
+    ``is_first_microbatch``. ``amax_reduction_group`` (delayed scaling) records the amaxes in
+    the graphs and keeps the scales until ``dwgraph.fp8.reduce_amax`` reduces them once per
+    step; ``calibrating=True`` is refused (docs/fp8.md).
 
     ``_unsafe_capture_with_caller_grad`` is for tests only: it captures backward-dw with
     the caller's ``.grad`` in place and skips the hand-off (the unfixed hazard).
@@ -498,7 +506,8 @@ def make_graphed_callables(
             allow_unused_input=allow_unused_input, pool=pool, retain_graph_in_backward=retain_graph_in_backward,
             reuse_static_buffers=reuse_static_buffers, clone_outputs=clone_outputs,
             backward_under_autocast=bool(backward_under_autocast), pre_warmup_hook=pre_warmup_hook,
-            post_warmup_hook=post_warmup_hook, unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
+            post_warmup_hook=post_warmup_hook, plan_placement=bool(plan_placement),
+            unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
     except BaseException:
         for m, saved in zip(modules, previous):
             if saved:
