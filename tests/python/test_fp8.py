@@ -676,6 +676,34 @@ def test_weight_cache_is_refreshed_on_each_steps_first_microbatch(scaling):
         assert all(torch.equal(a, b) for a, b in zip(before, m.buffers()))
 
 
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_graphed_weight_cache_is_refreshed_on_each_steps_first_microbatch(scaling):
+    """In a graph: the cached FP8 weight (the module's buffers, written by the replays) is
+    the step's weight quantized with the scale of its first microbatch, bit for bit, after
+    that microbatch, and unchanged by the step's later microbatches; four steps, the
+    optimizer moving the weight between them."""
+    torch.manual_seed(7)
+    recipe = recipe_of(scaling, Format.HYBRID)
+    m = dwgraph.nn.Linear(K, N, bias=False, delay_wgrad_compute=True)
+    g = dwgraph.make_graphed_callables(torch.nn.Sequential(m), (torch.randn(8, K, requires_grad=True),), enabled=True,
+                                       recipe=recipe, cache_quantized_params=True)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    for step in range(4):
+        w = m.weight.detach().clone()
+        sw = m.fp8_scale[1].clone() if scaling == "delayed" else current_scale(w, E4M3)
+        expected = quantize(w, sw, E4M3).view(torch.uint8)
+        for mb in range(3):
+            g(torch.randn(8, K, requires_grad=True), is_first_microbatch=mb == 0).sum().backward()
+            g.backward_dw()
+            cache = m._fp8_weight_cache0.view(torch.uint8)
+            assert torch.equal(cache, expected), f"step {step} microbatch {mb}: the cached FP8 weight"
+            assert torch.equal(m._fp8_weight_scale_inv0, torch.reciprocal(sw)), f"step {step} microbatch {mb}"
+        assert not torch.equal(quantize(w, sw, E4M3).view(torch.uint8),
+                               quantize(w - 0.5 * m.weight.grad, sw, E4M3).view(torch.uint8))  # the step moves it
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("flag", ["no", 0, torch.tensor(False)], ids=["str", "int", "tensor"])
 def test_is_first_microbatch_must_be_a_bool(flag):
     m = dwgraph.nn.Linear(K, N)
