@@ -25,9 +25,13 @@ constexpr size_t kAlign = 64;
 // as its extent grows; a request that fits nowhere grows the free block at the end, if
 // any, by what it lacks. It is the host form of the CUDA caching allocator's expandable
 // segments. Reserved bytes count the extent handed to blocks (64-byte granular, as
-// before), not the page rounding of the commit. A request larger than what is left of the
-// reservation opens a new segment.
-constexpr size_t kSegmentReserveBytes = size_t{4} << 30;
+// before), not the page rounding of the commit. Address space is not free either (a
+// process under `ulimit -v` counts it), so reservations grow geometrically: the first
+// segment reserves 16 MiB (or the request, or a plan's whole extent), each next one twice
+// the last (or the request); a request that fits in no segment's room opens the next.
+// When a pool's graphs are all gone but a block outlives them (a tensor the caller kept),
+// the pool gives its free pages back to the system (trim()).
+constexpr size_t kFirstSegmentBytes = size_t{16} << 20;
 
 size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
@@ -84,25 +88,44 @@ bool HostPool::extend(size_t idx, size_t extent) {
 }
 
 std::set<std::tuple<size_t, size_t, char*>>::iterator HostPool::grow(size_t n) {
-  if (segments_.empty()) return free_.end();
-  const size_t idx = segments_.size() - 1;
-  const Segment& s = segments_.back();
-  auto last = blocks_.lower_bound(s.base + s.extent);
-  const bool free_tail = last != blocks_.begin() && std::prev(last)->second.chunk == idx &&
-                         std::prev(last)->second.free;
-  const size_t tail = free_tail ? std::prev(last)->second.size : 0;
-  if (!extend(idx, s.extent + (n - tail))) return free_.end();
-  auto b = std::prev(blocks_.lower_bound(s.base + s.extent));
-  return free_.find({b->second.size, idx, b->first});
+  // The newest segment first (its tail is where the last blocks went), then older ones.
+  for (size_t k = segments_.size(); k-- > 0;) {
+    const Segment& s = segments_[k];
+    auto last = blocks_.lower_bound(s.base + s.extent);
+    const bool free_tail = last != blocks_.begin() && std::prev(last)->second.chunk == k &&
+                           std::prev(last)->second.free;
+    const size_t tail = free_tail ? std::prev(last)->second.size : 0;
+    if (!extend(k, s.extent + (n - tail))) continue;
+    auto b = std::prev(blocks_.lower_bound(s.base + s.extent));
+    return free_.find({b->second.size, k, b->first});
+  }
+  return free_.end();
 }
 
 void HostPool::open_segment(size_t n) {
-  const size_t reserve = std::max(kSegmentReserveBytes, round_up(n, page_bytes()));
+  const size_t need = round_up(n, page_bytes());
+  const size_t grown = segments_.empty() ? kFirstSegmentBytes : 2 * segments_.back().reserved;
+  size_t reserve = std::max(grown, need);
   void* base = mmap(nullptr, reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  TORCH_CHECK(base != MAP_FAILED, "dwgraph host pool: could not reserve ", reserve,
+  if (base == MAP_FAILED && reserve > need) {  // short of address space: just what is asked
+    reserve = need;
+    base = mmap(nullptr, reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  }
+  TORCH_CHECK(base != MAP_FAILED, "dwgraph host pool: out of memory: could not reserve ", reserve,
               " bytes of address space for a segment (", std::strerror(errno), ")");
   segments_.push_back(Segment{static_cast<char*>(base), reserve, 0, 0});
   chunk_index_[static_cast<char*>(base)] = segments_.size() - 1;
+}
+
+void HostPool::trim() {
+  const std::lock_guard<std::mutex> lock(mu_);
+  const size_t page = page_bytes();
+  for (const auto& [p, b] : blocks_) {
+    if (!b.free) continue;
+    const auto begin = round_up(reinterpret_cast<uintptr_t>(p), page);
+    const auto end = (reinterpret_cast<uintptr_t>(p) + b.size) / page * page;
+    if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  }
 }
 
 char* HostPool::take_planned(size_t n) {

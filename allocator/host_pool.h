@@ -61,6 +61,9 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // The allocations made from now on follow `plan` where it fits (its k-th entry for the
   // k-th allocation); a pool follows one plan, set before its first allocation.
   void follow_plan(std::shared_ptr<const PlacementPlan> plan);
+  // Gives the pages of free blocks back to the system (their contents are lost; the
+  // address space stays): for a pool whose graphs are gone while some block lives on.
+  void trim();
   // Debug mode: freed blocks are filled with 0xFF bytes (NaN for floating point), so a
   // replay that reads memory it does not own shows up as NaN instead of stale values.
   void set_debug_poison(bool on);

@@ -38,6 +38,6 @@ struct PlacementPlan {
 
 // The plan for `records` (empty when there are none, or more than `max_records`: the
 // planner is quadratic in the allocations).
-PlacementPlan plan_placement(const std::vector<AllocationRecord>& records, size_t max_records = 50000);
+PlacementPlan plan_placement(const std::vector<AllocationRecord>& records, size_t max_records = 20000);
 
 }  // namespace dwgraph::allocator

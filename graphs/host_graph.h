@@ -27,6 +27,11 @@ namespace dwgraph::graphs {
 class HostGraphPool final : public GraphPool {
  public:
   HostGraphPool() : pool_(allocator::HostPool::create()) {}
+  // No graph uses the pool any more: a block a caller kept keeps the pool alive, not its
+  // free pages (a replaced first capture's pool, Note [A second capture on a planned pool]).
+  ~HostGraphPool() override {
+    if (pool_.use_count() > 1) pool_->trim();  // else the pool goes with this, unmapped
+  }
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   allocator::PoolStats stats() const override { return pool_->stats(); }
   std::unique_ptr<AllocationScope> allocation_scope() override;

@@ -24,6 +24,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 namespace dwgraph::ops {
@@ -147,10 +148,14 @@ at::Tensor amax_of(const at::Tensor& t) {
   return at::amax(at::abs(t)).to(at::kFloat);
 }
 
-// fp8_max / amax / 2^margin where amax is positive and finite, else `fallback`.
+// fp8_max / amax / 2^margin where amax is positive and finite, else `fallback`; kept
+// within FP32's normal range, so a tiny amax (below fp8_max / FLT_MAX) gives FLT_MAX, not
+// an infinite scale (0 * inf is NaN; 1 / inf dequantizes to 0), as TransformerEngine
+// clamps it, and a huge margin gives FLT_MIN, not a scale whose inverse overflows.
 at::Tensor scale_from(const at::Tensor& amax, double fp8_max, int64_t margin, const at::Tensor& fallback) {
   at::Tensor s = at::div(at::full({}, fp8_max, amax.options()), amax);
   if (margin > 0) s = at::div(s, std::ldexp(1.0, static_cast<int>(margin)));
+  s = at::clamp(s, std::numeric_limits<float>::min(), std::numeric_limits<float>::max());
   return at::where(at::logical_and(at::gt(amax, 0), at::isfinite(amax)), s, fallback);
 }
 

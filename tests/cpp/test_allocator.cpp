@@ -202,3 +202,40 @@ TEST_CASE("a pool falls back to best fit where the plan does not match", "[alloc
   CHECK((pc >= base + 1024 || pc + 2048 <= base));
   CHECK(pool->stats().live_blocks == 3);
 }
+
+TEST_CASE("segments reserve geometrically and a request uses any segment with room", "[allocator][cpu]") {
+  auto pool = HostPool::create();
+  auto small = pool->allocate(1024);
+  // Larger than the first segment's 16 MiB and than twice that: a segment of just its size.
+  auto big = pool->allocate(size_t{40} << 20);
+  CHECK(pool->owns(small.get()));
+  CHECK(pool->owns(static_cast<char*>(big.get()) + (size_t{40} << 20) - 1));
+  // The newest segment is full; the first has room: no third segment, it follows `small`.
+  auto next = pool->allocate(4096);
+  CHECK(static_cast<char*>(next.get()) == static_cast<char*>(small.get()) + 1024);
+  CHECK(pool->stats().reserved_bytes == 1024 + (int64_t{40} << 20) + 4096);
+}
+
+TEST_CASE("trim gives free pages back and keeps live blocks", "[allocator][cpu]") {
+  auto pool = HostPool::create();
+  auto live = pool->allocate(4096);
+  std::memset(live.get(), 7, 4096);
+  void* freed = nullptr;
+  {
+    auto big = pool->allocate(size_t{1} << 20);
+    std::memset(big.get(), 1, size_t{1} << 20);
+    freed = big.get();
+  }
+  pool->trim();
+  // The free block's whole pages read as zero again (the system's fresh pages).
+  const auto* bytes = static_cast<const unsigned char*>(freed);
+  bool zero = true;
+  for (size_t i = 4096; i < (size_t{1} << 20) - 4096; i += 512) zero = zero && bytes[i] == 0;
+  CHECK(zero);
+  const auto* kept = static_cast<const unsigned char*>(live.get());
+  bool intact = true;
+  for (size_t i = 0; i < 4096; ++i) intact = intact && kept[i] == 7;
+  CHECK(intact);
+  auto again = pool->allocate(size_t{1} << 20);  // still usable
+  std::memset(again.get(), 2, size_t{1} << 20);
+}

@@ -47,10 +47,17 @@ def amax_of(t):
     return t.abs().amax().float() if t.numel() else torch.zeros(())
 
 
+F32 = torch.finfo(torch.float32)
+
+
+def scale_of(amax, dtype, margin, fallback):
+    """fp8_max / amax / 2^margin within FP32's normal range, where amax is positive and finite."""
+    s = (torch.full((), FMAX[dtype]) / amax / 2.0 ** margin).clamp(F32.tiny, F32.max)
+    return torch.where((amax > 0) & torch.isfinite(amax), s, fallback)
+
+
 def current_scale(t, dtype, margin=0):
-    amax = amax_of(t)
-    s = torch.full((), FMAX[dtype]) / amax / 2.0 ** margin
-    return torch.where((amax > 0) & torch.isfinite(amax), s, torch.ones(()))
+    return scale_of(amax_of(t), dtype, margin, torch.ones(()))
 
 
 def roundtrip(t, scale, dtype):
@@ -91,8 +98,7 @@ def reference_update(history, scale, column, t, dtype, margin=0, algo="max"):
     history[:, column] = torch.roll(history[:, column], 1, 0)
     history[0, column] = amax
     reduced = history[:, column].amax() if algo == "max" else amax
-    new = torch.full((), FMAX[dtype]) / reduced / 2.0 ** margin
-    scale[column] = torch.where((reduced > 0) & torch.isfinite(reduced), new, scale[column])
+    scale[column] = scale_of(reduced, dtype, margin, scale[column])
     return history, scale
 
 
@@ -255,6 +261,35 @@ def test_margin_and_amax_algorithm_set_the_scales_as_the_reference(recipe):
     if delayed and algo == "most_recent":  # the inputs grew: the newest amax, not the history's max
         assert torch.equal(scale[0], torch.full((), FMAX[E4M3]) / hist[0, 0] / 2.0 ** margin)
         assert hist[0, 2] < hist[1:, 2].max()  # the shrinking gradients: max would pick an older amax
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_a_tiny_or_huge_amax_keeps_the_scale_finite(scaling):
+    """fp8_max / amax overflows FP32 for an amax below about 1.3e-36 (E4M3): the scale is
+    FLT_MAX then (TransformerEngine's clamp), not inf, whose 0 * inf made NaNs and whose
+    1 / inf dequantized to zeros; a huge margin keeps it at FLT_MIN, not a subnormal
+    whose inverse overflows. Outputs against the reference with those scales."""
+    torch.manual_seed(21)
+    m = dwgraph.nn.Linear(K, N, bias=False)
+    w = m.weight.detach()
+    for margin, x in ((0, torch.randn(4, K) * 1e-37), (0, torch.zeros(4, K).index_fill_(1, torch.tensor([3]), 1e-38)),
+                      (64, torch.randn(4, K) * 1e22)):
+        recipe = (DelayedScaling(margin=margin, amax_history_len=1) if scaling == "delayed"
+                  else Float8CurrentScaling(margin=margin))
+        m.reset_fp8_state()
+        for _ in range(2):  # delayed: the second call quantizes with the scale the first set
+            sx = m.fp8_scale[0].clone() if scaling == "delayed" and "fp8_scale" in dict(m.named_buffers()) else None
+            with fp8_autocast(recipe=recipe):
+                y = m(x)
+            assert torch.isfinite(y).all(), f"margin {margin}: non-finite output"
+        if scaling == "delayed":
+            assert torch.isfinite(m.fp8_scale).all() and torch.equal(m.fp8_scale[0], scale_of(amax_of(x), E4M3, margin,
+                                                                                              torch.ones(())))
+        else:
+            sx = current_scale(x, E4M3, margin)
+        xr, wr = roundtrip(x, sx, E4M3), roundtrip(w, current_scale(w, E4M3, margin) if scaling == "current"
+                                                   else m.fp8_scale[1], E4M3)
+        assert_within(y, xr @ wr.T, accumulation_bound(xr, wr.T), f"margin {margin}: output")
 
 
 @pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3], ids=["hybrid", "e4m3"])
@@ -815,27 +850,31 @@ def test_weight_changed_through_data_between_microbatches_is_refused():
             m(x, is_first_microbatch=False)
 
 
-@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-@pytest.mark.parametrize("replace", ["assign", "vector_to_parameters"])
-def test_weight_given_new_data_between_microbatches_is_refused(graphed, replace):
-    """An assignment to .data keeps the parameter object and its version counter: the
-    stale-cache check sees it by the weight's memory."""
-    torch.manual_seed(11)
-    recipe = Float8CurrentScaling()
+def _cached_linear(graphed, recipe):
+    """A Linear with FP8 weight caching, its first microbatch run, and a call of a later one."""
     m = dwgraph.nn.Linear(H, H, delay_wgrad_compute=graphed)
     x = torch.randn(ROWS, H)
     if graphed:
         g = dwgraph.make_graphed_callables(torch.nn.Sequential(m), (torch.randn(ROWS, H, requires_grad=True),),
                                            enabled=True, recipe=recipe, cache_quantized_params=True)
         g(x, is_first_microbatch=True)
-        call = lambda: g(x, is_first_microbatch=False)  # noqa: E731
-    else:
-        with fp8_autocast(recipe=recipe):
-            m(x, is_first_microbatch=True)
+        return m, lambda: g(x, is_first_microbatch=False)
+    with fp8_autocast(recipe=recipe):
+        m(x, is_first_microbatch=True)
 
-        def call():
-            with fp8_autocast(recipe=recipe):
-                return m(x, is_first_microbatch=False)
+    def later():
+        with fp8_autocast(recipe=recipe):
+            return m(x, is_first_microbatch=False)
+    return m, later
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+@pytest.mark.parametrize("replace", ["assign", "vector_to_parameters"])
+def test_weight_given_new_data_between_microbatches_is_refused(graphed, replace):
+    """An assignment to .data keeps the parameter object and its version counter: the
+    stale-cache check sees it by the weight's storage."""
+    torch.manual_seed(11)
+    m, call = _cached_linear(graphed, Float8CurrentScaling())
     version = m.weight._version
     if replace == "assign":
         m.weight.data = m.weight.detach() * 2.0
@@ -845,6 +884,121 @@ def test_weight_given_new_data_between_microbatches_is_refused(graphed, replace)
     assert m.weight._version == version  # what the version check alone would miss
     with pytest.raises(dwgraph.GraphStateError, match=r"stale FP8 copy of 'weight': its data was replaced"):
         call()
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+@pytest.mark.parametrize("opt", ["AdamW", "SGD", "Adagrad"])
+def test_a_fused_optimizer_step_between_microbatches_is_refused(opt, graphed):
+    """Fused optimizers move the weight without bumping its version counter: the optimizer
+    step itself is what the stale-cache check sees (Note [Optimizer steps the FP8 weight
+    cache sees]). An optimizer that does not hold the weight stepping is not refused."""
+    torch.manual_seed(12)
+    m, later = _cached_linear(graphed, Float8CurrentScaling())
+    other = torch.nn.Parameter(torch.randn(3))
+    other.grad = torch.ones(3)
+    torch.optim.SGD([other], lr=0.1).step()  # holds nothing of m's
+    later()
+    extra = dict(momentum=0.9) if opt == "SGD" else {}
+    o = getattr(torch.optim, opt)(m.parameters(), lr=0.1, fused=True, **extra)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    version = m.weight._version
+    o.step()
+    assert m.weight._version == version  # what the version check alone would miss
+    with pytest.raises(dwgraph.GraphStateError, match="stale FP8 copy of 'weight': an optimizer holding it stepped"):
+        later()
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_data_assigned_twice_between_microbatches_is_refused_even_at_the_same_address(graphed):
+    """Two assignments to .data may hand the first microbatch's address back to the weight;
+    the check holds the storage it recorded, so no later storage can take that address."""
+    refused = 0
+    for trial in range(20):
+        torch.manual_seed(trial)
+        m, later = _cached_linear(graphed, Float8CurrentScaling())
+        m.weight.data = m.weight.detach() * 2.0
+        m.weight.data = m.weight.detach() * 2.0
+        with pytest.raises(dwgraph.GraphStateError, match="stale FP8 copy of 'weight'"):
+            later()
+        refused += 1
+    assert refused == 20
+
+
+def test_reset_fp8_state_between_capture_and_a_cached_call_is_a_typed_error():
+    m, later = _cached_linear(True, Float8CurrentScaling())
+    m.reset_fp8_state()
+    with pytest.raises(dwgraph.GraphStateError, match=r"no FP8 weight cache any more \(reset_fp8_state"):
+        later()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_module_with_a_filled_cache_has_none(how):
+    m, _ = _cached_linear(False, Float8CurrentScaling())
+    if how == "deepcopy":
+        c = copy.deepcopy(m)
+    else:
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        c = torch.load(buf, weights_only=False)
+    assert c._fp8_cache_versions is None
+    with fp8_autocast(recipe=Float8CurrentScaling()), pytest.raises(dwgraph.GraphStateError, match="no microbatch has filled"):
+        c(torch.randn(ROWS, H), is_first_microbatch=False)
+    with fp8_autocast(recipe=Float8CurrentScaling()):
+        c(torch.randn(ROWS, H), is_first_microbatch=True)
+        c(torch.randn(ROWS, H), is_first_microbatch=False)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_weight_caching_inside_graphed_step_is_refused(first):
+    """A graphed step's replay runs no Python, so the stale-cache check of a later
+    microbatch would never run: caching there is refused, in its eager calls too."""
+    m = dwgraph.nn.Linear(H, H)
+    before = [t.clone() for t in m.parameters()]
+
+    @dwgraph.graphed_step
+    def microbatch(x):
+        with fp8_autocast(recipe=Float8CurrentScaling()):
+            return m(x, is_first_microbatch=first).sum()
+
+    with pytest.raises(dwgraph.ArgumentError, match="FP8 weight caching .* inside dwgraph.graphed_step is not supported"):
+        microbatch(torch.randn(ROWS, H))
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert "_fp8_weight_cache0" not in dict(m.named_buffers())
+
+
+@pytest.mark.filterwarnings("ignore:.*runs eagerly")
+def test_a_module_in_two_sets_follows_the_caching_of_the_set_whose_call_runs():
+    """One module graphed by a set with weight caching and by another without: the first
+    set's eager fallback (a call without grad) still reads its first-microbatch flag, as
+    the module called eagerly with is_first_microbatch does; the second capture does not
+    turn the first set's caching off."""
+    torch.manual_seed(0)
+    recipe = DelayedScaling(amax_history_len=4)
+    lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+    ref = copy.deepcopy(lin)
+    g1 = dwgraph.make_graphed_callables(torch.nn.Sequential(lin), (torch.randn(ROWS, H, requires_grad=True),),
+                                        enabled=True, recipe=recipe, cache_quantized_params=True)
+    dwgraph.make_graphed_callables(torch.nn.Sequential(torch.nn.GELU(), lin), (torch.randn(ROWS, H, requires_grad=True),),
+                                   enabled=True, recipe=recipe, cache_quantized_params=False)
+    x = torch.randn(ROWS, H)
+
+    def eager(first, xx):
+        with fp8_autocast(recipe=recipe):
+            return ref(xx, is_first_microbatch=first)
+
+    y, ye = g1(x.clone().requires_grad_(), is_first_microbatch=True), eager(True, x.clone().requires_grad_())
+    y.sum().backward()
+    ye.sum().backward()
+    g1.backward_dw()
+    ref.backward_dw()
+    assert torch.equal(y, ye)
+    with torch.no_grad():  # runs eagerly: captured with grad
+        y, ye = g1(x, is_first_microbatch=False), eager(False, x)
+    assert torch.equal(y, ye) and torch.equal(lin.fp8_amax_history, ref.fp8_amax_history)
+    y, ye = g1(x.clone().requires_grad_(), is_first_microbatch=False), eager(False, x.clone().requires_grad_())
+    assert torch.equal(y, ye) and torch.equal(lin.fp8_amax_history, ref.fp8_amax_history)
 
 
 def test_weight_cache_does_not_follow_the_default_dtype():

@@ -113,6 +113,30 @@ def test_the_second_capture_runs_no_warmup_and_not_with_capture_time_hooks(hooks
         assert calls1 == calls0 + m and res1 < res0
 
 
+_MANY_POOLS = """
+import resource, sys
+import torch, dwgraph
+vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (6 << 30), resource.RLIM_INFINITY))
+kept = []
+for i in range(200):
+    with dwgraph.eager_memory():
+        kept.append(torch.ones(1000))  # keeps its pool alive
+print(sum(float(t.sum()) for t in kept))
+"""
+
+
+def test_host_pools_reserve_address_space_as_they_grow():
+    # Note [An expandable host segment]: a pool reserves 16 MiB of address space first,
+    # not gigabytes, so a process under `ulimit -v` holds many pools (200 here, in 6 GiB).
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MANY_POOLS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "200000.0"
+
+
 def test_eager_memory_measures_the_high_water_mark_of_the_block():
     with dwgraph.eager_memory() as e:
         a = torch.empty(1000)  # 4000 bytes, a 4032-byte block (64-byte rounding)

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 import zlib
+
+import torch
+import torch.optim.optimizer as _optimizer
 
 from . import _C
 from .errors import ArgumentError, GraphStateError
@@ -48,6 +52,45 @@ def make_state(api: str, enabled, calibrating=False, recipe=None, amax_reduction
     return _C.fp8.make_state(enabled, recipe, amax_reduction_group=group_id)
 
 
+# Note [Optimizer steps the FP8 weight cache sees]: a reuse of a cached FP8 weight
+# (is_first_microbatch=False) is refused when the weight changed since the cache was
+# filled. Version counters see in-place writes through autograd-visible tensors, but not
+# the fused optimizers' kernels (AdamW(fused=True) moves a weight and leaves its version
+# alone): so the process counts optimizer steps (torch's global post-step hook, one integer
+# per step) and remembers each optimizer's last one; a reuse after a step is refused when an
+# optimizer that stepped since the fill holds the weight (that scan only then).
+_steps = 0
+_last_step: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_steps_lock = threading.Lock()
+_step_hook = None
+
+
+def _count_step(opt, args, kwargs) -> None:
+    global _steps
+    with _steps_lock:
+        _steps += 1
+        _last_step[opt] = _steps
+
+
+def optimizer_steps() -> int:
+    """The optimizer steps counted so far (the hook is installed on the first call)."""
+    global _step_hook
+    if _step_hook is None:
+        with _steps_lock:
+            if _step_hook is None:
+                _step_hook = _optimizer.register_optimizer_step_post_hook(_count_step)
+    return _steps
+
+
+def optimizer_stepped(tensor: torch.Tensor, since: int) -> bool:
+    """Whether an optimizer holding ``tensor`` stepped after count ``since``."""
+    if _steps == since:
+        return False
+    with _steps_lock:
+        stepped = [opt for opt, n in _last_step.items() if n > since]
+    return any(p is tensor for opt in stepped for g in opt.param_groups for p in g["params"])
+
+
 @contextlib.contextmanager
 def state_scope(state):
     """Runs the block under the C++ FP8 ``state`` (a ``_C.fp8.State``), then restores the previous one."""
@@ -59,27 +102,31 @@ def state_scope(state):
 
 
 class _GraphedCall(threading.local):
-    depth = 0
+    def __init__(self):
+        self.caching: list = []  # per graphed call running on this thread, innermost last
 
 
 _graphed_call = _GraphedCall()
 
 
 @contextlib.contextmanager
-def graphed_call_scope(state):
-    """A graphed callable's warmup, capture or eager fallback: under its FP8 ``state``, and
-    modules captured with weight caching read the first-microbatch flag the call wrote
-    (Note [FP8 weight cache], ops/fp8.h); outside it they decide as eager modules do."""
-    _graphed_call.depth += 1
+def graphed_call_scope(state, caching: bool):
+    """A graphed callable's warmup, capture or eager fallback: under its FP8 ``state``; with
+    ``caching`` (its set was captured with weight caching) its modules read the
+    first-microbatch flag the call wrote (Note [FP8 weight cache], ops/fp8.h). The flag is
+    the set's, not the module's: a module graphed in two sets, one caching and one not,
+    follows the set whose call runs. Outside graphed calls modules decide as eager ones do."""
+    _graphed_call.caching.append(bool(caching))
     try:
         with state_scope(state):
             yield
     finally:
-        _graphed_call.depth -= 1
+        _graphed_call.caching.pop()
 
 
-def in_graphed_call() -> bool:
-    return _graphed_call.depth > 0
+def graphed_call_caches() -> bool:
+    """Whether the innermost graphed call running on this thread caches FP8 weights."""
+    return bool(_graphed_call.caching) and _graphed_call.caching[-1]
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, recipe=None, amax_reduction_group=None, *,

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from . import _C, _guards, _spec, _watch
 from . import fp8 as _fp8
-from .errors import ArgumentError
+from .errors import ArgumentError, GraphStateError
 from .graphs import torch_code_as_captured
 
 __all__ = ["make_graphed_callables", "GraphedCallable", "graphed_handle", "summary"]
@@ -109,6 +109,11 @@ class GraphedCallable:
             raise ArgumentError(f"graphed {self._native.name}: captured with cache_quantized_params=True, so every "
                                 "call needs is_first_microbatch=True (the step's first microbatch: quantize the "
                                 f"weights) or False (reuse them); got {first!r}")
+        for m in self._fp8_cached_modules:
+            if "_fp8_first_microbatch" not in m._buffers:
+                raise GraphStateError(
+                    f"graphed {self._native.name}: {m._display_name()} has no FP8 weight cache any more "
+                    "(reset_fp8_state() since the capture); graph the module again to cache its FP8 weights")
         filled = [(m, m._fp8_check_cache(first)) for m in self._fp8_cached_modules]
         for m in self._fp8_cached_modules:
             m._fp8_first_microbatch.fill_(first)
@@ -323,18 +328,19 @@ def _prepare_fp8_capture(m, state, cache: bool) -> None:
     records the in-graph first-microbatch decision (warmup and capture quantize afresh),
     and starts with no filled cache: the first replay must be a first microbatch."""
     m._prepare_fp8(state.recipe)
-    m._fp8_graph_caching = bool(cache and state.enabled)
     m._fp8_cache_versions = None
-    if m._fp8_graph_caching:
+    if cache and state.enabled:
         m._prepare_fp8_cache()
         m._fp8_first_microbatch.fill_(True)
 
 
-def _under_fp8(fn: Callable, state) -> Callable:
-    """``fn`` run under the C++ FP8 ``state``."""
+def _under_fp8(fn: Callable, state, cache: bool) -> Callable:
+    """``fn`` run under the C++ FP8 ``state``, as a call of a set that caches FP8 weights or not."""
+    caching = bool(cache and state.enabled)
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        with _fp8.graphed_call_scope(state):
+        with _fp8.graphed_call_scope(state, caching):
             return fn(*args, **kwargs)
     return call
 
@@ -579,7 +585,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
             # A plain callable, a forward set on the instance or bound some other way
             # (functools.partialmethod): held as given, strongly.
             call = forward
-        call = _under_fp8(call, fp8_states[i])
+        call = _under_fp8(call, fp8_states[i], fp8_cache)
 
         def run(tensors, call=call, in_sig=in_sigs[i], out_sig=out_sig, i=i):
             args, kwargs = in_sig.rebuild(tensors)
@@ -623,7 +629,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
 
             spec.capture_time_hook = capture_time_hook
         specs.append(spec)
-        forwards.append(_under_fp8(forward, fp8_states[i]))
+        forwards.append(_under_fp8(forward, fp8_states[i], fp8_cache))
         out_sigs.append(out_sig)
 
     pool = _resolve_pool(options.pop("pool"))

@@ -196,8 +196,8 @@ class _DeferredWgradModule(torch.nn.Module):
     # -- FP8 (docs/fp8.md) ---------------------------------------------------------------
     _fp8_gemms = 1  # GEMMs whose scaling state the module keeps (LayerNormMLP: fc1, fc2)
     _fp8_weight_names = ("weight",)  # their weights, in GEMM order
-    _fp8_graph_caching = False  # captured with cache_quantized_params=True (graphed.py sets it)
-    _fp8_cache_versions = None  # (id, version, data_ptr) of each weight when its FP8 cache was filled
+    # (per weight (id, version, storage, data_ptr), optimizer steps) when its FP8 cache was filled
+    _fp8_cache_versions = None
     _fp8_recipe = None  # of the last delayed-scaling forward: dwgraph.fp8.reduce_amax sets the scales by it
     _fp8_filling = None  # the versions a first microbatch's forward records once it has succeeded
     _fp8_ran = False  # a forward of this module ever ran in FP8 (Note [A forward recomputed inside a backward])
@@ -237,7 +237,15 @@ class _DeferredWgradModule(torch.nn.Module):
         kw = dict(amax_history=self.fp8_amax_history, scale=self.fp8_scale) if recipe.delayed() else {}
         # A module captured with weight caching reads its flag only inside its graphed
         # callable (capture, eager fallback); called on its own it decides as any eager call.
-        if is_first_microbatch is not None or (self._fp8_graph_caching and _fp8.in_graphed_call()):
+        if is_first_microbatch is not None and _step_context.modules is not None:
+            # A graphed step's replay runs no Python: the stale-cache check of a later
+            # microbatch (_fp8_check_cache) would never run there.
+            raise ArgumentError(
+                f"{self._display_name()}: FP8 weight caching (is_first_microbatch={is_first_microbatch!r}) inside "
+                "dwgraph.graphed_step is not supported: its replays would reuse the cached weight without the "
+                "stale-cache check. Leave is_first_microbatch out there (every microbatch quantizes), or graph the "
+                "module with make_graphed_callables(..., cache_quantized_params=True)")
+        if is_first_microbatch is not None or _fp8.graphed_call_caches():
             self._prepare_fp8_cache()
             if is_first_microbatch is not None:
                 self._fp8_filling = self._fp8_check_cache(is_first_microbatch)
@@ -275,23 +283,34 @@ class _DeferredWgradModule(torch.nn.Module):
         records in ``_fp8_cache_versions`` once the call has succeeded (until then, and for
         good if it fails, the cache counts as unfilled: a failed first microbatch may not
         have refreshed it). A weight is the same when it is the same object, at the same
-        version, on the same memory: an assignment to ``weight.data`` (``vector_to_parameters``,
-        ``module.to()``) keeps the object and its version but not its memory."""
+        version, in the same storage (held, so that no later storage can take its address),
+        and no optimizer holding it has stepped since (Note [Optimizer steps the FP8 weight
+        cache sees], fp8.py): an assignment to ``weight.data`` (``vector_to_parameters``,
+        ``module.to()``) keeps the object and its version but not its storage, and fused
+        optimizers move a weight without bumping its version."""
         weights = [(n, getattr(self, n)) for n in self._fp8_weight_names]
-        now = [(id(w), w._version, w.data_ptr()) for _, w in weights]
+        now = [(id(w), w._version, w.untyped_storage(), w.data_ptr()) for _, w in weights]
+        steps = _fp8.optimizer_steps()
         if first:
             self._fp8_cache_versions = None
-            return now
-        then = self._fp8_cache_versions
-        if then is None:
+            return (now, steps)
+        recorded = self._fp8_cache_versions
+        if recorded is None:
             raise GraphStateError(
                 f"{self._display_name()}: is_first_microbatch=False, but no microbatch has filled the FP8 weight "
                 "cache since it was made, captured or its weights converted to another dtype; pass is_first_microbatch=True on each step's first microbatch")
-        for (name, _), (i0, v0, p0), (i1, v1, p1) in zip(weights, then, now):
-            if (i0, v0, p0) != (i1, v1, p1):
-                why = ("the parameter was replaced" if i0 != i1 else
-                       f"it was changed in place (version {v0}, now {v1})" if v0 != v1 else
-                       "its data was replaced (an assignment to .data)")
+        then, steps_then = recorded
+        for (name, w), (i0, v0, s0, p0), (i1, v1, s1, p1) in zip(weights, then, now):
+            why = None
+            if i0 != i1:
+                why = "the parameter was replaced"
+            elif v0 != v1:
+                why = f"it was changed in place (version {v0}, now {v1})"
+            elif s0._cdata != s1._cdata or p0 != p1:
+                why = "its data was replaced (an assignment to .data)"
+            elif _fp8.optimizer_stepped(w, steps_then):
+                why = "an optimizer holding it stepped (a fused optimizer bumps no version counter)"
+            if why is not None:
                 raise GraphStateError(
                     f"{self._display_name()}: is_first_microbatch=False would reuse a stale FP8 copy of '{name}': "
                     + why
@@ -430,7 +449,10 @@ class _DeferredWgradModule(torch.nn.Module):
                 f"{self._display_name()}: cannot pickle a module with {queued} queued weight-gradient "
                 "unit(s) (eager or in a graphed callable's graphs); expected none: run backward_dw() for each "
                 "queued backward before saving")
-        return super().__getstate__()
+        state = super().__getstate__()
+        # The cache's record holds the weights' storages: a copy has no filled cache.
+        state = dict(state, _fp8_cache_versions=None, _fp8_filling=None)
+        return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -450,7 +472,8 @@ class _DeferredWgradModule(torch.nn.Module):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            object.__setattr__(new, k, copy.deepcopy(v, memo))
+            # The FP8 cache's record holds the weights' storages: a copy has no filled cache.
+            object.__setattr__(new, k, None if k in ("_fp8_cache_versions", "_fp8_filling") else copy.deepcopy(v, memo))
         # Parameter.__deepcopy__ drops Python attributes; main_grad goes with its parameter.
         for name, p in self.named_parameters(recurse=False):
             if getattr(p, "main_grad", None) is not None:
