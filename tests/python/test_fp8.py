@@ -1001,6 +1001,18 @@ def test_a_module_in_two_sets_follows_the_caching_of_the_set_whose_call_runs():
     assert torch.equal(y, ye) and torch.equal(lin.fp8_amax_history, ref.fp8_amax_history)
 
 
+def test_a_refused_cached_microbatch_writes_no_fp8_state():
+    """is_first_microbatch=False on a module whose cache was never filled: refused before
+    the FP8 buffers are made or the module counts as having run in FP8."""
+    m = dwgraph.nn.Linear(H, H)
+    with fp8_autocast(recipe=DelayedScaling()), pytest.raises(dwgraph.GraphStateError, match="no microbatch has filled"):
+        m(torch.randn(ROWS, H), is_first_microbatch=False)
+    assert not list(m.buffers()) and set(m.state_dict()) == {"weight", "bias"}
+    assert not m._fp8_ran
+    y = torch.utils.checkpoint.checkpoint(m, torch.randn(ROWS, H, requires_grad=True), use_reentrant=False)
+    y.sum().backward()  # a high-precision checkpoint of a module that never ran in FP8
+
+
 def test_weight_cache_does_not_follow_the_default_dtype():
     """The cache's 1/scale is FP32 whatever torch's default dtype; under current scaling a
     reused FP8 weight is the one a fresh quantization gives, so caching changes nothing."""

@@ -218,14 +218,25 @@ class _DeferredWgradModule(torch.nn.Module):
         # module that never runs in FP8 pays no extra call).
         recomputing = (state.enabled or self._fp8_ran) and \
             _C.fp8.check_not_recomputing(self._display_name(), state, self._fp8_ran, self._fp8_ran_without)
+        if recomputing and is_first_microbatch:
+            # The copy this microbatch's forward filled: reused, not refilled (ops/fp8.h).
+            is_first_microbatch = False
+        filling = None
+        if state.enabled and is_first_microbatch is not None:  # refusals before anything is written
+            if _step_context.modules is not None:
+                # A graphed step's replay runs no Python: the stale-cache check of a later
+                # microbatch (_fp8_check_cache) would never run there.
+                raise ArgumentError(
+                    f"{self._display_name()}: FP8 weight caching (is_first_microbatch={is_first_microbatch!r}) "
+                    "inside dwgraph.graphed_step is not supported: its replays would reuse the cached weight "
+                    "without the stale-cache check. Leave is_first_microbatch out there (every microbatch "
+                    "quantizes), or graph the module with make_graphed_callables(..., cache_quantized_params=True)")
+            filling = self._fp8_check_cache(is_first_microbatch)
         if state.enabled:
             self._fp8_ran = True
         else:
             self._fp8_ran_without = True
-        if recomputing and is_first_microbatch:
-            # The copy this microbatch's forward filled: reused, not refilled (ops/fp8.h).
-            is_first_microbatch = False
-        self._fp8_filling = None
+        self._fp8_filling = filling
         if not state.enabled:
             return {}
         recipe = state.recipe
@@ -237,18 +248,8 @@ class _DeferredWgradModule(torch.nn.Module):
         kw = dict(amax_history=self.fp8_amax_history, scale=self.fp8_scale) if recipe.delayed() else {}
         # A module captured with weight caching reads its flag only inside its graphed
         # callable (capture, eager fallback); called on its own it decides as any eager call.
-        if is_first_microbatch is not None and _step_context.modules is not None:
-            # A graphed step's replay runs no Python: the stale-cache check of a later
-            # microbatch (_fp8_check_cache) would never run there.
-            raise ArgumentError(
-                f"{self._display_name()}: FP8 weight caching (is_first_microbatch={is_first_microbatch!r}) inside "
-                "dwgraph.graphed_step is not supported: its replays would reuse the cached weight without the "
-                "stale-cache check. Leave is_first_microbatch out there (every microbatch quantizes), or graph the "
-                "module with make_graphed_callables(..., cache_quantized_params=True)")
         if is_first_microbatch is not None or _fp8.graphed_call_caches():
             self._prepare_fp8_cache()
-            if is_first_microbatch is not None:
-                self._fp8_filling = self._fp8_check_cache(is_first_microbatch)
             kw.update(weight_cache=[(getattr(self, f"_fp8_weight_cache{i}"), getattr(self, f"_fp8_weight_scale_inv{i}"))
                                     for i in range(self._fp8_gemms)],
                       first=self._fp8_first_microbatch,
