@@ -149,9 +149,10 @@ at::Tensor amax_of(const at::Tensor& t) {
 }
 
 // fp8_max / amax / 2^margin where amax is positive and finite, else `fallback`; kept
-// within FP32's normal range, so a tiny amax (below fp8_max / FLT_MAX) gives FLT_MAX, not
-// an infinite scale (0 * inf is NaN; 1 / inf dequantizes to 0), as TransformerEngine
-// clamps it, and a huge margin gives FLT_MIN, not a scale whose inverse overflows.
+// within FP32's normal range: a tiny amax (below fp8_max / FLT_MAX) gives FLT_MAX, not an
+// infinite scale (0 * inf is NaN; 1 / inf dequantizes to 0), as TransformerEngine turns an
+// infinite scale into FLT_MAX; and (dwgraph's own bound) a huge margin gives FLT_MIN, not
+// a subnormal scale whose inverse overflows.
 at::Tensor scale_from(const at::Tensor& amax, double fp8_max, int64_t margin, const at::Tensor& fallback) {
   at::Tensor s = at::div(at::full({}, fp8_max, amax.options()), amax);
   if (margin > 0) s = at::div(s, std::ldexp(1.0, static_cast<int>(margin)));

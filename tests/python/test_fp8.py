@@ -909,6 +909,72 @@ def test_a_fused_optimizer_step_between_microbatches_is_refused(opt, graphed):
         later()
 
 
+@pytest.mark.parametrize("after", ["optimizer_dropped", "weight_removed_from_its_groups"])
+def test_a_fused_step_is_remembered_after_the_optimizer_changes(after):
+    """The step is recorded with the parameters the optimizer held then: dropping the
+    optimizer (one made per step) or taking the weight out of its groups afterwards does
+    not make the reuse look fresh."""
+    torch.manual_seed(13)
+    m, later = _cached_linear(False, Float8CurrentScaling())
+    o = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    o.step()
+    if after == "optimizer_dropped":
+        del o
+    else:
+        o.param_groups[0]["params"] = [m.bias]
+    with pytest.raises(dwgraph.GraphStateError, match="an optimizer holding it stepped"):
+        later()
+
+
+def test_the_cache_check_keeps_no_replaced_weight_alive():
+    """The record references the weight's storage weakly: data assigned away (an offload)
+    is freed."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    m, _ = _cached_linear(False, Float8CurrentScaling())
+    old = StorageWeakRef(m.weight.untyped_storage())
+    m.weight.data = torch.empty(0)
+    assert old.expired()
+
+
+def test_a_module_with_a_filled_cache_pickles_without_it():
+    import pickle
+
+    m, _ = _cached_linear(False, Float8CurrentScaling())
+    c = pickle.loads(pickle.dumps(m))
+    assert "_fp8_weight_cache0" not in dict(c.named_buffers()) and torch.equal(c.weight, m.weight)
+    with fp8_autocast(recipe=Float8CurrentScaling()):
+        c(torch.randn(ROWS, H), is_first_microbatch=True)
+        c(torch.randn(ROWS, H), is_first_microbatch=False)
+
+
+def test_a_set_of_a_plain_function_drives_no_modules_cache():
+    """A set graphing a plain function that calls a module drives no module's weight cache
+    (it knows of none): the module quantizes as an eager call does, whatever flag another
+    set that caches it last wrote."""
+    torch.manual_seed(0)
+    recipe = DelayedScaling(amax_history_len=4)
+    m = dwgraph.nn.Linear(H, H).requires_grad_(False)
+    sample = lambda: (torch.randn(ROWS, H, requires_grad=True),)  # noqa: E731
+    g_fn = dwgraph.make_graphed_callables(lambda x: m(x), sample(), enabled=True, recipe=recipe,
+                                          cache_quantized_params=True)
+    g_mod = dwgraph.make_graphed_callables(torch.nn.Sequential(m), sample(), enabled=True, recipe=recipe,
+                                           cache_quantized_params=True)
+    x = torch.randn(ROWS, H)
+    g_mod(x.clone().requires_grad_(), is_first_microbatch=True).sum().backward()
+    g_mod(x.clone().requires_grad_(), is_first_microbatch=False).sum().backward()  # leaves m's flag False
+    ref = copy.deepcopy(m)
+    with torch.no_grad():
+        m.weight.mul_(-1)
+        ref.weight.mul_(-1)
+    y = g_fn(x.clone().requires_grad_(), is_first_microbatch=False)
+    with fp8_autocast(recipe=recipe):
+        expected = ref(x)
+    assert torch.equal(y, expected)
+
+
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 def test_data_assigned_twice_between_microbatches_is_refused_even_at_the_same_address(graphed):
     """Two assignments to .data may hand the first microbatch's address back to the weight;

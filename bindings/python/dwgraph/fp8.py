@@ -11,9 +11,10 @@ scales each tensor by its own amax and keeps no state.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import threading
-import weakref
 import zlib
 
 import torch
@@ -56,20 +57,25 @@ def make_state(api: str, enabled, calibrating=False, recipe=None, amax_reduction
 # (is_first_microbatch=False) is refused when the weight changed since the cache was
 # filled. Version counters see in-place writes through autograd-visible tensors, but not
 # the fused optimizers' kernels (AdamW(fused=True) moves a weight and leaves its version
-# alone): so the process counts optimizer steps (torch's global post-step hook, one integer
-# per step) and remembers each optimizer's last one; a reuse after a step is refused when an
-# optimizer that stepped since the fill holds the weight (that scan only then).
+# alone): so, once a module has used weight caching, torch's global optimizer post-step
+# hook numbers every step of a torch.optim.Optimizer and keeps, for the last
+# _STEPS_KEPT steps, the ids of the parameters the optimizer held then (a frozenset, built
+# at C speed: the optimizer may be gone or its groups changed by the reuse). A reuse after
+# a step that held the weight is refused, and so is one after more steps than are kept.
+# An id reused by a later tensor can only over-refuse.
+_STEPS_KEPT = 64
 _steps = 0
-_last_step: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_stepped: "collections.deque" = collections.deque(maxlen=_STEPS_KEPT)  # (step, ids of the parameters it held)
 _steps_lock = threading.Lock()
 _step_hook = None
 
 
 def _count_step(opt, args, kwargs) -> None:
     global _steps
+    held = frozenset(map(id, itertools.chain.from_iterable(g["params"] for g in opt.param_groups)))
     with _steps_lock:
         _steps += 1
-        _last_step[opt] = _steps
+        _stepped.append((_steps, held))
 
 
 def optimizer_steps() -> int:
@@ -83,12 +89,15 @@ def optimizer_steps() -> int:
 
 
 def optimizer_stepped(tensor: torch.Tensor, since: int) -> bool:
-    """Whether an optimizer holding ``tensor`` stepped after count ``since``."""
-    if _steps == since:
-        return False
+    """Whether an optimizer step after count ``since`` held ``tensor`` (or, beyond the
+    steps kept, may have)."""
     with _steps_lock:
-        stepped = [opt for opt, n in _last_step.items() if n > since]
-    return any(p is tensor for opt in stepped for g in opt.param_groups for p in g["params"])
+        if _steps == since:
+            return False
+        if _steps - since > len(_stepped):
+            return True
+        key = id(tensor)
+        return any(key in held for n, held in _stepped if n > since)
 
 
 @contextlib.contextmanager
@@ -103,30 +112,31 @@ def state_scope(state):
 
 class _GraphedCall(threading.local):
     def __init__(self):
-        self.caching: list = []  # per graphed call running on this thread, innermost last
+        self.cached: list = []  # per graphed call running on this thread, innermost last
 
 
 _graphed_call = _GraphedCall()
 
 
 @contextlib.contextmanager
-def graphed_call_scope(state, caching: bool):
-    """A graphed callable's warmup, capture or eager fallback: under its FP8 ``state``; with
-    ``caching`` (its set was captured with weight caching) its modules read the
-    first-microbatch flag the call wrote (Note [FP8 weight cache], ops/fp8.h). The flag is
-    the set's, not the module's: a module graphed in two sets, one caching and one not,
-    follows the set whose call runs. Outside graphed calls modules decide as eager ones do."""
-    _graphed_call.caching.append(bool(caching))
+def graphed_call_scope(state, cached):
+    """A graphed callable's warmup, capture or eager fallback: under its FP8 ``state``; the
+    modules in ``cached`` (a collection supporting ``in``: those whose weight caches the
+    call drives, after writing their first-microbatch flags and checking them) read those
+    flags (Note [FP8 weight cache], ops/fp8.h). It is the call's decision, not the module's:
+    a module graphed in two sets follows the set whose call runs, and a module a call does
+    not drive (a plain function's call) decides as an eager module does."""
+    _graphed_call.cached.append(cached)
     try:
         with state_scope(state):
             yield
     finally:
-        _graphed_call.caching.pop()
+        _graphed_call.cached.pop()
 
 
-def graphed_call_caches() -> bool:
-    """Whether the innermost graphed call running on this thread caches FP8 weights."""
-    return bool(_graphed_call.caching) and _graphed_call.caching[-1]
+def graphed_call_caches(module) -> bool:
+    """Whether the innermost graphed call running on this thread drives ``module``'s FP8 weight cache."""
+    return bool(_graphed_call.cached) and module in _graphed_call.cached[-1]
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, recipe=None, amax_reduction_group=None, *,

@@ -21,6 +21,7 @@ import threading
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
 from . import _C, _guards, _traced
@@ -248,7 +249,7 @@ class _DeferredWgradModule(torch.nn.Module):
         kw = dict(amax_history=self.fp8_amax_history, scale=self.fp8_scale) if recipe.delayed() else {}
         # A module captured with weight caching reads its flag only inside its graphed
         # callable (capture, eager fallback); called on its own it decides as any eager call.
-        if is_first_microbatch is not None or _fp8.graphed_call_caches():
+        if is_first_microbatch is not None or _fp8.graphed_call_caches(self):
             self._prepare_fp8_cache()
             kw.update(weight_cache=[(getattr(self, f"_fp8_weight_cache{i}"), getattr(self, f"_fp8_weight_scale_inv{i}"))
                                     for i in range(self._fp8_gemms)],
@@ -284,8 +285,8 @@ class _DeferredWgradModule(torch.nn.Module):
         records in ``_fp8_cache_versions`` once the call has succeeded (until then, and for
         good if it fails, the cache counts as unfilled: a failed first microbatch may not
         have refreshed it). A weight is the same when it is the same object, at the same
-        version, in the same storage (held, so that no later storage can take its address),
-        and no optimizer holding it has stepped since (Note [Optimizer steps the FP8 weight
+        version, in the same storage (weakly referenced, so that no later storage can take
+        its identity), and no optimizer holding it has stepped since (Note [Optimizer steps the FP8 weight
         cache sees], fp8.py): an assignment to ``weight.data`` (``vector_to_parameters``,
         ``module.to()``) keeps the object and its version but not its storage, and fused
         optimizers move a weight without bumping its version."""
@@ -294,7 +295,7 @@ class _DeferredWgradModule(torch.nn.Module):
         steps = _fp8.optimizer_steps()
         if first:
             self._fp8_cache_versions = None
-            return (now, steps)
+            return ([(i, v, StorageWeakRef(s), p) for i, v, s, p in now], steps)
         recorded = self._fp8_cache_versions
         if recorded is None:
             raise GraphStateError(
@@ -307,7 +308,7 @@ class _DeferredWgradModule(torch.nn.Module):
                 why = "the parameter was replaced"
             elif v0 != v1:
                 why = f"it was changed in place (version {v0}, now {v1})"
-            elif s0._cdata != s1._cdata or p0 != p1:
+            elif s0.expired() or s0.cdata != s1._cdata or p0 != p1:
                 why = "its data was replaced (an assignment to .data)"
             elif _fp8.optimizer_stepped(w, steps_then):
                 why = "an optimizer holding it stepped (a fused optimizer bumps no version counter)"
@@ -451,8 +452,14 @@ class _DeferredWgradModule(torch.nn.Module):
                 "unit(s) (eager or in a graphed callable's graphs); expected none: run backward_dw() for each "
                 "queued backward before saving")
         state = super().__getstate__()
-        # The cache's record holds the weights' storages: a copy has no filled cache.
-        state = dict(state, _fp8_cache_versions=None, _fp8_filling=None)
+        # A copy has no filled FP8 weight cache: neither the record (weak references to the
+        # weights' storages) nor the cache buffers (non-persistent; FP8 tensors, which
+        # plain pickle cannot rebuild) go with it.
+        cache = {n for n in self._buffers if n.startswith(("_fp8_weight_cache", "_fp8_weight_scale_inv"))} | \
+            {"_fp8_first_microbatch"}
+        state = dict(state, _fp8_cache_versions=None, _fp8_filling=None,
+                     _buffers={n: b for n, b in self._buffers.items() if n not in cache},
+                     _non_persistent_buffers_set=self._non_persistent_buffers_set - cache)
         return state
 
     def __setstate__(self, state):
