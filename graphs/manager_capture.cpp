@@ -3,6 +3,7 @@
 #include "graphs/manager_impl.h"
 
 #include "common/check.h"
+#include "common/log.h"
 #include "graphs/capture_log.h"
 #include "graphs/host_graph.h"
 #include "graphs/state_epoch.h"
@@ -935,6 +936,7 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
   // warmup and no warmup hooks (they ran); sets with capture-time hooks, which would see
   // every capture twice, are captured once.
   if (auto plan = manager->better_placement()) {
+    const int64_t best_fit = manager->pool()->stats().reserved_bytes;
     manager->reset();
     options.placement = std::move(plan);
     options.num_warmup_iters = 0;
@@ -942,6 +944,13 @@ std::vector<std::shared_ptr<GraphedCallable>> make_graphed_callables(
     options.post_warmup_hook = nullptr;
     manager = std::make_shared<GraphManager>(std::move(callables), std::move(options));
     manager->build(sample_args);
+    const int64_t planned = manager->pool()->stats().reserved_bytes;
+    if (planned > best_fit) {
+      log::warning("make_graphed_callables: the second capture, on a planned pool, holds ", log::format_bytes(planned),
+                   " where the first held ", log::format_bytes(best_fit),
+                   ": the two captures allocated differently (a module that makes state in its first forward, "
+                   "with num_warmup_iters=0?). Pass plan_placement=False to capture once");
+    }
   }
   std::vector<std::shared_ptr<GraphedCallable>> out;
   for (size_t s = 0; s < manager->num_slots(); ++s) {

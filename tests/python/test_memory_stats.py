@@ -218,3 +218,54 @@ def test_graphed_step_reports_its_pools_peak():
     assert st["pool_allocated_bytes"] <= st["pool_peak_allocated_bytes"] <= st["pool_reserved_bytes"]
     assert st["pool_peak_allocated_bytes"] > 0
     assert "pool peak" in step.summary()
+
+
+class _LazyTable(torch.nn.Module):
+    """Makes a tensor in its first forward: with no warmup that is inside the first capture
+    only, so the second capture allocates otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = dwgraph.nn.Linear(16, 16, delay_wgrad_compute=True)
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.arange(64, dtype=torch.float32).reshape(4, 16).sin()
+        return self.lin(x) * self.table
+
+    def backward_dw(self):
+        self.lin.backward_dw()
+
+
+def test_a_second_capture_larger_than_the_first_is_logged_and_trains_as_eager():
+    import logging
+
+    kept = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            kept.append(record)
+
+    logger = logging.getLogger("dwgraph")
+    handler, old_level = Keep(level=logging.WARNING), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    try:
+        torch.manual_seed(0)
+        model = _LazyTable()
+        eager = copy.deepcopy(model)
+        m = 6
+        order = one_f_one_b(m)
+        slots = dwgraph.make_graphed_callables((model,), tuple((torch.randn(4, 16),) for _ in range(m)), order=order,
+                                               num_warmup_iters=0)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    larger = [r for r in kept if "the second capture, on a planned pool" in r.getMessage()]
+    assert larger and "plan_placement=False" in larger[0].getMessage()
+    xs = [torch.randn(4, 16) for _ in range(m)]
+    run_order(order, lambda i, x: slots[i](x), lambda i: slots[i].backward_dw(), xs)
+    run_order(order, lambda i, x: eager(x), lambda i: eager.backward_dw(), xs)
+    for pg, pe in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(pg.grad, pe.grad)
