@@ -955,7 +955,7 @@ def test_a_set_of_a_plain_function_drives_no_modules_cache():
     (it knows of none): the module quantizes as an eager call does, whatever flag another
     set that caches it last wrote."""
     torch.manual_seed(0)
-    recipe = DelayedScaling(amax_history_len=4)
+    recipe = Float8CurrentScaling()  # stateless: a module outside the callable's tree is allowed
     m = dwgraph.nn.Linear(H, H).requires_grad_(False)
     sample = lambda: (torch.randn(ROWS, H, requires_grad=True),)  # noqa: E731
     g_fn = dwgraph.make_graphed_callables(lambda x: m(x), sample(), enabled=True, recipe=recipe,
@@ -973,6 +973,36 @@ def test_a_set_of_a_plain_function_drives_no_modules_cache():
     with fp8_autocast(recipe=recipe):
         expected = ref(x)
     assert torch.equal(y, expected)
+
+
+class _HidingWrapper(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = dwgraph.nn.Linear(H, H)
+        self.hidden = [hidden]  # a plain list: not a submodule
+
+    def forward(self, x):
+        return self.hidden[0](self.lin(x))
+
+
+@pytest.mark.parametrize("how", ["plain_list", "plain_function"])
+def test_a_delayed_scaling_module_outside_the_graphed_tree_is_refused(how):
+    """Its scaling state is not among what the capture puts back, so the warmup would move
+    it unseen and graphed would part from eager from the first call: refused at capture,
+    before the module's FP8 buffers are made. (Current scaling keeps no state: allowed.)"""
+    hidden = dwgraph.nn.Linear(H, H).requires_grad_(False)
+    target = _HidingWrapper(hidden) if how == "plain_list" else (lambda x: hidden(x))
+    with pytest.raises(dwgraph.ArgumentError, match="does not hold this module"):
+        dwgraph.make_graphed_callables(target, (torch.randn(ROWS, H, requires_grad=True),), enabled=True,
+                                       recipe=DelayedScaling(amax_history_len=4))
+    assert "fp8_scale" not in dict(hidden.named_buffers())
+    reference = copy.deepcopy(target) if how == "plain_list" else target
+    g = dwgraph.make_graphed_callables(target, (torch.randn(ROWS, H, requires_grad=True),), enabled=True,
+                                       recipe=Float8CurrentScaling())
+    x = torch.randn(ROWS, H)
+    with fp8_autocast(recipe=Float8CurrentScaling()):
+        expected = reference(x)
+    assert torch.equal(g(x), expected)
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])

@@ -112,31 +112,37 @@ def state_scope(state):
 
 class _GraphedCall(threading.local):
     def __init__(self):
-        self.cached: list = []  # per graphed call running on this thread, innermost last
+        self.calls: list = []  # (known, cached) per graphed call running on this thread, innermost last
 
 
 _graphed_call = _GraphedCall()
 
 
 @contextlib.contextmanager
-def graphed_call_scope(state, cached):
-    """A graphed callable's warmup, capture or eager fallback: under its FP8 ``state``; the
-    modules in ``cached`` (a collection supporting ``in``: those whose weight caches the
-    call drives, after writing their first-microbatch flags and checking them) read those
-    flags (Note [FP8 weight cache], ops/fp8.h). It is the call's decision, not the module's:
-    a module graphed in two sets follows the set whose call runs, and a module a call does
-    not drive (a plain function's call) decides as an eager module does."""
-    _graphed_call.cached.append(cached)
+def graphed_call_scope(state, known, cached):
+    """A graphed callable's warmup, capture or eager fallback: under its FP8 ``state``.
+    ``known`` (a collection supporting ``in``) holds the dwgraph modules of the callable's
+    module tree, whose FP8 state the capture makes and puts back; ``cached``, those whose
+    weight caches the call drives (after writing their first-microbatch flags and checking
+    them), which read those flags (Note [FP8 weight cache], ops/fp8.h). It is the call's
+    decision, not the module's: a module graphed in two sets follows the set whose call
+    runs, and a module a call does not drive decides as an eager module does."""
+    _graphed_call.calls.append((known, cached))
     try:
         with state_scope(state):
             yield
     finally:
-        _graphed_call.cached.pop()
+        _graphed_call.calls.pop()
 
 
 def graphed_call_caches(module) -> bool:
     """Whether the innermost graphed call running on this thread drives ``module``'s FP8 weight cache."""
-    return bool(_graphed_call.cached) and module in _graphed_call.cached[-1]
+    return bool(_graphed_call.calls) and module in _graphed_call.calls[-1][1]
+
+
+def graphed_call_hides(module) -> bool:
+    """Whether a graphed call runs on this thread whose module tree does not hold ``module``."""
+    return bool(_graphed_call.calls) and module not in _graphed_call.calls[-1][0]
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, recipe=None, amax_reduction_group=None, *,

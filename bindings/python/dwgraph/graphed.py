@@ -335,12 +335,12 @@ def _prepare_fp8_capture(m, state, cache: bool) -> None:
         m._fp8_first_microbatch.fill_(True)
 
 
-def _under_fp8(fn: Callable, state, cached) -> Callable:
-    """``fn`` run under the C++ FP8 ``state``, as a graphed call driving the FP8 weight
-    caches of the modules in ``cached``."""
+def _under_fp8(fn: Callable, state, known, cached) -> Callable:
+    """``fn`` run under the C++ FP8 ``state``, as a graphed call of a callable whose tree
+    holds the modules in ``known``, driving the FP8 weight caches of those in ``cached``."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        with _fp8.graphed_call_scope(state, cached):
+        with _fp8.graphed_call_scope(state, known, cached):
             return fn(*args, **kwargs)
     return call
 
@@ -574,10 +574,11 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
             for m in module.modules():
                 if _spec.is_dwgraph_module(m):
                     _prepare_fp8_capture(m, fp8_states[i], fp8_cache)
-        # The modules whose FP8 weight caches this callable's calls drive (the flag they
-        # read is the one its calls write); a plain function's calls drive none.
-        cached = weakref.WeakSet(m for m in module.modules() if _spec.is_dwgraph_module(m)) \
-            if is_module and fp8_cache and fp8_states[i].enabled else weakref.WeakSet()
+        # The dwgraph modules of the callable's tree (a plain function has none), and those
+        # whose FP8 weight caches its calls drive (the flag they read is the one its calls write).
+        known = weakref.WeakSet(m for m in module.modules() if _spec.is_dwgraph_module(m)) \
+            if is_module else weakref.WeakSet()
+        cached = known if fp8_cache and fp8_states[i].enabled else weakref.WeakSet()
         # The module's own forward; hooks of the module itself run around the replays, as
         # around eager calls.
         forward = module.forward if is_module else module
@@ -589,7 +590,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
             # A plain callable, a forward set on the instance or bound some other way
             # (functools.partialmethod): held as given, strongly.
             call = forward
-        call = _under_fp8(call, fp8_states[i], cached)
+        call = _under_fp8(call, fp8_states[i], known, cached)
 
         def run(tensors, call=call, in_sig=in_sigs[i], out_sig=out_sig, i=i):
             args, kwargs = in_sig.rebuild(tensors)
@@ -633,7 +634,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
 
             spec.capture_time_hook = capture_time_hook
         specs.append(spec)
-        forwards.append(_under_fp8(forward, fp8_states[i], cached))
+        forwards.append(_under_fp8(forward, fp8_states[i], known, cached))
         out_sigs.append(out_sig)
 
     pool = _resolve_pool(options.pop("pool"))

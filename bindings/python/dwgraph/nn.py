@@ -222,6 +222,15 @@ class _DeferredWgradModule(torch.nn.Module):
         if recomputing and is_first_microbatch:
             # The copy this microbatch's forward filled: reused, not refilled (ops/fp8.h).
             is_first_microbatch = False
+        if state.enabled and state.recipe.delayed() and _fp8.graphed_call_hides(self):
+            # The capture's warmup would move this module's scaling state, which the capture
+            # does not know to put back (it puts back its tree's buffers): graphed and eager
+            # would part from the first call.
+            raise ArgumentError(
+                f"{self._display_name()}: an FP8 forward with delayed scaling inside a graphed callable whose "
+                "module tree does not hold this module (one kept in a plain list or dict, or called from a "
+                "plain function); its warmup would move the module's scaling state unseen. Register it as a "
+                "submodule of the graphed module (an attribute, or a torch.nn.ModuleList)")
         filling = None
         if state.enabled and is_first_microbatch is not None:  # refusals before anything is written
             if _step_context.modules is not None:
