@@ -301,3 +301,13 @@ def test_the_sequential_schedule_stated_as_an_order_holds_eagers_peak():
     for pg, pe in zip((p for l in layers for p in l.parameters()), (p for l in eager for p in l.parameters())):
         assert torch.equal(pg.grad, pe.grad)
     assert slots[0].stats()["pool_reserved_bytes"] <= 1.05 * e.peak_bytes
+    # More steps, with either zero_grad: still eager's gradients, bitwise.
+    for set_to_none in (True, False, True):
+        for ls in (layers, eager):
+            for l in ls:
+                l.zero_grad(set_to_none=set_to_none)
+        x = torch.randn(B, H)
+        step(slots)
+        step(eager)
+        for pg, pe in zip((p for l in layers for p in l.parameters()), (p for l in eager for p in l.parameters())):
+            assert torch.equal(pg.grad, pe.grad)
