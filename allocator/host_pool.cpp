@@ -72,14 +72,13 @@ bool HostPool::extend(size_t idx, size_t extent) {
   }
   const size_t more = extent - s.extent;
   char* const end = s.base + s.extent;
+  const auto tail = free_tail(idx);
   s.extent = extent;
   stats_.reserved_bytes += static_cast<int64_t>(more);
-  auto last = blocks_.lower_bound(end);
-  if (last != blocks_.begin() && std::prev(last)->second.chunk == idx && std::prev(last)->second.free) {
-    auto b = std::prev(last);  // the free tail takes the new bytes
-    free_.erase({b->second.size, idx, b->first});
-    b->second.size += more;
-    free_.insert({b->second.size, idx, b->first});
+  if (tail != blocks_.end()) {  // the free tail takes the new bytes
+    free_.erase({tail->second.size, idx, tail->first});
+    tail->second.size += more;
+    free_.insert({tail->second.size, idx, tail->first});
   } else {
     blocks_[end] = Block{more, idx, true, 0};
     free_.insert({more, idx, end});
@@ -87,16 +86,21 @@ bool HostPool::extend(size_t idx, size_t extent) {
   return true;
 }
 
+std::map<char*, HostPool::Block>::iterator HostPool::free_tail(size_t idx) {
+  const Segment& s = segments_[idx];
+  auto last = blocks_.lower_bound(s.base + s.extent);
+  if (last == blocks_.begin()) return blocks_.end();
+  --last;
+  return last->second.chunk == idx && last->second.free ? last : blocks_.end();
+}
+
 std::set<std::tuple<size_t, size_t, char*>>::iterator HostPool::grow(size_t n) {
   // The newest segment first (its tail is where the last blocks went), then older ones.
   for (size_t k = segments_.size(); k-- > 0;) {
-    const Segment& s = segments_[k];
-    auto last = blocks_.lower_bound(s.base + s.extent);
-    const bool free_tail = last != blocks_.begin() && std::prev(last)->second.chunk == k &&
-                           std::prev(last)->second.free;
-    const size_t tail = free_tail ? std::prev(last)->second.size : 0;
-    if (!extend(k, s.extent + (n - tail))) continue;
-    auto b = std::prev(blocks_.lower_bound(s.base + s.extent));
+    const auto tail = free_tail(k);
+    const size_t have = tail != blocks_.end() ? tail->second.size : 0;
+    if (!extend(k, segments_[k].extent + (n - have))) continue;
+    const auto b = free_tail(k);
     return free_.find({b->second.size, k, b->first});
   }
   return free_.end();
@@ -167,7 +171,7 @@ c10::DataPtr HostPool::allocate(size_t nbytes) {
     if (p == nullptr) {
       auto it = free_.lower_bound({n, 0, nullptr});
       if (it == free_.end()) it = grow(n);
-      if (it == free_.end()) {  // no segment yet, or the newest has no room left
+      if (it == free_.end()) {  // no segment yet, or none has room left
         open_segment(n);
         it = grow(n);
         TORCH_INTERNAL_ASSERT(it != free_.end(), "dwgraph host pool: a new segment did not fit ", n, " bytes");

@@ -7,10 +7,10 @@
 // as long as the pool: each graph captured on it and each live block hold a reference, so
 // the memory a graph baked in stays valid until the graph is reset.
 //
-// The arena is one expandable segment (Note [An expandable host segment], host_pool.cpp):
-// address space reserved up front and committed as the pool grows, so a request that fits
-// nowhere extends the free block at the segment's end instead of opening a chunk of its
-// own beside it.
+// The arena is made of expandable segments (Note [An expandable host segment],
+// host_pool.cpp): address space reserved up front and committed as the pool grows, so a
+// request that fits nowhere extends the free block at a segment's end instead of opening a
+// chunk of its own beside it.
 
 #include "allocator/placement_plan.h"
 
@@ -87,9 +87,11 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
     size_t extent;     // bytes handed to blocks, from base
     size_t committed;  // bytes readable and writable, from base (pages)
   };
-  // A free block of at least n bytes at the end of the newest segment, grown into its
-  // reserved space; end() when the segment has no room (a new segment is opened then).
+  // A free block of at least n bytes at the end of a segment (the newest with room),
+  // grown into its reserved space; end() when none has room (a new segment is opened then).
   std::set<std::tuple<size_t, size_t, char*>>::iterator grow(size_t n);
+  // The free block ending segment `idx`, or blocks_.end() when its last block is live.
+  std::map<char*, Block>::iterator free_tail(size_t idx);
   // Grows segment `idx` to `extent` bytes (its free tail, or a new free block, takes them);
   // false when that is beyond its reservation.
   bool extend(size_t idx, size_t extent);

@@ -266,6 +266,11 @@ class _DeferredWgradModule(torch.nn.Module):
                       host_first=None if is_first_microbatch is None else bool(is_first_microbatch))
         return dict(fp8=_C.fp8.Meta(**kw))
 
+    def _fp8_cache_buffer_names(self) -> List[str]:
+        """The weight cache's buffers (non-persistent), as _prepare_fp8_cache names them."""
+        return ([f"_fp8_weight_cache{i}" for i in range(self._fp8_gemms)]
+                + [f"_fp8_weight_scale_inv{i}" for i in range(self._fp8_gemms)] + ["_fp8_first_microbatch"])
+
     def _prepare_fp8_cache(self) -> None:
         """Non-persistent buffers: one FP8 copy of each weight with its 1/scale, and the
         first-microbatch flag a graph reads."""
@@ -342,11 +347,8 @@ class _DeferredWgradModule(torch.nn.Module):
 
     def reset_fp8_state(self) -> None:
         """Forgets the FP8 scaling state (the next FP8 forward starts from unit scales)."""
-        for name in ("fp8_amax_history", "fp8_scale", "_fp8_first_microbatch"):
+        for name in ["fp8_amax_history", "fp8_scale"] + self._fp8_cache_buffer_names():
             self._buffers.pop(name, None)
-        for i in range(self._fp8_gemms):
-            self._buffers.pop(f"_fp8_weight_cache{i}", None)
-            self._buffers.pop(f"_fp8_weight_scale_inv{i}", None)
         self._fp8_cache_versions = self._fp8_filling = None
         self._fp8_recipe = None  # _fp8_ran stays: a checkpointed FP8 forward may still be pending
 
@@ -464,8 +466,7 @@ class _DeferredWgradModule(torch.nn.Module):
         # A copy has no filled FP8 weight cache: neither the record (weak references to the
         # weights' storages) nor the cache buffers (non-persistent; FP8 tensors, which
         # plain pickle cannot rebuild) go with it.
-        cache = {n for n in self._buffers if n.startswith(("_fp8_weight_cache", "_fp8_weight_scale_inv"))} | \
-            {"_fp8_first_microbatch"}
+        cache = set(self._fp8_cache_buffer_names())
         state = dict(state, _fp8_cache_versions=None, _fp8_filling=None,
                      _buffers={n: b for n, b in self._buffers.items() if n not in cache},
                      _non_persistent_buffers_set=self._non_persistent_buffers_set - cache)
@@ -489,7 +490,7 @@ class _DeferredWgradModule(torch.nn.Module):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            # The FP8 cache's record holds the weights' storages: a copy has no filled cache.
+            # The FP8 cache's record is of the original's weights: a copy has no filled cache.
             object.__setattr__(new, k, None if k in ("_fp8_cache_versions", "_fp8_filling") else copy.deepcopy(v, memo))
         # Parameter.__deepcopy__ drops Python attributes; main_grad goes with its parameter.
         for name, p in self.named_parameters(recurse=False):
