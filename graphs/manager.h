@@ -86,7 +86,9 @@ struct GraphedCallableOptions {
   bool backward_under_autocast = false;
   // Outputs are fresh clones the caller owns (default), so keeping one across calls or
   // changing it in place cannot touch what the graphs hold. false: the graphs' static
-  // outputs themselves, overwritten by the slot's next call (torch's and
+  // outputs themselves, overwritten by the slot's next call (and in a pipeline on the
+  // set's own pool, whose slots share it by liveness, by other slots' replays once the
+  // output's backward has run) (torch's and
   // TransformerEngine's behaviour; saves a copy per output per call).
   bool clone_outputs = true;
   // TransformerEngine's: called once before the first warmup iteration and once after the

@@ -311,3 +311,9 @@ def test_the_sequential_schedule_stated_as_an_order_holds_eagers_peak():
         step(eager)
         for pg, pe in zip((p for l in layers for p in l.parameters()), (p for l in eager for p in l.parameters())):
             assert torch.equal(pg.grad, pe.grad)
+
+
+@pytest.mark.parametrize("value", ["no", None, 0])
+def test_plan_placement_must_be_a_bool(value):
+    with pytest.raises(dwgraph.ArgumentError, match="'plan_placement' must be a bool"):
+        dwgraph.make_graphed_callables(_model(), (torch.randn(B, H),), plan_placement=value)

@@ -399,7 +399,8 @@ def make_graphed_callables(
     caller's ``pool``, slots of one callable whose lifetimes in ``order`` do not overlap
     share their static inputs and grad outputs.
     ``clone_outputs`` (default): outputs are fresh tensors the caller owns; ``False`` returns
-    the graphs' static outputs, overwritten by the slot's next call (torch's and
+    the graphs' static outputs, overwritten by the slot's next call, and in a pipeline on
+    the set's own pool by other slots' replays once that output's backward has run (torch's and
     TransformerEngine's behaviour, one copy per output per call cheaper).
     ``backward_under_autocast``: the backward graphs are captured with autocast off, as
     the natural loop (forward under ``torch.autocast``, ``loss.backward()`` outside it) runs
@@ -450,9 +451,11 @@ def make_graphed_callables(
         reuse_static_buffers = bool(_reuse_graph_input_output_buffers)
     if _clone_param_grads_on_return is not None:
         clone_param_grads_on_return = _clone_param_grads_on_return
-    if not isinstance(clone_param_grads_on_return, bool):
-        raise ArgumentError("dwgraph.make_graphed_callables: argument 'clone_param_grads_on_return' must be a bool, "
-                            f"got {type(clone_param_grads_on_return).__name__}")
+    for name, value in (("clone_param_grads_on_return", clone_param_grads_on_return),
+                        ("plan_placement", plan_placement)):
+        if not isinstance(value, bool):
+            raise ArgumentError(f"dwgraph.make_graphed_callables: argument '{name}' must be a bool, "
+                                f"got {type(value).__name__}")
     for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
         if hook is not None and not callable(hook):
             raise ArgumentError(f"dwgraph.make_graphed_callables: argument '{name}' must be a callable taking no "
@@ -512,7 +515,7 @@ def make_graphed_callables(
             allow_unused_input=allow_unused_input, pool=pool, retain_graph_in_backward=retain_graph_in_backward,
             reuse_static_buffers=reuse_static_buffers, clone_outputs=clone_outputs,
             backward_under_autocast=bool(backward_under_autocast), pre_warmup_hook=pre_warmup_hook,
-            post_warmup_hook=post_warmup_hook, plan_placement=bool(plan_placement),
+            post_warmup_hook=post_warmup_hook, plan_placement=plan_placement,
             unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
     except BaseException:
         for m, saved in zip(modules, previous):
