@@ -1,7 +1,6 @@
 #include "graphs/landing.h"
 
 #include "common/check.h"
-#include "graphs/phase_timing.h"
 #include "ops/grad_accumulation.h"
 
 #include <ATen/core/grad_mode.h>
@@ -22,10 +21,8 @@ std::vector<uint8_t> Landing::hooked_now() const {
   return hooked;
 }
 
-void Landing::land(const LiveMask& live, bool timed, const std::vector<uint8_t>* hooked_at_forward) const {
-  uint64_t copy_ns = 0;
+void Landing::land(const LiveMask& live, const std::vector<uint8_t>* hooked_at_forward) const {
   {
-    const ScopedNs t(timed ? &copy_ns : nullptr);
     const at::NoGradGuard no_grad;
     for (const auto& c : contributions) {
       if (!is_live(live, c.param_index)) continue;
@@ -37,13 +34,9 @@ void Landing::land(const LiveMask& live, bool timed, const std::vector<uint8_t>*
       }
     }
   }
-  {
-    const ScopedNs t(timed ? &copy_ns : nullptr);
-    for (const auto& f : flags) {
-      if (is_live(live, f.param_index)) f.set();
-    }
+  for (const auto& f : flags) {
+    if (is_live(live, f.param_index)) f.set();
   }
-  if (timed) add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
   // With no hooked module in the process and no hook outside a store, there is nothing to
   // scan: a landing's cost does not grow with the module tree (contract C10).
   if (!hooks || (unconditional_hooks == 0 && ops::num_stores_with_hooks() == 0)) return;

@@ -81,11 +81,11 @@ struct Landing {
   // module whose gradients land in the backward runs hooks only if it had some at its
   // forward (one registered between them waits for the next forward).
   std::vector<uint8_t> hooked_now() const;
-  // Hand-off, flags, hooks, for the live parameters. `timed`: the hand-off's copies count
-  // as backward_dw()'s copies in graphs/phase_timing.h. `hooked_at_forward`: hooked_now()
-  // as the call's forward saw it (null: which modules have hooks is asked here).
-  void land(const LiveMask& live = {}, bool timed = false,
-            const std::vector<uint8_t>* hooked_at_forward = nullptr) const;
+  // Hand-off, flags, hooks, for the live parameters. `hooked_at_forward`: hooked_now() as
+  // the call's forward saw it (null: which modules have hooks is asked here). Untimed: the
+  // caller times the hand-offs of all the parts it lands at once (graphs/phase_timing.h),
+  // as a clock read per part would count as overhead.
+  void land(const LiveMask& live = {}, const std::vector<uint8_t>* hooked_at_forward = nullptr) const;
   bool empty() const { return contributions.empty() && flags.empty() && (!hooks || hooks->empty()); }
 };
 

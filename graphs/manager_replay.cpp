@@ -162,7 +162,7 @@ class GraphedBackward final : public torch::autograd::Node {
       // After autograd has accumulated what this node returns: at the end of the backward.
       torch::autograd::Engine::get_default_engine().queue_callback(
           [m = manager_, s = slot_, live = std::move(result.live), hooked = hooked_at_forward_] {
-            m->after_backward(s).land(live, /*timed=*/false, &hooked);
+            m->after_backward(s).land(live, &hooked);
           });
     }
     return std::move(result.grads);
@@ -746,7 +746,14 @@ void GraphManager::backward_dw(size_t s) {
     }
   }
   add_phase_time(TimedPhase::kBackwardDw, replay_ns, 0, true);
-  for (size_t p : parts) slot.dw_parts[p].landing.land(live, /*timed=*/true);
+  {
+    uint64_t copy_ns = 0;  // the parts' hand-offs (they hold no hooks: dw_hooks below), timed together
+    {
+      const ScopedNs t(&copy_ns);
+      for (size_t p : parts) slot.dw_parts[p].landing.land(live);
+    }
+    add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
+  }
   for (const auto& h : hooks) h.land(live);
 }
 
@@ -785,7 +792,12 @@ void GraphManager::land_part(size_t s, size_t p) {
     disarm_part(slot, p);
   }
   add_phase_time(TimedPhase::kBackwardDw, replay_ns, 0, true);
-  part.landing.land(live, /*timed=*/true);  // the module's backward_dw() runs its hooks
+  uint64_t copy_ns = 0;  // the hand-off (a part holds no hooks: the module's backward_dw() runs them)
+  {
+    const ScopedNs t(&copy_ns);
+    part.landing.land(live);
+  }
+  add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
 }
 
 size_t GraphManager::num_armed_parts(const Slot& slot) const {

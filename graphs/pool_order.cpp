@@ -49,6 +49,26 @@ std::vector<PoolOrder::Range> PoolOrder::query(const Intervals& map, uintptr_t b
   return out;
 }
 
+bool PoolOrder::first_other(const Intervals& map, uintptr_t begin, uintptr_t end, GraphId g, Range* piece) {
+  uintptr_t at = begin;
+  auto it = map.upper_bound(begin);
+  if (it != map.begin() && std::prev(it)->second.first > begin) --it;  // the interval holding `begin`
+  while (at < end) {
+    if (it == map.end() || it->first > at) {  // a gap: bytes nobody wrote
+      *piece = Range{at, it == map.end() ? end : std::min(end, it->first), 0};
+      return true;  // (g is a graph, never 0)
+    }
+    const uintptr_t e = std::min(it->second.first, end);
+    if (it->second.second != g) {
+      *piece = Range{at, e, it->second.second};
+      return true;
+    }
+    at = e;
+    ++it;
+  }
+  return false;
+}
+
 void PoolOrder::coalesce(std::vector<Range>& ranges) {
   std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
     return a.graph != b.graph ? a.graph < b.graph : a.begin < b.begin;
@@ -120,6 +140,8 @@ void PoolOrder::add_pending(uintptr_t begin, uintptr_t end, GraphId writer, Grap
   if (begin >= end) return;
   const size_t slot = reads_.size();
   reads_.push_back(PendingRead{begin, end, writer, reader, true});
+  const GraphId hi = std::max(writer, reader);
+  if (reads_of_.size() <= hi) reads_of_.resize(hi + 1);
   reads_of_[writer].push_back(slot);
   reads_of_[reader].push_back(slot);
   cover(cover_, begin, end, 1);
@@ -127,9 +149,9 @@ void PoolOrder::add_pending(uintptr_t begin, uintptr_t end, GraphId writer, Grap
 
 template <class Drop>
 void PoolOrder::drop_pending(GraphId g, Drop drop) {
-  auto it = reads_of_.find(g);
-  if (it == reads_of_.end()) return;
-  auto& slots = it->second;
+  std::vector<size_t>* listed = reads_of(g);
+  if (listed == nullptr || listed->empty()) return;
+  auto& slots = *listed;
   size_t kept = 0;
   for (size_t slot : slots) {
     PendingRead& r = reads_[slot];
@@ -143,7 +165,6 @@ void PoolOrder::drop_pending(GraphId g, Drop drop) {
     }
   }
   slots.resize(kept);
-  if (slots.empty()) reads_of_.erase(it);
 }
 
 void PoolOrder::compact_reads() {
@@ -155,14 +176,12 @@ void PoolOrder::compact_reads() {
     renumber[i] = live.size();
     live.push_back(reads_[i]);
   }
-  for (auto it = reads_of_.begin(); it != reads_of_.end();) {
-    auto& slots = it->second;
+  for (auto& slots : reads_of_) {
     size_t kept = 0;
     for (size_t slot : slots) {
       if (renumber[slot] != SIZE_MAX) slots[kept++] = renumber[slot];
     }
     slots.resize(kept);
-    it = slots.empty() ? reads_of_.erase(it) : std::next(it);
   }
   reads_ = std::move(live);
   dead_reads_ = 0;
@@ -246,8 +265,8 @@ void PoolOrder::check_replay(GraphId id) const {
   if (!enforced_) return;
   const GraphInfo& me = graphs_.at(id);
   for (const auto& want : me.expects) {
-    for (const auto& piece : query(replay_writer_, want.begin, want.end)) {
-      if (piece.graph == want.graph) continue;
+    Range piece{};
+    if (first_other(replay_writer_, want.begin, want.end, want.graph, &piece)) {
       DWGRAPH_RAISE(ErrorCode::kGraphState, "dwgraph: replaying the ", name_of(id), " now would read ",
                     piece.end - piece.begin, " bytes of pool memory that hold the data of the ", name_of(want.graph),
                     " at capture, but ",
@@ -259,7 +278,7 @@ void PoolOrder::check_replay(GraphId id) const {
   }
   // The pending reads over the bytes this graph would write, less its own (Note [Pending
   // reads indexed by bytes]).
-  const auto own = reads_of_.find(id);
+  const std::vector<size_t>* own = reads_of(id);
   for (const auto& [b, e] : me.writes) {
     auto it = cover_.upper_bound(b);
     if (it != cover_.begin()) --it;
@@ -267,8 +286,8 @@ void PoolOrder::check_replay(GraphId id) const {
       const uintptr_t pb = std::max(it->first, b), pe = std::min(it->second.first, e);
       if (pe <= pb) continue;
       int64_t mine = 0;
-      if (own != reads_of_.end()) {
-        for (size_t slot : own->second) {
+      if (own != nullptr) {
+        for (size_t slot : *own) {
           const PendingRead& r = reads_[slot];
           mine += r.live && (r.writer == id || r.reader == id) && r.begin < pe && r.end > pb;
         }

@@ -76,6 +76,10 @@ class PoolOrder {
   using Intervals = std::map<uintptr_t, std::pair<uintptr_t, GraphId>>;
   static void assign(Intervals& map, uintptr_t begin, uintptr_t end, GraphId g);
   static std::vector<Range> query(const Intervals& map, uintptr_t begin, uintptr_t end);
+  // The first piece of [begin, end) whose graph is not `g` (a graph, not 0), as query()
+  // would list it (graph 0: bytes nobody wrote); false when every byte is `g`'s. No
+  // allocation: a replay's check.
+  static bool first_other(const Intervals& map, uintptr_t begin, uintptr_t end, GraphId g, Range* piece);
   static void coalesce(std::vector<Range>& ranges);
   static void coalesce(std::vector<std::pair<uintptr_t, uintptr_t>>& ranges);
   std::string name_of(GraphId g) const;
@@ -106,7 +110,11 @@ class PoolOrder {
   void compact_reads();
   std::vector<PendingRead> reads_;
   size_t dead_reads_ = 0;
-  std::map<GraphId, std::vector<size_t>> reads_of_;  // slots where the graph is writer or reader
+  // Slots where the graph is writer or reader, indexed by GraphId (ids are dense: one per
+  // graph ever added), so a replay finds its reads without a tree walk.
+  std::vector<std::vector<size_t>> reads_of_;
+  std::vector<size_t>* reads_of(GraphId g) { return g < reads_of_.size() ? &reads_of_[g] : nullptr; }
+  const std::vector<size_t>* reads_of(GraphId g) const { return g < reads_of_.size() ? &reads_of_[g] : nullptr; }
   Cover cover_;
 };
 

@@ -82,3 +82,19 @@ def test_links_stay_inside_the_repository():
                 elif not resolved.exists():
                     bad.append(f"{where} (no such file)")
     assert not bad, "\n".join(bad)
+
+
+def test_main_sample_trains_its_graphed_copies_as_eager():
+    """The README's main sample (scripts/sample): its three copies train bit for bit alike
+    (the sample exits non-zero at the first difference) and it reports both graphed ratios.
+    The ratios' values are the benchmarks' business, not a test's."""
+    sample = docs_blocks.ROOT / "samples" / "python" / "train.py"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, str(sample), "--steps", "12"], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert rows and all(r[-1] == "yes" for r in rows), done.stdout
+    assert re.search(r"replay/eager: whole step \(@dwgraph\.graphed_step\) [0-9.]+, per module "
+                     r"\(make_graphed_callables\) [0-9.]+", done.stdout), done.stdout
+    assert "whole step: 1 graph(s), 1 capture(s)" in done.stdout, done.stdout
