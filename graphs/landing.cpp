@@ -13,9 +13,13 @@ void Landing::check(const std::string& where, const LiveMask& live) const {
   }
 }
 
+bool Landing::may_run_hooks() const {
+  return hooks && (unconditional_hooks > 0 || ops::num_stores_with_hooks() > 0);
+}
+
 std::vector<uint8_t> Landing::hooked_now() const {
   std::vector<uint8_t> hooked;
-  if (!hooks || (unconditional_hooks == 0 && ops::num_stores_with_hooks() == 0)) return hooked;
+  if (!may_run_hooks()) return hooked;
   hooked.reserve(hooks->size());
   for (const auto& h : *hooks) hooked.push_back(!h.store || h.store->num_hooks() > 0 ? 1 : 0);
   return hooked;
@@ -37,9 +41,7 @@ void Landing::land(const LiveMask& live, const std::vector<uint8_t>* hooked_at_f
   for (const auto& f : flags) {
     if (is_live(live, f.param_index)) f.set();
   }
-  // With no hooked module in the process and no hook outside a store, there is nothing to
-  // scan: a landing's cost does not grow with the module tree (contract C10).
-  if (!hooks || (unconditional_hooks == 0 && ops::num_stores_with_hooks() == 0)) return;
+  if (!may_run_hooks()) return;
   // A hook may reset() the graphs that own this landing, destroying it (and `live`): the
   // hooks are held here and which modules are live is read before any runs.
   const std::shared_ptr<const std::vector<ModuleHooks>> held = hooks;

@@ -81,6 +81,10 @@ struct Landing {
   // module whose gradients land in the backward runs hooks only if it had some at its
   // forward (one registered between them waits for the next forward).
   std::vector<uint8_t> hooked_now() const;
+  // Whether land() may run a hook now: with no hooked module in the process and no hook
+  // outside a store there is nothing to scan, so a landing's cost does not grow with the
+  // module tree (contract C10).
+  bool may_run_hooks() const;
   // Hand-off, flags, hooks, for the live parameters. `hooked_at_forward`: hooked_now() as
   // the call's forward saw it (null: which modules have hooks is asked here). Untimed: the
   // caller times the hand-offs of all the parts it lands at once (graphs/phase_timing.h),

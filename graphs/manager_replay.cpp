@@ -741,7 +741,8 @@ void GraphManager::backward_dw(size_t s) {
     size_t last = slot.dw_hooks.size();
     for (size_t p : parts) {
       const size_t k = slot.dw_parts[p].module;
-      if (k < slot.dw_hooks.size() && k != last) hooks.push_back(slot.dw_hooks[k]);
+      // (Copied only when one may run: none can be registered before they run.)
+      if (k < slot.dw_hooks.size() && k != last && slot.dw_hooks[k].may_run_hooks()) hooks.push_back(slot.dw_hooks[k]);
       last = k;
     }
   }

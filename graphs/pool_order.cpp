@@ -187,11 +187,17 @@ void PoolOrder::compact_reads() {
   dead_reads_ = 0;
 }
 
+PoolOrder::GraphInfo& PoolOrder::info(GraphId id) const {
+  GraphInfo* g = id < by_id_.size() ? by_id_[id] : nullptr;
+  TORCH_INTERNAL_ASSERT(g != nullptr, "PoolOrder: graph #", id, " is not registered");
+  return *g;
+}
+
 PoolOrder::GraphId PoolOrder::add_graph(std::string name, const std::vector<MemoryAccess>& accesses) {
   const std::lock_guard<std::mutex> lock(mu_);
   const GraphId id = next_id_++;
-  GraphInfo info;
-  info.name = std::move(name);
+  GraphInfo g;
+  g.name = std::move(name);
   Intervals own;  // bytes this graph has written so far, in kernel order
   std::vector<GraphId> writers;  // whose readers grew
   for (const auto& a : accesses) {
@@ -201,24 +207,26 @@ PoolOrder::GraphId PoolOrder::add_graph(std::string name, const std::vector<Memo
         if (piece.graph != 0) continue;  // written earlier by this graph
         for (const auto& w : query(captured_writer_, piece.begin, piece.end)) {
           if (w.graph == 0) continue;  // never written by a graph: nothing to expect
-          info.expects.push_back(Range{w.begin, w.end, w.graph});
-          graphs_.at(w.graph).readers.push_back(Range{w.begin, w.end, id});
+          g.expects.push_back(Range{w.begin, w.end, w.graph});
+          info(w.graph).readers.push_back(Range{w.begin, w.end, id});
           writers.push_back(w.graph);
         }
       }
     }
     if (a.kind != MemoryAccess::Kind::kRead) {
       assign(own, a.begin, a.end, id);
-      info.writes.emplace_back(a.begin, a.end);
+      g.writes.emplace_back(a.begin, a.end);
     }
   }
-  coalesce(info.expects);
-  coalesce(info.writes);
+  coalesce(g.expects);
+  coalesce(g.writes);
   std::sort(writers.begin(), writers.end());
   writers.erase(std::unique(writers.begin(), writers.end()), writers.end());
-  for (GraphId w : writers) coalesce(graphs_.at(w).readers);
-  for (const auto& [b, e] : info.writes) assign(captured_writer_, b, e, id);
-  graphs_.emplace(id, std::move(info));
+  for (GraphId w : writers) coalesce(info(w).readers);
+  for (const auto& [b, e] : g.writes) assign(captured_writer_, b, e, id);
+  GraphInfo* added = &graphs_.emplace(id, std::move(g)).first->second;
+  if (by_id_.size() <= id) by_id_.resize(id + 1, nullptr);
+  by_id_[id] = added;
   return id;
 }
 
@@ -240,6 +248,7 @@ void PoolOrder::remove_graph(GraphId id) {
                                       [&](const Range& r) { return r.graph == id; }),
                        info.readers.end());
   }
+  by_id_[id] = nullptr;
   graphs_.erase(it);
 }
 
@@ -263,7 +272,7 @@ void PoolOrder::set_enforced(bool on) {
 void PoolOrder::check_replay(GraphId id) const {
   const std::lock_guard<std::mutex> lock(mu_);
   if (!enforced_) return;
-  const GraphInfo& me = graphs_.at(id);
+  const GraphInfo& me = info(id);
   for (const auto& want : me.expects) {
     Range piece{};
     if (first_other(replay_writer_, want.begin, want.end, want.graph, &piece)) {
@@ -313,7 +322,7 @@ void PoolOrder::abandon(GraphId writer, GraphId reader) {
 
 void PoolOrder::replayed(GraphId id) {
   const std::lock_guard<std::mutex> lock(mu_);
-  const GraphInfo& me = graphs_.at(id);
+  const GraphInfo& me = info(id);
   for (const auto& [b, e] : me.writes) assign(replay_writer_, b, e, id);
   // What this graph read is consumed; what it wrote before is superseded.
   drop_pending(id, [](const PendingRead&) { return true; });

@@ -86,6 +86,10 @@ class PoolOrder {
 
   mutable std::mutex mu_;
   std::map<GraphId, GraphInfo> graphs_;
+  // The live graphs by id (map nodes do not move), so a replay's lookups are one load, not
+  // a tree walk that misses the cache at every level after a large replay.
+  std::vector<GraphInfo*> by_id_;
+  GraphInfo& info(GraphId id) const;
   GraphId next_id_ = 1;
   bool enforced_ = true;
   Intervals captured_writer_;  // capture-time simulation
