@@ -243,6 +243,7 @@ void PoolOrder::remove_graph(GraphId id) {
   }
   drop_pending(id, [](const PendingRead&) { return true; });
   compact_reads();
+  if (std::vector<size_t>* listed = reads_of(id)) std::vector<size_t>().swap(*listed);  // its capacity too
   for (auto& [other, info] : graphs_) {
     info.readers.erase(std::remove_if(info.readers.begin(), info.readers.end(),
                                       [&](const Range& r) { return r.graph == id; }),

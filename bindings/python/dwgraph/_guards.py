@@ -20,15 +20,13 @@ import torch.optim.optimizer as _optimizer
 from ._weights import DistributedWeight
 from .errors import GraphStateError
 
+_DDP = torch.nn.parallel.DistributedDataParallel
+
 __all__ = ["check_data_parallel", "track_module", "track_reducer"]
 
 _modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _reducers: "weakref.WeakSet[object]" = weakref.WeakSet()
 _hook_handle = None
-
-
-def _ddp_class():
-    return torch.nn.parallel.DistributedDataParallel
 
 
 def owned_parameters(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
@@ -58,7 +56,7 @@ def _covered_by(ddp) -> frozenset:
 
 def check_data_parallel(modules: Iterable[torch.nn.Module]) -> None:
     """Raises when a plain DDP forward is running and would reduce deferred parameters."""
-    ddp = _ddp_class()._active_ddp_module
+    ddp = _DDP._active_ddp_module  # set by torch's DDP for the length of its forward
     if ddp is None or not torch.is_grad_enabled():
         return
     covered = _covered_by(ddp)

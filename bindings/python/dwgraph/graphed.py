@@ -122,26 +122,26 @@ class GraphedCallable:
 
     def __call__(self, *args, **kwargs):
         if not self._fp8_cache:
-            return self._call(*args, **kwargs)
+            return self._call(args, kwargs)
         filled = self._begin_fp8_microbatch(kwargs)
-        out = self._call(*args, **kwargs)
+        out = self._call(args, kwargs)
         for m, versions in filled or ():  # only a first microbatch that ran refreshed the caches
             m._fp8_cache_versions = versions
         return out
 
-    def _call(self, *args, **kwargs):
+    def _call(self, args: tuple, kwargs: dict):
         # Contract C10: O(1) host work here; the core decides replay or eager and runs its
         # checks only when something they watch changed (Note [Checks paid when state
-        # changes]).
+        # changes]). The arguments as the caller's tuple and dict: no repacking per call.
         _guards.check_data_parallel(self._dw_modules)  # a replay runs no module forward
-        in_sig = self._in_sig
         if not kwargs and len(args) == self._positional:
             out_sig = self._out["sig"]
             outs = self._native.call_tensors(args, out_sig.single_tensor)
             if outs is None:
-                return self._forward(*args, **kwargs)  # a mode the graphs were not captured in
+                return self._forward(*args)  # a mode the graphs were not captured in
             if outs is not NotImplemented:
                 return outs if out_sig.single_tensor else out_sig.rebuild(outs)
+        in_sig = self._in_sig
         sig = _Signature((args, kwargs))
         if not sig.matches(in_sig):
             if not self._native.replays():
