@@ -741,8 +741,9 @@ void GraphManager::backward_dw(size_t s) {
     size_t last = slot.dw_hooks.size();
     for (size_t p : parts) {
       const size_t k = slot.dw_parts[p].module;
-      // (Copied only when one may run: none can be registered before they run.)
-      if (k < slot.dw_hooks.size() && k != last && slot.dw_hooks[k].may_run_hooks()) hooks.push_back(slot.dw_hooks[k]);
+      // Whether a hook runs is asked at its module's turn (land()): an earlier hook, or Python
+      // the hand-off runs (a flag setter), may register one. A module without hooks: no copy.
+      if (k < slot.dw_hooks.size() && k != last && !slot.dw_hooks[k].empty()) hooks.push_back(slot.dw_hooks[k]);
       last = k;
     }
   }

@@ -176,7 +176,9 @@ void PoolOrder::compact_reads() {
     renumber[i] = live.size();
     live.push_back(reads_[i]);
   }
-  for (auto& slots : reads_of_) {
+  for (const auto& [id, g] : graphs_) {  // a removed graph's list is empty (remove_graph)
+    if (id >= reads_of_.size()) break;
+    auto& slots = reads_of_[id];
     size_t kept = 0;
     for (size_t slot : slots) {
       if (renumber[slot] != SIZE_MAX) slots[kept++] = renumber[slot];

@@ -91,7 +91,7 @@ def main():
         "whole step": dwgraph.graphed_step(training_step(models["whole step"], opts["whole step"])),
     }
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     print(f"dwgraph {dwgraph.__version__} on {device} (CUDA built: {dwgraph.cuda_built()})")
     print(f"{'step':>4}  {'eager loss':>12}  {'per module':>12}  {'whole step':>12}  identical")
     spent = dict.fromkeys(steps, 0.0)
@@ -117,10 +117,13 @@ def main():
     for name, model in models.items():
         for pe, pg in zip(models["eager"].parameters(), model.parameters()):
             assert torch.equal(pe, pg), f"parameters of the {name} copy differ from eager's after training"
-    timed = max(args.steps - timed_from, 1)
-    print("step time: " + ", ".join(f"{n} {1e3 * spent[n] / timed:.3f} ms" for n in steps))
-    print(f"replay/eager: whole step (@dwgraph.graphed_step) {spent['whole step'] / max(spent['eager'], 1e-12):.2f}, "
-          f"per module (make_graphed_callables) {spent['per module'] / max(spent['eager'], 1e-12):.2f}")
+    timed = args.steps - timed_from
+    if timed > 0:
+        print("step time: " + ", ".join(f"{n} {1e3 * spent[n] / timed:.3f} ms" for n in steps))
+        print(f"replay/eager: whole step (@dwgraph.graphed_step) {spent['whole step'] / spent['eager']:.2f}, "
+              f"per module (make_graphed_callables) {spent['per module'] / spent['eager']:.2f}")
+    else:
+        print(f"step time: not measured (the first {timed_from} steps hold the one-time costs; run more steps)")
     stats = dwgraph.graphed_handle(graphed[0]).stats()
     print(f"per module: graph pool {stats['pool_reserved_bytes']} B reserved, {stats['pool_allocated_bytes']} B live; "
           f"contributions {stats['contribution_bytes']} B; static buffers {stats['static_bytes']} B; "

@@ -259,3 +259,72 @@ TEST_CASE("make_graphed_callables (C++): outputs the loss does not use give no g
     CHECK_FALSE(b->bias.grad().defined());
   }
 }
+
+TEST_CASE("make_graphed_callables (C++): a hook a store-less module hook registers on a later module runs, as eager",
+          "[manager][cpu]") {
+  // Another library's module (a spec with run_hooks and no store: its hooks run whenever
+  // live) registers a wgrad hook on a later dwgraph Linear from its own hook. Eagerly, that
+  // Linear's backward_dw() runs right after and calls it; graphed, whether a module's hooks
+  // run is asked at its turn. No store has a hook when backward_dw() starts (a review found
+  // the later module's landing dropped up front, so its new hook never ran).
+  struct Root : torch::nn::Module {
+    std::shared_ptr<dwgraph::nn::Linear> a, b;
+    Root() {
+      DeferredOptions o;
+      o.delay_wgrad_compute = true;
+      a = register_module("a", std::make_shared<dwgraph::nn::Linear>(4, 4, o));
+      b = register_module("b", std::make_shared<dwgraph::nn::Linear>(4, 4, o));
+    }
+  };
+  auto run = [](bool graphed) {
+    at::manual_seed(5);
+    auto root = std::make_shared<Root>();
+    int foreign_calls = 0, b_calls = 0;
+    bool armed = false, registered = false;
+    auto foreign_hooks = [&] {
+      ++foreign_calls;
+      if (armed && !registered) {
+        registered = true;
+        root->b->register_wgrad_hook([&](dwgraph::nn::DeferredWgradModule&) { ++b_calls; });
+      }
+    };
+    const auto x = at::randn({3, 4});
+    if (!graphed) {
+      armed = true;
+      root->b->forward(root->a->forward(x)).sum().backward();
+      foreign_hooks();  // the foreign module's backward_dw(): its hooks
+      root->a->backward_dw();
+      root->b->backward_dw();
+      return std::make_pair(foreign_calls, b_calls);
+    }
+    // The foreign module wraps Linear a, outside the dwgraph module tree of the callable.
+    auto tree = std::make_shared<torch::nn::Module>();
+    tree->register_module("b", root->b);
+    auto c = dwgraph::nn::graphable("m", tree, [root](const std::vector<at::Tensor>& in) {
+      return std::vector<at::Tensor>{root->b->forward(root->a->forward(in[0]))};
+    });
+    auto a = root->a;
+    dwgraph::ModuleSpec f;
+    f.name = "foreign";
+    f.defers = true;
+    f.backward_dw = [a] { a->backward_dw(); };
+    f.inner.push_back(dwgraph::ModuleSpec::Inner{a->wgrad_spec("a", a).store, nullptr, true});
+    f.deferred = {a->weight, a->bias};
+    f.deferred_names = {"foreign.weight", "foreign.bias"};
+    f.run_hooks = foreign_hooks;
+    c.parameters.insert(c.parameters.begin(), {a->weight, a->bias});
+    c.parameter_names.insert(c.parameter_names.begin(), {"foreign.weight", "foreign.bias"});
+    c.current_parameters = nullptr;
+    c.modules.insert(c.modules.begin(), f);
+    auto g = dwgraph::make_graphed_callables({c}, {{x}});
+    armed = true;
+    foreign_calls = 0;
+    (*g[0])({x})[0].sum().backward();
+    g[0]->backward_dw();
+    return std::make_pair(foreign_calls, b_calls);
+  };
+  const auto eager = run(false);
+  const auto graphed = run(true);
+  CHECK(eager == std::make_pair(1, 1));
+  CHECK(graphed == eager);
+}

@@ -814,3 +814,52 @@ def test_a_residual_around_a_callable_that_uses_its_input_twice_is_bitwise():
     _loss(eager(x)).backward()
     _loss(twin(x)).backward()
     _same_grads(twin, eager)
+
+
+def test_wgrad_hook_registered_by_python_the_hand_off_runs_runs_as_eager():
+    """No hook anywhere when backward_dw() starts; the hand-off of the first module (a fused
+    weight's grad_added_to_main_grad flag, set through a Parameter subclass's __setattr__)
+    registers a wgrad hook on the second module. Eagerly the second module's backward_dw()
+    runs it; graphed, whether it runs is asked at the second module's turn, not before the
+    hand-off (a review found it skipped when asked up front)."""
+    calls = []
+
+    class Flagged(torch.nn.Parameter):
+        target = None
+
+        def __setattr__(self, name, value):
+            # (Plain attributes only: super().__setattr__ is refused by Python once dwgraph's
+            # setter watch holds torch.nn.Parameter's slot; see the issue 20 note.)
+            assert name in ("grad_added_to_main_grad", "main_grad"), name
+            if name == "grad_added_to_main_grad" and value and Flagged.target is not None:
+                target, Flagged.target = Flagged.target, None
+                target.register_wgrad_hook(lambda m: calls.append(m))
+            self.__dict__[name] = value
+
+    def build():
+        torch.manual_seed(0)
+        a = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+        b = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+        w = Flagged(a.weight.detach().clone())
+        w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+        a.weight = w
+        return torch.nn.Sequential(a, b)
+
+    x = torch.randn(B, H)
+    # Graphed first: no module in the process has a wgrad hook when its backward_dw() starts.
+    graphed = build()
+    g = dwgraph.make_graphed_callables(graphed, (x,))
+    Flagged.target = graphed[1]
+    g(x).sum().backward()
+    g.backward_dw()
+    assert calls == [graphed[1]]
+
+    calls.clear()
+    eager = build()
+    Flagged.target = eager[1]
+    eager(x).sum().backward()
+    eager[0].backward_dw()
+    eager[1].backward_dw()
+    assert calls == [eager[1]]
+    torch.testing.assert_close(graphed[1].weight.grad, eager[1].weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(graphed[0].weight.main_grad, eager[0].weight.main_grad, rtol=0, atol=0)
