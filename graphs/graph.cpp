@@ -92,11 +92,29 @@ void Graph::capture_abort() noexcept {
   reset();
 }
 
-void Graph::check_replay() const {
+void Graph::check_live() const {
   DWGRAPH_CHECK_STATE(captured_, "dwgraph graph: replay() of ", name_.empty() ? "a graph" : name_,
                       " with no capture (", is_capturing() ? "still capturing" : "never captured or reset", ")");
   detail::check_ledger(ledger_, records_, device_.is_cuda() ? "CUDA graph" : "host graph");
+}
+
+void Graph::check_replay() const {
+  check_live();
   pool_->order().check_replay(*order_id_);
+}
+
+void Graph::check_run(const std::vector<const Graph*>& run) {
+  for (const Graph* g : run) g->check_live();
+  bool one_pool = true;
+  for (const Graph* g : run) one_pool = one_pool && g->pool_ == run.front()->pool_;
+  if (!one_pool) {
+    for (const Graph* g : run) g->pool_->order().check_replay(*g->order_id_);
+    return;
+  }
+  std::vector<PoolOrder::GraphId> ids;
+  ids.reserve(run.size());
+  for (const Graph* g : run) ids.push_back(*g->order_id_);
+  if (!run.empty()) run.front()->pool_->order().check_sequence(ids);
 }
 
 void Graph::replay() {

@@ -94,6 +94,11 @@ class Graph {
   // What replay() checks before it runs anything (a capture, a live ledger, the pool's
   // replay order), without running: a caller replaying several graphs checks them all first.
   void check_replay() const;
+  // check_replay() of each of `run`, graphs that will replay in this order next (a
+  // backward_dw()'s parts), before any runs. On one pool, a run of consecutive captures
+  // then skips the pool-order check at each replay: the one done here stands (Note [A
+  // checked run of consecutive captures], pool_order.cpp).
+  static void check_run(const std::vector<const Graph*>& run);
   // Before capture_begin(): after_replay() inside the capture raises ArgumentError with
   // `why` (a graph that reads what an after-call would write).
   void refuse_after_calls(std::string why) { refuse_after_ = std::move(why); }
@@ -151,6 +156,8 @@ class Graph {
 
  private:
   void check_fills_not_written();
+  // A capture, a live ledger: check_replay() less the pool order.
+  void check_live() const;
 
   std::unique_ptr<detail::ActiveRecording> recording_;
   detail::HostCalls host_calls_;

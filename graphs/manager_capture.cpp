@@ -595,7 +595,8 @@ void GraphManager::capture_dw(size_t s) {
   // over (.grad = a; .grad += b), and a module used twice hands its units over one by one,
   // as eager's backward_dw() calls add them to .grad (the sums must round the same).
   slot.dw_parts.clear();
-  slot.dw_hooks.assign(c.modules.size(), Landing());
+  slot.armed_parts = 0;
+  slot.dw_hooks.assign(c.modules.size(), nullptr);
   for (size_t k = 0; k < c.modules.size(); ++k) {
     const auto& m = c.modules[k];
     if (!module_defers(m)) continue;
@@ -657,7 +658,7 @@ void GraphManager::capture_dw(size_t s) {
     for (const auto& inner : m.inner) {
       if (inner.defers && inner.run_hooks) hooks.add_hook(ModuleHooks{inner.run_hooks, inner.store, indices});
     }
-    slot.dw_hooks[k] = std::move(hooks);
+    if (!hooks.empty()) slot.dw_hooks[k] = std::make_shared<const Landing>(std::move(hooks));
   }
   // What any part reads: the call and the backward watch these (Note [Slot states]).
   auto any_part = [&](std::vector<bool> DwPart::*reads, size_t n) {
@@ -861,6 +862,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
         if (part.graph) part.graph->reset();
       }
       slot.dw_parts.clear();
+      slot.armed_parts = 0;
       slot.dw_hooks.clear();
     }
     shared_contributions_.clear();

@@ -230,9 +230,13 @@ struct Slot {
   std::vector<at::Tensor> static_grad_inputs;
   std::unique_ptr<Graph> fwd, bwd;
   std::vector<DwPart> dw_parts;  // Note [A backward-dw graph per unit]
+  // How many of dw_parts are pending (their state's flag set; both written under mu_ only,
+  // by set_state and disarm_part), so a call need not visit every part to find none is.
+  size_t armed_parts = 0;
   // Per module of the callable: its delayed hooks after a landing of its parts (empty for
-  // modules without deferral).
-  std::vector<Landing> dw_hooks;
+  // modules without deferral; null for a module without hooks). Shared: a backward_dw()
+  // holds the ones it will run while a hook may reset() the graphs.
+  std::vector<std::shared_ptr<const Landing>> dw_hooks;
   // Note [Parameter gradients through one node]: built once at capture, with an edge per
   // parameter that requires grad (param_node_edges, indices into grad_param_indices).
   dwgraph::detail::NodePtr param_node;
@@ -358,7 +362,6 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   void set_state(Slot& slot, SlotState next);
   // Disarms part p (landed or dropped), the slot going idle when none is left (mu_ held).
   void disarm_part(Slot& slot, size_t p);
-  size_t num_armed_parts(const Slot& slot) const;  // with mu_ held
   // A module's backward_dw() on the graphed callable: lands part p of slot s (its store
   // chose it, Note [Graphed units]) without the module's hooks.
   void land_part(size_t s, size_t p);

@@ -726,13 +726,18 @@ void GraphManager::backward_dw(size_t s) {
   // A changed saved tensor drops every pending part: that backward's weight gradients.
   check_saved_versions(slot, parts, parts, who);
   // Every part's graph is checked before any replays: one refusal writes nothing.
-  for (size_t p : parts) slot.dw_parts[p].graph->check_replay();
+  {
+    std::vector<const Graph*> run;
+    run.reserve(parts.size());
+    for (size_t p : parts) run.push_back(slot.dw_parts[p].graph.get());
+    Graph::check_run(run);
+  }
   uint64_t replay_ns = 0;
   {
     const ScopedNs t(&replay_ns);
     for (size_t p : parts) slot.dw_parts[p].graph->replay();
   }
-  std::vector<Landing> hooks;  // copies: a hook may reset() the graphs that own them
+  std::vector<std::shared_ptr<const Landing>> hooks;  // held: a hook may reset() the graphs that own them
   {
     const std::lock_guard<std::mutex> lock(mu_);
     set_state(slot, SlotState::kIdle);
@@ -743,7 +748,7 @@ void GraphManager::backward_dw(size_t s) {
       const size_t k = slot.dw_parts[p].module;
       // Whether a hook runs is asked at its module's turn (land()): an earlier hook, or Python
       // the hand-off runs (a flag setter), may register one. A module without hooks: no copy.
-      if (k < slot.dw_hooks.size() && k != last && !slot.dw_hooks[k].empty()) hooks.push_back(slot.dw_hooks[k]);
+      if (k < slot.dw_hooks.size() && k != last && slot.dw_hooks[k]) hooks.push_back(slot.dw_hooks[k]);
       last = k;
     }
   }
@@ -756,7 +761,7 @@ void GraphManager::backward_dw(size_t s) {
     }
     add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
   }
-  for (const auto& h : hooks) h.land(live);
+  for (const auto& h : hooks) h->land(live);
 }
 
 void GraphManager::land_part(size_t s, size_t p) {
@@ -802,15 +807,11 @@ void GraphManager::land_part(size_t s, size_t p) {
   add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
 }
 
-size_t GraphManager::num_armed_parts(const Slot& slot) const {
-  size_t n = 0;
-  for (const auto& part : slot.dw_parts) n += part.state->pending.load(std::memory_order_acquire) > 0 ? 1 : 0;
-  return n;
-}
-
 void GraphManager::disarm_part(Slot& slot, size_t p) {
-  slot.dw_parts.at(p).state->pending.store(0, std::memory_order_release);
-  if (num_armed_parts(slot) == 0 && slot.state == SlotState::kDwPending) set_state(slot, SlotState::kIdle);
+  if (slot.dw_parts.at(p).state->pending.exchange(0, std::memory_order_acq_rel) > 0 && slot.armed_parts > 0) {
+    --slot.armed_parts;
+  }
+  if (slot.armed_parts == 0 && slot.state == SlotState::kDwPending) set_state(slot, SlotState::kIdle);
 }
 
 void GraphManager::run_eager_backward_dw(size_t s) {
@@ -856,15 +857,19 @@ void GraphManager::set_state(Slot& slot, SlotState next) {
   slot.state = next;
   if (is) slot.dw_sequence = ops::next_wgrad_sequence();
   if (!is) slot.dw_grads.clear();  // nothing of that backward will be read
+  if (!is && slot.armed_parts == 0) return;  // no part to disarm (contract C10: not a visit per part)
   // Note [A backward-dw graph per unit]: a part is pending when the backward gave its
   // module's deferred (or fused) parameters a gradient; in capture order, which is its
   // module's FIFO order.
+  size_t armed_parts = 0;
   for (auto& part : slot.dw_parts) {
     bool armed = false;
     for (size_t i : part.param_indices) armed = armed || (is && is_live(slot.dw_live, i));
     if (armed) part.state->sequence.store(ops::next_wgrad_sequence(), std::memory_order_release);
     part.state->pending.store(armed ? 1 : 0, std::memory_order_release);
+    armed_parts += armed ? 1 : 0;
   }
+  slot.armed_parts = armed_parts;
 }
 
 void GraphManager::release_pending() {
@@ -900,6 +905,7 @@ void GraphManager::reset() {
       part.state->land = nullptr;
     }
     slot.dw_parts.clear();
+    slot.armed_parts = 0;
     slot.dw_hooks.clear();
     slot.input_write.remove();
     slot.grad_write.remove();

@@ -176,14 +176,21 @@ void PoolOrder::compact_reads() {
     renumber[i] = live.size();
     live.push_back(reads_[i]);
   }
-  for (const auto& [id, g] : graphs_) {  // a removed graph's list is empty (remove_graph)
-    if (id >= reads_of_.size()) break;
-    auto& slots = reads_of_[id];
-    size_t kept = 0;
-    for (size_t slot : slots) {
-      if (renumber[slot] != SIZE_MAX) slots[kept++] = renumber[slot];
+  // Only the graphs party to a read have a list to renumber, each once (a stamp per id):
+  // the cost is the reads', not the pool's graphs' (compaction runs inside replays).
+  ++compaction_;
+  if (compacted_at_.size() < reads_of_.size()) compacted_at_.resize(reads_of_.size(), 0);
+  for (const auto& r : reads_) {
+    for (const GraphId id : {r.writer, r.reader}) {
+      if (id >= reads_of_.size() || compacted_at_[id] == compaction_) continue;
+      compacted_at_[id] = compaction_;
+      auto& slots = reads_of_[id];
+      size_t kept = 0;
+      for (size_t slot : slots) {
+        if (renumber[slot] != SIZE_MAX) slots[kept++] = renumber[slot];
+      }
+      slots.resize(kept);
     }
-    slots.resize(kept);
   }
   reads_ = std::move(live);
   dead_reads_ = 0;
@@ -197,6 +204,7 @@ PoolOrder::GraphInfo& PoolOrder::info(GraphId id) const {
 
 PoolOrder::GraphId PoolOrder::add_graph(std::string name, const std::vector<MemoryAccess>& accesses) {
   const std::lock_guard<std::mutex> lock(mu_);
+  end_run();
   const GraphId id = next_id_++;
   GraphInfo g;
   g.name = std::move(name);
@@ -234,6 +242,7 @@ PoolOrder::GraphId PoolOrder::add_graph(std::string name, const std::vector<Memo
 
 void PoolOrder::remove_graph(GraphId id) {
   const std::lock_guard<std::mutex> lock(mu_);
+  end_run();
   auto it = graphs_.find(id);
   if (it == graphs_.end()) return;
   for (auto* map : {&captured_writer_, &replay_writer_}) {
@@ -269,11 +278,35 @@ std::string PoolOrder::name_of(GraphId g) const {
 
 void PoolOrder::set_enforced(bool on) {
   const std::lock_guard<std::mutex> lock(mu_);
+  end_run();
   enforced_ = on;
 }
 
 void PoolOrder::check_replay(GraphId id) const {
   const std::lock_guard<std::mutex> lock(mu_);
+  if (run_next_ != 0 && id == run_next_) return;  // Note [A checked run of consecutive captures]
+  check_replay_locked(id);
+}
+
+// Note [A checked run of consecutive captures]: graphs k, k+1, ..., m captured one after the
+// other on a pool (a backward_dw()'s parts), all checked against the pool as it is, then
+// replayed in that order with nothing else in between. Each one's check at its own turn
+// passes: (1) what k+i expects from a writer W: if an earlier graph of the run writes those
+// bytes at replay it wrote them at capture too, between W and k+i, so k+i would expect that
+// graph, not W; (2) data a graph of the run writes for a reader R, under k+i's writes: R
+// expects it only if captured between them, and no graph was. So the checks done up front
+// stand, and each replay of the run skips its own. A gap in the ids (a part landed alone
+// since: module.backward_dw()) leaves every check to its replay.
+void PoolOrder::check_sequence(const std::vector<GraphId>& ids) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  end_run();
+  for (const GraphId id : ids) check_replay_locked(id);
+  bool consecutive = !ids.empty() && enforced_;
+  for (size_t i = 1; i < ids.size() && consecutive; ++i) consecutive = ids[i] == ids[i - 1] + 1;
+  if (consecutive) run_next_ = ids.front(), run_last_ = ids.back();
+}
+
+void PoolOrder::check_replay_locked(GraphId id) const {
   if (!enforced_) return;
   const GraphInfo& me = info(id);
   for (const auto& want : me.expects) {
@@ -319,12 +352,18 @@ void PoolOrder::check_replay(GraphId id) const {
 
 void PoolOrder::abandon(GraphId writer, GraphId reader) {
   const std::lock_guard<std::mutex> lock(mu_);
+  end_run();
   drop_pending(writer, [&](const PendingRead& r) { return r.writer == writer && r.reader == reader; });
   compact_reads();
 }
 
 void PoolOrder::replayed(GraphId id) {
   const std::lock_guard<std::mutex> lock(mu_);
+  if (run_next_ != 0 && id == run_next_ && id < run_last_) {
+    ++run_next_;
+  } else {
+    end_run();
+  }
   const GraphInfo& me = info(id);
   for (const auto& [b, e] : me.writes) assign(replay_writer_, b, e, id);
   // What this graph read is consumed; what it wrote before is superseded.

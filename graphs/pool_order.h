@@ -48,6 +48,13 @@ class PoolOrder {
   // Throws GraphStateError when replaying `id` now would read overwritten data or
   // overwrite data another graph still needs. Changes nothing.
   void check_replay(GraphId id) const;
+  // check_replay() of each of `ids`, the graphs about to replay in this order, before any
+  // of them runs: one refusal, nothing replayed. Note [A checked run of consecutive
+  // captures]: when the ids are consecutive (captured one after the other on this pool) and
+  // every check passed, each one's check at its own replay cannot fail, so check_replay()
+  // of each returns at once while they replay in this order and nothing else changes the
+  // pool in between (any other replay, capture, removal or abandon ends that).
+  void check_sequence(const std::vector<GraphId>& ids);
   // Records that `id` was replayed.
   void replayed(GraphId id);
   // The data `writer` last wrote for `reader` will never be read (a forward replayed
@@ -84,6 +91,10 @@ class PoolOrder {
   static void coalesce(std::vector<std::pair<uintptr_t, uintptr_t>>& ranges);
   std::string name_of(GraphId g) const;
 
+  // A run armed by check_sequence(): the next id whose check is already done, and the last.
+  GraphId run_next_ = 0, run_last_ = 0;
+  void end_run() { run_next_ = run_last_ = 0; }
+  void check_replay_locked(GraphId id) const;
   mutable std::mutex mu_;
   std::map<GraphId, GraphInfo> graphs_;
   // The live graphs by id (map nodes do not move), so a replay's lookups are one load, not
@@ -117,6 +128,8 @@ class PoolOrder {
   // Slots where the graph is writer or reader, indexed by GraphId (ids are dense: one per
   // graph ever added), so a replay finds its reads without a tree walk.
   std::vector<std::vector<size_t>> reads_of_;
+  std::vector<uint64_t> compacted_at_;  // per id: the compaction that renumbered its list
+  uint64_t compaction_ = 0;
   std::vector<size_t>* reads_of(GraphId g) { return g < reads_of_.size() ? &reads_of_[g] : nullptr; }
   const std::vector<size_t>* reads_of(GraphId g) const { return g < reads_of_.size() ? &reads_of_[g] : nullptr; }
   Cover cover_;

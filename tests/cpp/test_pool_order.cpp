@@ -5,6 +5,7 @@
 #include "common/check.h"
 #include "graphs/pool_order.h"
 
+#include <algorithm>
 #include <array>
 #include <map>
 #include <random>
@@ -227,4 +228,120 @@ TEST_CASE("PoolOrder refuses exactly what a byte-by-byte model of its rules refu
   // Both outcomes were exercised many times.
   CHECK(refusals > 1000);
   CHECK(replays > 1000);
+}
+
+TEST_CASE("PoolOrder: a checked run of consecutive captures skips only checks that would pass", "[pool_order][cpu]") {
+  // Note [A checked run of consecutive captures]: after check_sequence() passes for graphs
+  // with consecutive ids, their replays in that order skip their own checks. Against the
+  // byte-by-byte model, which checks every replay: each skipped check is one the model
+  // passes, also when other replays, abandons, captures or removals interrupt the run.
+  std::mt19937 rng(4122026);
+  const auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
+  const auto random_accesses = [&] {
+    std::vector<MemoryAccess> out;
+    const int n = 1 + pick(4);
+    for (int i = 0; i < n; ++i) {
+      const int b = pick(ByteModel::kBytes - 1);
+      const int e = b + 1 + pick(std::min(16, ByteModel::kBytes - b));
+      out.push_back(MemoryAccess{static_cast<uintptr_t>(b), static_cast<uintptr_t>(e), static_cast<Kind>(pick(3))});
+    }
+    return out;
+  };
+  int runs = 0, run_replays = 0, interrupted = 0, refused_runs = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    PoolOrder order;
+    ByteModel model;
+    std::vector<uint64_t> ids;  // ascending
+    const auto add = [&] {
+      const auto acc = random_accesses();
+      const auto id = order.add_graph("g", acc);
+      model.add(id, acc);
+      ids.push_back(id);
+    };
+    const auto refuses = [&](uint64_t x) {
+      try {
+        order.check_replay(x);
+      } catch (const dwgraph::GraphStateError&) {
+        return true;
+      }
+      return false;
+    };
+    // One plain step: a replay (checked against the model), an abandon, a capture or a removal.
+    const auto other = [&] {
+      const int what = pick(12);
+      if (what == 0 && ids.size() > 2) {
+        const size_t k = static_cast<size_t>(pick(static_cast<int>(ids.size())));
+        order.remove_graph(ids[k]);
+        model.remove(ids[k]);
+        ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(k));
+      } else if (what == 1) {
+        add();
+      } else if (what == 2) {
+        const auto w = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
+        const auto r = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
+        order.abandon(w, r);
+        model.abandon(w, r);
+      } else {
+        const auto x = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
+        const bool refused = refuses(x);
+        REQUIRE(refused == model.refuses(x));
+        if (!refused) {
+          order.replayed(x);
+          model.replay(x);
+        }
+      }
+    };
+    for (int i = 0, n = 3 + pick(10); i < n; ++i) add();
+    for (int op = 0; op < 60; ++op) {
+      if (pick(3) != 0) {
+        other();
+        continue;
+      }
+      // A run: ids[k..k+len) with consecutive values, or (half the time) graphs in capture
+      // order with gaps between them, which check_sequence() must not trust.
+      const size_t k = static_cast<size_t>(pick(static_cast<int>(ids.size())));
+      std::vector<PoolOrder::GraphId> run{ids[k]};
+      if (pick(2) == 0) {
+        while (k + run.size() < ids.size() && ids[k + run.size()] == run.back() + 1 && pick(4) != 0) {
+          run.push_back(ids[k + run.size()]);
+        }
+      } else {
+        for (size_t j = k + 1; j < ids.size() && run.size() < 4; ++j) {
+          if (pick(3) == 0) run.push_back(ids[j]);
+        }
+      }
+      bool model_refuses = false;
+      for (auto x : run) model_refuses = model_refuses || model.refuses(x);
+      bool refused = false;
+      try {
+        order.check_sequence(run);
+      } catch (const dwgraph::GraphStateError&) {
+        refused = true;
+      }
+      INFO("trial " << trial << ", op " << op << ", run from " << run.front() << ", " << run.size() << " graphs");
+      REQUIRE(refused == model_refuses);
+      if (refused) {
+        ++refused_runs;
+        continue;
+      }
+      ++runs;
+      for (auto x : run) {
+        if (pick(6) == 0) {
+          other();  // ends the run: the rest are checked in full
+          ++interrupted;
+        }
+        if (std::find(ids.begin(), ids.end(), x) == ids.end()) break;  // removed meanwhile
+        const bool r = refuses(x);
+        REQUIRE(r == model.refuses(x));
+        if (r) break;
+        order.replayed(x);
+        model.replay(x);
+        ++run_replays;
+      }
+    }
+  }
+  CHECK(runs > 1000);
+  CHECK(run_replays > 3000);
+  CHECK(interrupted > 300);
+  CHECK(refused_runs > 300);
 }
