@@ -160,6 +160,20 @@ struct ByteModel {
   }
 };
 
+int random_below(std::mt19937& rng, int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); }
+
+// One to four accesses (read, write or read-write) of random ranges inside the model's bytes.
+std::vector<MemoryAccess> random_model_accesses(std::mt19937& rng) {
+  std::vector<MemoryAccess> out;
+  const int n = 1 + random_below(rng, 4);
+  for (int i = 0; i < n; ++i) {
+    const int b = random_below(rng, ByteModel::kBytes - 1);
+    const int e = b + 1 + random_below(rng, std::min(16, ByteModel::kBytes - b));
+    out.push_back(MemoryAccess{static_cast<uintptr_t>(b), static_cast<uintptr_t>(e), static_cast<Kind>(random_below(rng, 3))});
+  }
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("PoolOrder refuses exactly what a byte-by-byte model of its rules refuses", "[pool_order][cpu]") {
@@ -167,18 +181,8 @@ TEST_CASE("PoolOrder refuses exactly what a byte-by-byte model of its rules refu
   // abandons and removals; each check against the model. Note [Pending reads indexed by
   // bytes] keeps its pending reads by ranges: this is the independent reference.
   std::mt19937 rng(20261204);
-  const auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
-  const auto random_accesses = [&] {
-    std::vector<MemoryAccess> out;
-    const int n = 1 + pick(4);
-    for (int i = 0; i < n; ++i) {
-      const int b = pick(ByteModel::kBytes - 1);
-      const int e = b + 1 + pick(std::min(16, ByteModel::kBytes - b));
-      out.push_back(MemoryAccess{static_cast<uintptr_t>(b), static_cast<uintptr_t>(e),
-                                 static_cast<Kind>(pick(3))});
-    }
-    return out;
-  };
+  const auto pick = [&](int n) { return random_below(rng, n); };
+  const auto random_accesses = [&] { return random_model_accesses(rng); };
   int refusals = 0, replays = 0;
   for (int trial = 0; trial < 400; ++trial) {
     PoolOrder order;
@@ -236,17 +240,8 @@ TEST_CASE("PoolOrder: a checked run of consecutive captures skips only checks th
   // byte-by-byte model, which checks every replay: each skipped check is one the model
   // passes, also when other replays, abandons, captures or removals interrupt the run.
   std::mt19937 rng(4122026);
-  const auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
-  const auto random_accesses = [&] {
-    std::vector<MemoryAccess> out;
-    const int n = 1 + pick(4);
-    for (int i = 0; i < n; ++i) {
-      const int b = pick(ByteModel::kBytes - 1);
-      const int e = b + 1 + pick(std::min(16, ByteModel::kBytes - b));
-      out.push_back(MemoryAccess{static_cast<uintptr_t>(b), static_cast<uintptr_t>(e), static_cast<Kind>(pick(3))});
-    }
-    return out;
-  };
+  const auto pick = [&](int n) { return random_below(rng, n); };
+  const auto random_accesses = [&] { return random_model_accesses(rng); };
   int runs = 0, run_replays = 0, interrupted = 0, refused_runs = 0;
   for (int trial = 0; trial < 400; ++trial) {
     PoolOrder order;
