@@ -174,6 +174,60 @@ std::vector<MemoryAccess> random_model_accesses(std::mt19937& rng) {
   return out;
 }
 
+// A PoolOrder and the byte model, given the same graphs and the same operations.
+struct ModelledPool {
+  explicit ModelledPool(std::mt19937& r) : rng(r) {}
+  std::mt19937& rng;
+  PoolOrder order;
+  ByteModel model;
+  std::vector<uint64_t> ids;  // ascending
+
+  uint64_t any() { return ids[static_cast<size_t>(random_below(rng, static_cast<int>(ids.size())))]; }
+  void add() {
+    const auto acc = random_model_accesses(rng);
+    const auto id = order.add_graph("g", acc);
+    model.add(id, acc);
+    ids.push_back(id);
+  }
+  bool refuses(uint64_t x) {
+    try {
+      order.check_replay(x);
+    } catch (const dwgraph::GraphStateError&) {
+      return true;
+    }
+    return false;
+  }
+  enum class Step { kOther, kRefused, kReplayed };
+  // One random step of `choices`: a removal (while more than `min_ids` graphs are left), a
+  // capture, an abandon, else a replay, whose check must agree with the model's.
+  Step step(int choices, size_t min_ids) {
+    const int what = random_below(rng, choices);
+    if (what == 0 && ids.size() > min_ids) {
+      const size_t k = static_cast<size_t>(random_below(rng, static_cast<int>(ids.size())));
+      order.remove_graph(ids[k]);
+      model.remove(ids[k]);
+      ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(k));
+    } else if (what == 1) {
+      add();
+    } else if (what == 2) {
+      const auto w = any();
+      const auto r = any();
+      order.abandon(w, r);
+      model.abandon(w, r);
+    } else {
+      const auto x = any();
+      const bool refused = refuses(x);
+      INFO("graph " << x);
+      REQUIRE(refused == model.refuses(x));
+      if (refused) return Step::kRefused;
+      order.replayed(x);
+      model.replay(x);
+      return Step::kReplayed;
+    }
+    return Step::kOther;
+  }
+};
+
 }  // namespace
 
 TEST_CASE("PoolOrder refuses exactly what a byte-by-byte model of its rules refuses", "[pool_order][cpu]") {
@@ -181,52 +235,15 @@ TEST_CASE("PoolOrder refuses exactly what a byte-by-byte model of its rules refu
   // abandons and removals; each check against the model. Note [Pending reads indexed by
   // bytes] keeps its pending reads by ranges: this is the independent reference.
   std::mt19937 rng(20261204);
-  const auto pick = [&](int n) { return random_below(rng, n); };
-  const auto random_accesses = [&] { return random_model_accesses(rng); };
   int refusals = 0, replays = 0;
   for (int trial = 0; trial < 400; ++trial) {
-    PoolOrder order;
-    ByteModel model;
-    std::vector<uint64_t> ids;
-    const auto add = [&] {
-      const auto acc = random_accesses();
-      const auto id = order.add_graph("g", acc);
-      model.add(id, acc);
-      ids.push_back(id);
-    };
-    for (int i = 0, n = 2 + pick(10); i < n; ++i) add();
+    ModelledPool pool(rng);
+    for (int i = 0, n = 2 + random_below(rng, 10); i < n; ++i) pool.add();
     for (int op = 0; op < 60; ++op) {
-      const int what = pick(20);
-      if (what == 0 && ids.size() > 1) {  // forget a graph
-        const size_t k = static_cast<size_t>(pick(static_cast<int>(ids.size())));
-        order.remove_graph(ids[k]);
-        model.remove(ids[k]);
-        ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(k));
-      } else if (what == 1) {
-        add();
-      } else if (what == 2) {
-        const auto w = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
-        const auto r = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
-        order.abandon(w, r);
-        model.abandon(w, r);
-      } else {
-        const auto x = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
-        bool refused = false;
-        try {
-          order.check_replay(x);
-        } catch (const dwgraph::GraphStateError&) {
-          refused = true;
-        }
-        INFO("trial " << trial << ", op " << op << ", graph " << x);
-        REQUIRE(refused == model.refuses(x));
-        if (refused) {
-          ++refusals;
-        } else {
-          order.replayed(x);
-          model.replay(x);
-          ++replays;
-        }
-      }
+      INFO("trial " << trial << ", op " << op);
+      const auto step = pool.step(20, 1);
+      refusals += step == ModelledPool::Step::kRefused ? 1 : 0;
+      replays += step == ModelledPool::Step::kReplayed ? 1 : 0;
     }
   }
   // Both outcomes were exercised many times.
@@ -241,52 +258,14 @@ TEST_CASE("PoolOrder: a checked run of consecutive captures skips only checks th
   // passes, also when other replays, abandons, captures or removals interrupt the run.
   std::mt19937 rng(4122026);
   const auto pick = [&](int n) { return random_below(rng, n); };
-  const auto random_accesses = [&] { return random_model_accesses(rng); };
   int runs = 0, run_replays = 0, interrupted = 0, refused_runs = 0;
   for (int trial = 0; trial < 400; ++trial) {
-    PoolOrder order;
-    ByteModel model;
-    std::vector<uint64_t> ids;  // ascending
-    const auto add = [&] {
-      const auto acc = random_accesses();
-      const auto id = order.add_graph("g", acc);
-      model.add(id, acc);
-      ids.push_back(id);
-    };
-    const auto refuses = [&](uint64_t x) {
-      try {
-        order.check_replay(x);
-      } catch (const dwgraph::GraphStateError&) {
-        return true;
-      }
-      return false;
-    };
-    // One plain step: a replay (checked against the model), an abandon, a capture or a removal.
-    const auto other = [&] {
-      const int what = pick(12);
-      if (what == 0 && ids.size() > 2) {
-        const size_t k = static_cast<size_t>(pick(static_cast<int>(ids.size())));
-        order.remove_graph(ids[k]);
-        model.remove(ids[k]);
-        ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(k));
-      } else if (what == 1) {
-        add();
-      } else if (what == 2) {
-        const auto w = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
-        const auto r = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
-        order.abandon(w, r);
-        model.abandon(w, r);
-      } else {
-        const auto x = ids[static_cast<size_t>(pick(static_cast<int>(ids.size())))];
-        const bool refused = refuses(x);
-        REQUIRE(refused == model.refuses(x));
-        if (!refused) {
-          order.replayed(x);
-          model.replay(x);
-        }
-      }
-    };
-    for (int i = 0, n = 3 + pick(10); i < n; ++i) add();
+    ModelledPool pool(rng);
+    auto& order = pool.order;
+    auto& model = pool.model;
+    auto& ids = pool.ids;
+    const auto other = [&] { pool.step(12, 2); };
+    for (int i = 0, n = 3 + pick(10); i < n; ++i) pool.add();
     for (int op = 0; op < 60; ++op) {
       if (pick(3) != 0) {
         other();
@@ -326,7 +305,7 @@ TEST_CASE("PoolOrder: a checked run of consecutive captures skips only checks th
           ++interrupted;
         }
         if (std::find(ids.begin(), ids.end(), x) == ids.end()) break;  // removed meanwhile
-        const bool r = refuses(x);
+        const bool r = pool.refuses(x);
         REQUIRE(r == model.refuses(x));
         if (r) break;
         order.replayed(x);
