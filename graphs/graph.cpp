@@ -119,11 +119,17 @@ void Graph::check_run(const std::vector<const Graph*>& run) {
 
 void Graph::replay() {
   check_replay();
-  for (const auto& fn : host_calls_.before) fn();
-  // A profiler range per replay, named after the graph (torch.profiler; an NVTX range under
-  // torch.autograd.profiler.emit_nvtx): the replayed kernels show which graph they belong to.
-  RECORD_USER_SCOPE(profiler_name_.c_str());
-  launch();
+  try {
+    for (const auto& fn : host_calls_.before) fn();
+    // A profiler range per replay, named after the graph (torch.profiler; an NVTX range
+    // under torch.autograd.profiler.emit_nvtx): the replayed kernels show which graph they
+    // belong to.
+    RECORD_USER_SCOPE(profiler_name_.c_str());
+    launch();
+  } catch (...) {
+    pool_->order().end_sequence();  // a run checked up front does not outlive a failed replay
+    throw;
+  }
   pool_->order().replayed(*order_id_);
   for (const auto& fn : host_calls_.after) fn();
 }

@@ -306,6 +306,11 @@ void PoolOrder::check_sequence(const std::vector<GraphId>& ids) {
   if (consecutive) run_next_ = ids.front(), run_last_ = ids.back();
 }
 
+void PoolOrder::end_sequence() {
+  const std::lock_guard<std::mutex> lock(mu_);
+  end_run();
+}
+
 void PoolOrder::check_replay_locked(GraphId id) const {
   if (!enforced_) return;
   const GraphInfo& me = info(id);

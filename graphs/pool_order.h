@@ -55,6 +55,9 @@ class PoolOrder {
   // of each returns at once while they replay in this order and nothing else changes the
   // pool in between (any other replay, capture, removal or abandon ends that).
   void check_sequence(const std::vector<GraphId>& ids);
+  // Ends a run check_sequence() armed (a replay of it failed): every later replay is
+  // checked in full.
+  void end_sequence();
   // Records that `id` was replayed.
   void replayed(GraphId id);
   // The data `writer` last wrote for `reader` will never be read (a forward replayed
