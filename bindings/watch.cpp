@@ -2,15 +2,26 @@
 // when state changes] (graphs/state_epoch.h) needs to hear of every change of a captured
 // parameter that a replay check reads. Assignments to `param.data`,
 // `param.requires_grad`, `param.grad_dtype` and `param.main_grad` go through the type's
-// tp_setattro slot; for parameter types that use Python's generic attribute setter this
-// replaces the slot with one that moves the state epoch when such an assignment changes
-// something, then sets the attribute as before. Every other attribute (`param.grad = None`,
-// zero_grad's hot path) costs a few pointer comparisons more.
+// tp_setattro slot; watching gives torch.Tensor a `__setattr__`/`__delattr__` (Note [One
+// setattr slot for every tensor type]) that moves the state epoch when such an assignment
+// to a watched instance changes something, then sets the attribute as before. Every other
+// attribute (`param.grad = None`, zero_grad's hot path) costs a few pointer comparisons more.
 //
-// The same slot watches single tensors (watch_tensor_setters): the buffers and main_grads
-// graphs captured are plain tensors, whose type (torch.Tensor) every tensor shares, so only
-// the instances registered move the epoch (`buffer.data = t`, `main_grad.data = t`,
+// Parameter types are watched whole (every instance); the buffers and main_grads graphs
+// captured are plain tensors, whose type (torch.Tensor) every tensor shares, so those are
+// watched one instance at a time (`buffer.data = t`, `main_grad.data = t`,
 // `buffer.requires_grad = True`); other tensors pay a set lookup for those four names only.
+//
+// Note [One setattr slot for every tensor type]: the watch is installed as CPython installs
+// a C-level `__setattr__`: slot wrappers of the watching function set as torch.Tensor's
+// `__setattr__` and `__delattr__`, so that CPython itself gives the slot to torch.Tensor and
+// to every subclass without its own (those made later too). Writing the slot of a type
+// directly instead (the first version) left `object.__setattr__` as the method that
+// `super().__setattr__` finds, and Python refuses to apply that past a type whose C slot
+// differs: every subclass with a Python `__setattr__` calling super() raised TypeError
+// ("can't apply this __setattr__"), process-wide. Now super() finds the watching wrapper.
+// `object.__setattr__(tensor, ...)` called by name still skips over the slot and is
+// refused the same way; setattr() and super() are not.
 #include "bindings/bindings.h"
 
 #include "graphs/state_epoch.h"
@@ -81,6 +92,34 @@ int watched_setattro(PyObject* obj, PyObject* name, PyObject* value) {
   return PyObject_GenericSetAttr(obj, name, value);
 }
 
+// Note [One setattr slot for every tensor type]. False (nothing changed) when torch.Tensor
+// already has a `__setattr__` of someone else's.
+bool install_on_tensor() {
+  static bool installed = false;
+  if (installed) return true;
+  py::object tensor = py::module_::import("torch").attr("Tensor");
+  auto* t = reinterpret_cast<PyTypeObject*>(tensor.ptr());
+  if (t->tp_setattro != &PyObject_GenericSetAttr && t->tp_setattro != &watched_setattro) return false;
+  for (const char* name : {"__setattr__", "__delattr__"}) {
+    // object's slot wrapper names CPython's own wrapper of the slot (argument parsing and
+    // its check against skipping C-level slots); only the function it wraps is ours.
+    py::object base = py::reinterpret_steal<py::object>(
+        PyObject_GetAttrString(reinterpret_cast<PyObject*>(&PyBaseObject_Type), name));
+    if (!base || !PyObject_TypeCheck(base.ptr(), &PyWrapperDescr_Type)) throw py::error_already_set();
+    auto* wrapper = reinterpret_cast<PyWrapperDescrObject*>(base.ptr())->d_base;
+    py::object mine = py::reinterpret_steal<py::object>(
+        PyDescr_NewWrapper(t, wrapper, reinterpret_cast<void*>(&watched_setattro)));
+    if (!mine) throw py::error_already_set();
+    // Through type's own setattr: CPython updates the slot of torch.Tensor and of its
+    // subclasses that inherit it.
+    if (PyObject_SetAttrString(tensor.ptr(), name, mine.ptr()) != 0) throw py::error_already_set();
+  }
+  // A metaclass that kept the slot from following (none known): the watch is not in place,
+  // and the callers check at every call.
+  installed = t->tp_setattro == &watched_setattro;
+  return installed;
+}
+
 // same_groups / moved_values (below): `read` null: every value by identity; else values
 // under a key in `read` may differ, each appended to `moved` as (i, key, now, seen).
 bool compare_groups(const py::handle& groups, const py::list& seen, const py::list& keys, const py::list& values,
@@ -139,13 +178,13 @@ void init_watch(py::module_& parent) {
   // True when assignments on instances of `type` are watched now (or already were); false
   // for a type with its own __setattr__, whose parameters the caller must then check at
   // every call.
-  // Gives `type` the watching slot; false for a type with its own __setattr__.
+    // True when `type`'s instances' assignments go through the watching slot, once it is
+  // installed on torch.Tensor (Note [One setattr slot for every tensor type]); false for a
+  // type with its own __setattr__ (or a torch.Tensor that has one), whose parameters the
+  // caller must then check at every call.
   auto install = [](PyTypeObject* t) {
-    if (t->tp_setattro == &watched_setattro) return true;
-    if (t->tp_setattro != &PyObject_GenericSetAttr || !(t->tp_flags & Py_TPFLAGS_HEAPTYPE)) return false;
-    t->tp_setattro = &watched_setattro;
-    PyType_Modified(t);
-    return true;
+    install_on_tensor();
+    return t->tp_setattro == &watched_setattro;
   };
   m.def(
       "watch_parameter_setters",

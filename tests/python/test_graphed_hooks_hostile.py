@@ -828,13 +828,11 @@ def test_wgrad_hook_registered_by_python_the_hand_off_runs_runs_as_eager():
         target = None
 
         def __setattr__(self, name, value):
-            # (Plain attributes only: super().__setattr__ is refused by Python once dwgraph's
-            # setter watch holds torch.nn.Parameter's slot; see the issue 20 note.)
             assert name in ("grad_added_to_main_grad", "main_grad"), name
             if name == "grad_added_to_main_grad" and value and Flagged.target is not None:
                 target, Flagged.target = Flagged.target, None
                 target.register_wgrad_hook(lambda m: calls.append(m))
-            self.__dict__[name] = value
+            super().__setattr__(name, value)
 
     def build():
         torch.manual_seed(0)

@@ -12,6 +12,9 @@ before anything is written, or exact.
   * a buffer replaced after capture: refused, naming it; a buffer's or main_grad's memory
     moved under it (``.data = t``, ``set_(t)``) or a buffer that starts requiring grad, after
     calls that replayed: refused (each is watched by itself);
+  * a parameter type whose own ``__setattr__`` calls ``super()``: keeps working once
+    graphs watch parameters (it once raised TypeError process-wide), and its parameters'
+    changes after calls are refused (read at every call, as such a type cannot be watched);
   * ``grad_dtype`` of a BF16 parameter switched between capture and a call (FSDP2's mixed
     precision): eager's gradient dtype and values, bitwise;
   * a saved output, an input or an output gradient changed in place before the backward or
@@ -596,6 +599,75 @@ def test_a_tensor_subclass_parameter_changed_after_calls_is_refused(change):
             says = r"'2\.weight' was reallocated"
         else:
             model[2].requires_grad_(False)  # torch's freeze: p.requires_grad_(False) per parameter
+            says = r"'2\.weight' no longer requires grad"
+        with pytest.raises(dwgraph.GraphStateError, match=says):
+            _step(g, model, torch.randn(B, H))
+        assert_unchanged(model, before, change)
+    finally:
+        _KEPT.clear()
+
+
+class _SetsThroughSuper(torch.nn.Parameter):
+    """A parameter type with its own __setattr__ and __delattr__ that defer to the base's
+    through super(), as parameter subclasses of other libraries do."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+
+
+def test_subclasses_that_set_through_super_keep_working_once_parameters_are_watched():
+    # Note [One setattr slot for every tensor type]: the watch once made every such subclass
+    # raise TypeError ("can't apply this __setattr__"), process-wide, in unrelated code.
+    model = _model()
+    model.register_buffer("seen", torch.zeros(2))  # torch.Tensor watched through a buffer too
+    g = _graphed(model)
+    _step(g, model, torch.randn(B, H))
+
+    class MadeLater(_SetsThroughSuper):
+        pass
+
+    class PlainChain(_PlainSubclass):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+
+    for t in (_SetsThroughSuper(torch.zeros(3)), MadeLater(torch.zeros(3)), torch.zeros(3).as_subclass(PlainChain)):
+        t.tag = 1
+        assert t.tag == 1
+        del t.tag
+        assert not hasattr(t, "tag")
+        t.data = torch.ones(3)
+        assert torch.equal(t, torch.ones(3))
+        t.requires_grad = True
+        assert t.requires_grad
+
+    class WithoutSetattr(torch.nn.Parameter):
+        pass
+
+    # A parameter type made after the watch was installed inherits it (its changes are
+    # heard); one with its own __setattr__ cannot be watched (its parameters are checked at
+    # every call, below).
+    assert dwgraph._C.graphs.watch_parameter_setters(WithoutSetattr)
+    assert not dwgraph._C.graphs.watch_parameter_setters(_SetsThroughSuper)
+
+
+@pytest.mark.parametrize("change", ["data", "requires_grad"])
+def test_a_parameter_whose_type_sets_through_super_changed_after_calls_is_refused(change):
+    model = _model()
+    model[2].weight = _SetsThroughSuper(model[2].weight.detach().clone())
+    g = _graphed(model)
+    for _ in range(3):
+        _step(g, model, torch.randn(B, H))
+    model.zero_grad(set_to_none=True)
+    before = snapshot_grads(model)
+    try:
+        if change == "data":
+            _moved_keeping_the_old(model[2].weight, lambda p, new: setattr(p, "data", new))
+            says = r"'2\.weight' was reallocated"
+        else:
+            model[2].weight.requires_grad = False
             says = r"'2\.weight' no longer requires grad"
         with pytest.raises(dwgraph.GraphStateError, match=says):
             _step(g, model, torch.randn(B, H))
