@@ -583,30 +583,6 @@ class _PlainSubclass(torch.Tensor):
     type (nn.Parameter marks it with _is_param), so Parameter's own methods are not its."""
 
 
-@pytest.mark.parametrize("change", ["module_requires_grad_", "set_"])
-def test_a_tensor_subclass_parameter_changed_after_calls_is_refused(change):
-    model = _model()
-    model[2].weight = torch.nn.Parameter(_PlainSubclass(model[2].weight.detach().clone()))
-    assert type(model[2].weight) is _PlainSubclass
-    g = _graphed(model)
-    for _ in range(3):
-        _step(g, model, torch.randn(B, H))
-    model.zero_grad(set_to_none=True)
-    before = snapshot_grads(model)
-    try:
-        if change == "set_":
-            _moved_keeping_the_old(model[2].weight, lambda p, new: p.set_(new))
-            says = r"'2\.weight' was reallocated"
-        else:
-            model[2].requires_grad_(False)  # torch's freeze: p.requires_grad_(False) per parameter
-            says = r"'2\.weight' no longer requires grad"
-        with pytest.raises(dwgraph.GraphStateError, match=says):
-            _step(g, model, torch.randn(B, H))
-        assert_unchanged(model, before, change)
-    finally:
-        _KEPT.clear()
-
-
 class _SetsThroughSuper(torch.nn.Parameter):
     """A parameter type with its own __setattr__ and __delattr__ that defer to the base's
     through super(), as parameter subclasses of other libraries do."""
@@ -653,22 +629,37 @@ def test_subclasses_that_set_through_super_keep_working_once_parameters_are_watc
     assert not dwgraph._C.graphs.watch_parameter_setters(_SetsThroughSuper)
 
 
-@pytest.mark.parametrize("change", ["data", "requires_grad"])
-def test_a_parameter_whose_type_sets_through_super_changed_after_calls_is_refused(change):
+# A parameter whose type is not torch.nn.Parameter: a tensor subclass (Parameter's own
+# methods are not its), or a type with its own __setattr__ (not watchable: read at every call).
+_PARAMETER_TYPES = {
+    "tensor_subclass": lambda w: torch.nn.Parameter(_PlainSubclass(w)),
+    "sets_through_super": _SetsThroughSuper,
+}
+_PARAMETER_CHANGES = {
+    "set_": (lambda m: _moved_keeping_the_old(m[2].weight, lambda p, new: p.set_(new)), r"'2\.weight' was reallocated"),
+    "data": (lambda m: _moved_keeping_the_old(m[2].weight, lambda p, new: setattr(p, "data", new)),
+             r"'2\.weight' was reallocated"),
+    # torch's freeze: p.requires_grad_(False) per parameter
+    "module_requires_grad_": (lambda m: m[2].requires_grad_(False), r"'2\.weight' no longer requires grad"),
+    "requires_grad_attribute": (lambda m: setattr(m[2].weight, "requires_grad", False),
+                                r"'2\.weight' no longer requires grad"),
+}
+
+
+@pytest.mark.parametrize("change", list(_PARAMETER_CHANGES))
+@pytest.mark.parametrize("kind", list(_PARAMETER_TYPES))
+def test_a_parameter_of_another_type_changed_after_calls_is_refused(kind, change):
     model = _model()
-    model[2].weight = _SetsThroughSuper(model[2].weight.detach().clone())
+    model[2].weight = _PARAMETER_TYPES[kind](model[2].weight.detach().clone())
+    assert type(model[2].weight) is (_PlainSubclass if kind == "tensor_subclass" else _SetsThroughSuper)
     g = _graphed(model)
     for _ in range(3):
         _step(g, model, torch.randn(B, H))
     model.zero_grad(set_to_none=True)
     before = snapshot_grads(model)
+    apply, says = _PARAMETER_CHANGES[change]
     try:
-        if change == "data":
-            _moved_keeping_the_old(model[2].weight, lambda p, new: setattr(p, "data", new))
-            says = r"'2\.weight' was reallocated"
-        else:
-            model[2].weight.requires_grad = False
-            says = r"'2\.weight' no longer requires grad"
+        apply(model)
         with pytest.raises(dwgraph.GraphStateError, match=says):
             _step(g, model, torch.randn(B, H))
         assert_unchanged(model, before, change)
