@@ -111,8 +111,10 @@ void Graph::check_run(const std::vector<const Graph*>& run) {
     for (const Graph* g : run) g->pool_->order().check_replay(*g->order_id_);
     return;
   }
-  std::vector<PoolOrder::GraphId> ids;
-  ids.reserve(run.size());
+  // Kept between runs (no allocation per backward_dw() of many parts); nothing below runs
+  // caller code, so no run of this thread can start inside another.
+  thread_local std::vector<PoolOrder::GraphId> ids;
+  ids.clear();
   for (const Graph* g : run) ids.push_back(*g->order_id_);
   if (!run.empty()) run.front()->pool_->order().check_sequence(ids);
 }

@@ -233,6 +233,12 @@ struct Slot {
   // How many of dw_parts are pending (their state's flag set; both written under mu_ only,
   // by set_state and disarm_part), so a call need not visit every part to find none is.
   size_t armed_parts = 0;
+  // backward_dw()'s lists of the parts it lands and their graphs, kept between calls
+  // (contract C10: a call of many parts allocates nothing; a large allocation after the
+  // replays' frees made glibc consolidate them inside the call). Taken out while in use,
+  // so a call that a hook makes meanwhile gets empty ones of its own.
+  std::vector<size_t> dw_scratch_parts;
+  std::vector<const Graph*> dw_scratch_run;
   // Per module of the callable: its delayed hooks after a landing of its parts (empty for
   // modules without deferral; null for a module without hooks). Shared: a backward_dw()
   // holds the ones it will run while a hook may reset() the graphs.

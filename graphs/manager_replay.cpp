@@ -688,10 +688,15 @@ void GraphManager::backward_dw(size_t s) {
   SlotState state;
   uint64_t sequence;
   std::vector<size_t> parts;  // Note [A backward-dw graph per unit]: the ones still pending
+  std::vector<const Graph*> run;
   {
     const std::lock_guard<std::mutex> lock(mu_);
     state = slot.state;
     sequence = slot.dw_sequence;
+    parts.swap(slot.dw_scratch_parts);
+    run.swap(slot.dw_scratch_run);
+    parts.clear();
+    run.clear();
     for (size_t p = 0; p < slot.dw_parts.size(); ++p) {
       if (slot.dw_parts[p].state->pending.load(std::memory_order_acquire) > 0) parts.push_back(p);
     }
@@ -708,6 +713,11 @@ void GraphManager::backward_dw(size_t s) {
     }
   }
   if (state != SlotState::kDwPending || parts.empty() || older_eager) {
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      slot.dw_scratch_parts.swap(parts);
+      slot.dw_scratch_run.swap(run);
+    }
     run_eager_backward_dw(s);
     return;
   }
@@ -725,16 +735,13 @@ void GraphManager::backward_dw(size_t s) {
   }
   // A changed saved tensor drops every pending part: that backward's weight gradients.
   check_saved_versions(slot, parts, parts, who);
-  // Every part's graph is checked before any replays: one refusal writes nothing.
-  {
-    std::vector<const Graph*> run;
-    run.reserve(parts.size());
-    for (size_t p : parts) run.push_back(slot.dw_parts[p].graph.get());
-    Graph::check_run(run);
-  }
   uint64_t replay_ns = 0;
   {
+    // Every part's graph is checked before any replays, so that one refusal writes nothing:
+    // the checks each replay() would make, made together, and timed with the replays.
     const ScopedNs t(&replay_ns);
+    for (size_t p : parts) run.push_back(slot.dw_parts[p].graph.get());
+    Graph::check_run(run);
     for (size_t p : parts) slot.dw_parts[p].graph->replay();
   }
   std::vector<std::shared_ptr<const Landing>> hooks;  // held: a hook may reset() the graphs that own them
@@ -760,6 +767,12 @@ void GraphManager::backward_dw(size_t s) {
       for (size_t p : parts) slot.dw_parts[p].landing.land(live);
     }
     add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
+  }
+  {
+    // Before the hooks, which may reset() the graphs and with them the slot.
+    const std::lock_guard<std::mutex> lock(mu_);
+    slot.dw_scratch_parts.swap(parts);
+    slot.dw_scratch_run.swap(run);
   }
   for (const auto& h : hooks) h->land(live);
 }
