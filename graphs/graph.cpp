@@ -120,6 +120,9 @@ void Graph::check_run(const std::vector<const Graph*>& run) {
 }
 
 void Graph::replay() {
+  if (!captured_) check_live();  // refuses, saying why (no pool before a capture)
+  const std::shared_ptr<GraphPool> pool = pool_;  // a host call may reset() this graph
+  const PoolUse::Scope in_use(pool->use(), name_);  // Note [One thread at a time on a pool]
   check_replay();
   try {
     for (const auto& fn : host_calls_.before) fn();

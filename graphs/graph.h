@@ -12,6 +12,7 @@
 #include "allocator/ledger.h"
 #include "graphs/host_calls.h"
 #include "graphs/pool_order.h"
+#include "graphs/pool_use.h"
 
 #include <c10/core/Device.h>
 #include <c10/core/Storage.h>
@@ -54,12 +55,15 @@ class GraphPool {
   };
   virtual std::unique_ptr<AllocationScope> allocation_scope() = 0;
   PoolOrder& order() { return order_; }
+  // Note [One thread at a time on a pool].
+  PoolUse& use() { return use_; }
   // Note [Host work around a replay]: the buffers its graphs refill before their replays,
   // by (owner, tag).
   std::map<std::pair<const void*, std::string>, ReplayBuffer>& replay_buffers() { return replay_buffers_; }
 
  private:
   PoolOrder order_;
+  PoolUse use_;
   std::map<std::pair<const void*, std::string>, ReplayBuffer> replay_buffers_;
 };
 

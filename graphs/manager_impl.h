@@ -200,6 +200,32 @@ struct DwPart {
   std::shared_ptr<ops::GraphedUnit> state = std::make_shared<ops::GraphedUnit>();
 };
 
+// The gradients a graphed backward made for its slot's parameters (caller-owned copies, per
+// param_node edge), until the slot's parameter node hands them on to the parameters'
+// AccumulateGrad. Held by that node as well as by the slot: a reset() in between (a hook on
+// the call's input runs between the two nodes) releases the slot, not the gradients eager
+// would land; before, the parameter node found nothing and every .grad of that backward was
+// silently lost.
+struct ParamGradStash {
+  explicit ParamGradStash(size_t edges) : n(edges) {}
+  void put(std::vector<at::Tensor> g) {
+    const std::lock_guard<std::mutex> lock(mu);
+    grads = std::move(g);
+  }
+  std::vector<at::Tensor> take() {
+    const std::lock_guard<std::mutex> lock(mu);
+    std::vector<at::Tensor> out = std::move(grads);
+    grads.clear();
+    out.resize(n);
+    return out;
+  }
+
+ private:
+  std::mutex mu;
+  std::vector<at::Tensor> grads;
+  const size_t n;
+};
+
 struct Slot {
   SlotInfo info;
   std::string where;  // "graphed callable 0 ('Linear')", for messages
@@ -258,7 +284,7 @@ struct Slot {
   std::vector<size_t> param_node_edges;
   std::vector<dwgraph::detail::NodePtr> accumulators;  // per grad_param_indices: its AccumulateGrad
   at::Tensor param_token;  // what the call's node sends param_node
-  std::vector<at::Tensor> param_grads;  // stashed by the backward for param_node (per edge)
+  std::shared_ptr<ParamGradStash> param_grads;  // the backward's, for param_node
   Landing after_backward;  // flags and hooks of modules without deferral
   LiveMask dw_live;        // of the backward whose backward-dw is pending (empty: all)
   // Per module of the callable: how many units one backward queues (a module used twice
@@ -312,7 +338,6 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   // engine; returns the input gradients and stashes the parameters' for param_node.
   BackwardResult backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
                           const std::vector<uint8_t>& asked);
-  std::vector<at::Tensor> take_param_grads(size_t s);
   void node_released(size_t s, uint64_t generation) noexcept;
   void node_done(size_t s, uint64_t generation) noexcept;  // its backward freed the graph
   void backward_dw(size_t s);

@@ -70,24 +70,22 @@ class ParamGradRelay final : public torch::autograd::Node {
 class ParamGradNode final : public torch::autograd::Node {
  public:
   // `pending`: null for the node with an edge per parameter, else the chain's head.
-  ParamGradNode(std::weak_ptr<GraphManager> m, size_t slot, PendingGrads pending)
-      : Node(kRelayPriority), manager_(std::move(m)), slot_(slot), pending_(std::move(pending)) {}
+  ParamGradNode(std::shared_ptr<ParamGradStash> stash, PendingGrads pending)
+      : Node(kRelayPriority), stash_(std::move(stash)), pending_(std::move(pending)) {}
   std::string name() const override { return "dwgraph::GraphedParameterGrads"; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    auto m = manager_.lock();
-    if (!m || grads.empty() || !grads[0].defined()) return torch::autograd::variable_list(num_outputs());
-    if (!pending_) return m->take_param_grads(slot_);
+    if (grads.empty() || !grads[0].defined()) return torch::autograd::variable_list(num_outputs());
+    if (!pending_) return stash_->take();
     torch::autograd::variable_list out(num_outputs());
-    *pending_ = m->take_param_grads(slot_);
+    *pending_ = stash_->take();
     if (!pending_->empty()) out[0] = std::move((*pending_)[0]);
     if (out.size() > 1) out[1] = std::move(grads[0]);
     return out;
   }
 
  private:
-  std::weak_ptr<GraphManager> manager_;
-  size_t slot_;
+  std::shared_ptr<ParamGradStash> stash_;
   PendingGrads pending_;
 };
 
@@ -251,10 +249,11 @@ void GraphManager::make_param_node(size_t s) {
   const size_t n = slot.param_node_edges.size();
   if (n == 0) return;
   slot.param_token = at::zeros({}, at::TensorOptions().device(device_));
+  slot.param_grads = std::make_shared<ParamGradStash>(n);
   {
     torch::autograd::edge_list edges;
     for (size_t j : slot.param_node_edges) edges.push_back(to_param[j]);
-    auto node = dwgraph::detail::make_node<ParamGradNode>(weak_from_this(), s, nullptr);
+    auto node = dwgraph::detail::make_node<ParamGradNode>(slot.param_grads, nullptr);
     node->set_next_edges(std::move(edges));
     node->add_input_metadata(slot.param_token);
     slot.param_node = node;
@@ -264,7 +263,7 @@ void GraphManager::make_param_node(size_t s) {
   // edges are set before it has a parent).
   auto pending = std::make_shared<std::vector<at::Tensor>>();
   std::vector<dwgraph::detail::NodePtr> chain;
-  chain.push_back(dwgraph::detail::make_node<ParamGradNode>(weak_from_this(), s, pending));
+  chain.push_back(dwgraph::detail::make_node<ParamGradNode>(slot.param_grads, pending));
   for (size_t e = 1; e < n; ++e) chain.push_back(dwgraph::detail::make_node<ParamGradRelay>(pending, e));
   for (size_t e = n; e-- > 0;) {
     torch::autograd::edge_list edges{to_param[slot.param_node_edges[e]]};
@@ -370,6 +369,8 @@ std::vector<at::Tensor> GraphManager::call(size_t s, const std::vector<at::Tenso
 
 std::vector<at::Tensor> GraphManager::replay_call(size_t s, const std::vector<at::Tensor>& inputs) {
   check_live("calling a graphed callable");
+  const std::shared_ptr<GraphPool> pool = pool_;  // held: a hook may reset() the graphs
+  const PoolUse::Scope in_use(pool->use(), slots_.at(s).where);  // Note [One thread at a time on a pool]
   Slot& slot = slots_.at(s);
   const size_t ci = slot.info.callable;
   const std::string& w = slot.where;
@@ -462,6 +463,8 @@ std::vector<at::Tensor> GraphManager::replay_call(size_t s, const std::vector<at
 BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
                                       const std::vector<uint8_t>& asked) {
   check_live("backward through a graphed callable");
+  const std::shared_ptr<GraphPool> pool = pool_;  // held: a hook may reset() the graphs
+  const PoolUse::Scope in_use(pool->use(), slots_.at(s).where);  // Note [One thread at a time on a pool]
   Slot& slot = slots_.at(s);
   const size_t ci = slot.info.callable;
   const std::string& w = slot.where;
@@ -577,7 +580,7 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
     for (size_t j = 0; j < np; ++j) result.live[slot.grad_param_indices[j]] = live[ni + j];
   }
   const std::lock_guard<std::mutex> lock(mu_);
-  slot.param_grads = std::move(param_grads);
+  if (slot.param_grads) slot.param_grads->put(std::move(param_grads));
   slot.dw_live = result.live;
   set_state(slot, defers_[ci] && dw_pending ? SlotState::kDwPending : SlotState::kIdle);
   for (const auto& part : slot.dw_parts) {
@@ -590,15 +593,6 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
     slot.grad_write.abandon_for(*part.graph);
   }
   return result;
-}
-
-std::vector<at::Tensor> GraphManager::take_param_grads(size_t s) {
-  const std::lock_guard<std::mutex> lock(mu_);
-  Slot& slot = slots_.at(s);
-  std::vector<at::Tensor> out = std::move(slot.param_grads);
-  slot.param_grads.clear();
-  out.resize(slot.param_node_edges.size());
-  return out;
 }
 
 void GraphManager::node_released(size_t s, uint64_t generation) noexcept {
@@ -681,6 +675,8 @@ void GraphManager::check_saved_versions(Slot& slot, const std::vector<size_t>& p
 
 void GraphManager::backward_dw(size_t s) {
   check_live("backward_dw()");
+  const std::shared_ptr<GraphPool> pool = pool_;  // held: a hook may reset() the graphs
+  const PoolUse::Scope in_use(pool->use(), slots_.at(s).where);  // Note [One thread at a time on a pool]
   Slot& slot = slots_.at(s);
   const size_t ci = slot.info.callable;
   const std::string& w = slot.where;
@@ -779,6 +775,8 @@ void GraphManager::backward_dw(size_t s) {
 
 void GraphManager::land_part(size_t s, size_t p) {
   check_live("backward_dw()");
+  const std::shared_ptr<GraphPool> pool = pool_;  // held: a hook may reset() the graphs
+  const PoolUse::Scope in_use(pool->use(), slots_.at(s).where);  // Note [One thread at a time on a pool]
   Slot& slot = slots_.at(s);
   DwPart& part = slot.dw_parts.at(p);
   const size_t ci = slot.info.callable;
@@ -926,7 +924,7 @@ void GraphManager::reset() {
     slot.dw_inputs.clear();
     slot.dw_grads.clear();
     slot.dw_live.clear();
-    slot.param_grads.clear();
+    slot.param_grads.reset();  // the parameter node keeps a backward's gradients it has not handed on
     slot.param_node = dwgraph::detail::NodePtr();
     slot.param_chain = dwgraph::detail::NodePtr();
     slot.param_relays.clear();

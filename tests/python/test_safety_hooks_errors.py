@@ -11,7 +11,9 @@
     registered on a submodule, or global ones, are refused at the call (fine again once
     removed);
   * a wgrad hook that ``reset()``s the graphs while gradients land: every module's hook
-    runs, the gradients land, later calls are refused;
+    runs, the gradients land, later calls are refused; a hook on the call's input that
+    ``reset()``s them between the graphed backward and the parameters' hand-off: the
+    parameters get that backward's gradients, as eager;
   * buffers that require grad are refused;
   * errors keep their type through ``loss.backward()`` and from inside a capture (the
     remaining cases are in test_core_contracts.py).
@@ -274,3 +276,37 @@ def test_reset_inside_a_wgrad_hook_while_gradients_land():
     assert sorted(ran) == [0, 1] and model[0].weight.grad is not None and model[1].weight.grad is not None
     with pytest.raises(dwgraph.GraphStateError, match="after reset"):
         model(torch.randn(SMALL_B, SMALL_H))
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["one_node", "parameter_hooks_chain"])
+def test_reset_from_an_input_hook_between_the_backward_and_the_hand_off_lands_as_eager(hooks):
+    # The input's hook runs after the graphed backward made the parameters' gradients and
+    # before the node that hands them to the parameters; its reset() released the slot that
+    # held them, and every .grad of that backward was silently None (a review found it).
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh(), torch.nn.Linear(H, 2))
+
+    eager, model = build(), build()
+    dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
+    if hooks:  # the chain of relays (Note [Parameter hooks in autograd's order])
+        for m in (eager, model):
+            for p in m.parameters():
+                p.register_hook(lambda g: g * 2)
+    x = torch.randn(B, H, requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
+    before_hand_off = []
+
+    def reset(g):
+        before_hand_off.append(all(p.grad is None for p in model.parameters()))
+        dwgraph.graphed_handle(model).reset()
+
+    x.register_hook(reset)
+    model(x).square().sum().backward()
+    assert before_hand_off == [True]  # the reset came inside the window
+    eager(xe).square().sum().backward()
+    assert torch.equal(x.grad, xe.grad)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    with pytest.raises(dwgraph.GraphStateError, match="after reset"):
+        model(x)

@@ -15,13 +15,18 @@ anything is written.
     backward (``create_graph=True``) through a graphed call is refused;
   * a graphed backward whose ``backward_dw()`` is pending is seen by the optimizer guard and
     by pickle (refused before anything is written); graphs released with it pending
-    (``reset()``) leave it counted as lost until ``discard_wgrad_units()``.
+    (``reset()``) leave it counted as lost until ``discard_wgrad_units()``;
+  * graphs of one pool used by two threads at once (a callable of the set called from
+    another thread while this one is inside a ``backward_dw()``): the other thread is
+    refused before it writes anything; the same thread may enter again, and the other
+    thread runs once the first is done (Note [One thread at a time on a pool]).
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import threading
 
 import pytest
 import torch
@@ -279,3 +284,53 @@ def test_dropped_graphed_callable_with_pending_backward_dw_is_seen_by_the_optimi
     inner[0].discard_wgrad_units()
     inner[2].discard_wgrad_units()
     opt.step()
+
+
+def test_another_thread_using_the_same_pool_meanwhile_is_refused_before_it_writes():
+    # Deterministic: the other thread runs (and is joined) inside a wgrad hook, that is
+    # inside the first thread's backward_dw(). Before the refusal, two threads could both
+    # pass the pool's order check and replay into the same memory (silently wrong results).
+    def build():
+        torch.manual_seed(0)
+        return dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+
+    (a, b), (ea, eb) = build(), build()
+    dwgraph.make_graphed_callables((a, b), ((torch.randn(B, H, requires_grad=True),),
+                                            (torch.randn(B, H, requires_grad=True),)))
+    x, xb = torch.randn(B, H, requires_grad=True), torch.randn(B, H)
+    seen = {}
+
+    def call_b():  # replays (a call without grad would run eagerly); its backward never runs
+        return b(xb).detach()
+
+    def other_thread(tag):
+        try:
+            seen[tag] = call_b()
+        except dwgraph.GraphStateError as e:
+            seen[tag] = e
+
+    def hook(module):
+        t = threading.Thread(target=other_thread, args=("inside",))
+        t.start()
+        t.join()
+        seen["same_thread"] = call_b()
+
+    a.register_wgrad_hook(hook)
+    ea.register_wgrad_hook(lambda m: None)
+    a(x).square().sum().backward()
+    a.backward_dw()
+    xe = x.detach().clone().requires_grad_()
+    ea(xe).square().sum().backward()
+    ea.backward_dw()
+    assert isinstance(seen["inside"], dwgraph.GraphStateError), seen["inside"]
+    assert "another thread is using graphs of the same memory pool" in str(seen["inside"])
+    with torch.no_grad():
+        expected = eb(xb)
+    assert torch.equal(seen["same_thread"], expected)
+    assert torch.equal(a.weight.grad, ea.weight.grad) and torch.equal(a.bias.grad, ea.bias.grad)
+    assert torch.equal(x.grad, xe.grad)
+    other_thread("after")  # on this thread once it is done, then on another
+    t = threading.Thread(target=other_thread, args=("another_after",))
+    t.start()
+    t.join()
+    assert torch.equal(seen["after"], expected) and torch.equal(seen["another_after"], expected)

@@ -1,0 +1,44 @@
+#pragma once
+
+// Note [One thread at a time on a pool]: graphs that share a pool share memory, and the
+// pool's replay order (graphs/pool_order.h) is checked before a replay and recorded after
+// it. Two threads replaying graphs of one pool at once (one graphed callable called from
+// two threads, or two callables of one set) could both pass the check and then write the
+// same blocks, or one replay the forward into the static buffers another is reading: a
+// silent wrong result. So each entry point that reads or writes a pool's memory (a call, a
+// backward, a backward_dw(), a graph's replay) holds the pool's use for its length; another
+// thread arriving meanwhile is refused with a GraphStateError before it writes anything,
+// rather than made to wait (CUDA graphs sharing a pool must not run concurrently either, and
+// waiting could hold the GIL against a hook of the thread inside). The same thread may enter
+// again (a hook that calls another graph of the set).
+
+#include <cstddef>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace dwgraph::graphs {
+
+class PoolUse {
+ public:
+  // While a Scope lives, its thread uses the pool; `who` names it in another thread's
+  // refusal. The caller keeps the pool alive meanwhile (a hook may reset() the graphs).
+  class Scope {
+   public:
+    Scope(PoolUse& use, const std::string& who);
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    PoolUse& use_;
+  };
+
+ private:
+  std::mutex mu_;
+  std::thread::id user_;
+  size_t depth_ = 0;
+  std::string who_;  // the outermost scope's, while depth_ > 0
+};
+
+}  // namespace dwgraph::graphs
