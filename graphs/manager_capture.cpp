@@ -587,8 +587,16 @@ void GraphManager::capture_dw(size_t s) {
   auto runs_of = [&](size_t k) {
     return k < slot.units_per_backward.size() ? std::max<size_t>(slot.units_per_backward[k], 1) : size_t{1};
   };
+  // A deferring module whose backward capture queued nothing (a submodule the forward does
+  // not use, or uses without grad): nothing to land and no hook to run, as eager, where its
+  // own backward_dw() finds no unit.
+  auto lands = [&](size_t k) {
+    const auto& m = c.modules[k];
+    return module_defers(m) && !(m.store && m.store->empty() && k < slot.units_per_backward.size() &&
+                                 slot.units_per_backward[k] == 0);
+  };
   size_t num_parts = 0;
-  for (size_t k = 0; k < c.modules.size(); ++k) num_parts += module_defers(c.modules[k]) ? runs_of(k) : 0;
+  for (size_t k = 0; k < c.modules.size(); ++k) num_parts += lands(k) ? runs_of(k) : 0;
   // Note [A backward-dw graph per unit]: one graph per unit of one backward, in the order
   // the modules land them. One contribution per (module, unit, parameter), so a parameter
   // tied between two modules receives a, then b, exactly as the eager modules hand them
@@ -599,10 +607,10 @@ void GraphManager::capture_dw(size_t s) {
   slot.dw_hooks.assign(c.modules.size(), nullptr);
   for (size_t k = 0; k < c.modules.size(); ++k) {
     const auto& m = c.modules[k];
-    if (!module_defers(m)) continue;
+    if (!lands(k)) continue;
     DWGRAPH_CHECK_STATE(!m.store || !m.store->empty(), kApi, ": module '", m.name, "' of ", where(s),
-                        " has no wgrad unit queued after its backward capture; its backward asked for none of "
-                        "its weight gradients");
+                        " has no wgrad unit queued after its backward capture, though its backward queued ",
+                        runs_of(k), "; expected them queued until its backward_dw()");
     const size_t runs = runs_of(k);
     for (size_t r = 0; r < runs; ++r) {
       DwPart part;
@@ -683,6 +691,9 @@ void GraphManager::capture_dw(size_t s) {
         DWGRAPH_CHECK_STATE(manager != nullptr, owner, ": its graphs were released (the graphed callables were "
                             "dropped) before this backward_dw()");
         manager->land_part(s, p);
+      };
+      part.state->discard = [self, s, p] {
+        if (const auto manager = self.lock()) manager->discard_part(s, p);
       };
       m.store->add_graphed_unit(part.state);
     }

@@ -392,6 +392,13 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   // kDwPending arms the parts whose module slot.dw_live reaches; kIdle disarms all.
   void set_state(Slot& slot, SlotState next);
   // Disarms part p (landed or dropped), the slot going idle when none is left (mu_ held).
+  // discard_wgrad_units() on a module with a unit pending in these graphs: drops it (the
+  // part's graph will not replay, so what the forward and backward wrote for it is free).
+  void discard_part(size_t s, size_t p);
+  // Under mu_: part p of `slot` dropped unlanded, and the reads of its graph abandoned.
+  void drop_part(Slot& slot, size_t p);
+  // Under mu_: what the slot's forward, backward and buffers wrote for `reader` is not read.
+  static void abandon_reads(Slot& slot, const Graph& reader);
   void disarm_part(Slot& slot, size_t p);
   // A module's backward_dw() on the graphed callable: lands part p of slot s (its store
   // chose it, Note [Graphed units]) without the module's hooks.

@@ -587,10 +587,7 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
     if (part.state->pending.load(std::memory_order_acquire) > 0 || !part.graph) continue;
     // No backward_dw() will replay this part (a backward that asked for none of its
     // module's weights): what the forward and this backward wrote for it is not read.
-    slot.fwd->abandon_for(*part.graph);
-    slot.bwd->abandon_for(*part.graph);
-    slot.input_write.abandon_for(*part.graph);
-    slot.grad_write.abandon_for(*part.graph);
+    abandon_reads(slot, *part.graph);
   }
   return result;
 }
@@ -655,15 +652,7 @@ void GraphManager::check_saved_versions(Slot& slot, const std::vector<size_t>& p
       // As an eager dwgraph module drops the unit whose inputs changed: it can never land
       // eager's gradient.
       const std::lock_guard<std::mutex> lock(mu_);
-      for (size_t d : drop) {
-        if (slot.dw_parts[d].state->pending.load(std::memory_order_acquire) <= 0) continue;
-        disarm_part(slot, d);
-        const Graph& reader = *slot.dw_parts[d].graph;
-        slot.fwd->abandon_for(reader);
-        slot.bwd->abandon_for(reader);
-        slot.input_write.abandon_for(reader);
-        slot.grad_write.abandon_for(reader);
-      }
+      for (size_t d : drop) drop_part(slot, d);
     }
     DWGRAPH_CHECK_STATE(false, who, ": ", what, " ", index, " of its ",
                         what == "output gradient" ? "backward" : "call",
@@ -816,6 +805,26 @@ void GraphManager::land_part(size_t s, size_t p) {
     part.landing.land(live);
   }
   add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
+}
+
+void GraphManager::discard_part(size_t s, size_t p) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  if (reset_ || s >= slots_.size() || p >= slots_[s].dw_parts.size()) return;
+  drop_part(slots_[s], p);
+}
+
+void GraphManager::drop_part(Slot& slot, size_t p) {
+  const DwPart& part = slot.dw_parts.at(p);
+  if (part.state->pending.load(std::memory_order_acquire) <= 0) return;
+  disarm_part(slot, p);
+  if (part.graph) abandon_reads(slot, *part.graph);
+}
+
+void GraphManager::abandon_reads(Slot& slot, const Graph& reader) {
+  slot.fwd->abandon_for(reader);
+  slot.bwd->abandon_for(reader);
+  slot.input_write.abandon_for(reader);
+  slot.grad_write.abandon_for(reader);
 }
 
 void GraphManager::disarm_part(Slot& slot, size_t p) {

@@ -238,11 +238,20 @@ bool WgradStore::hooks_suppressed() const {
 }
 
 void WgradStore::clear() {
-  const std::lock_guard<std::mutex> lock(mu_);
-  count_units(-static_cast<std::ptrdiff_t>(units_.size()));
-  units_.clear();
-  consumed_.clear();
-  graph_lost_ = 0;
+  std::vector<std::shared_ptr<GraphedUnit>> graphed;
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    count_units(-static_cast<std::ptrdiff_t>(units_.size()));
+    units_.clear();
+    consumed_.clear();
+    graph_lost_ = 0;
+    for (const auto& w : graphed_units_) {
+      auto u = w.lock();
+      if (u && u->pending.load(std::memory_order_acquire) > 0 && u->discard) graphed.push_back(std::move(u));
+    }
+  }
+  // Outside the lock, as land(): the graphs' manager decides (its own lock).
+  for (const auto& u : graphed) u->discard();
 }
 
 WgradUnits WgradStore::take_after(size_t keep) {

@@ -50,6 +50,8 @@ struct GraphedUnit {
   std::atomic<int> pending{0};
   std::atomic<uint64_t> sequence{0};
   std::function<void()> land;
+  // Drops it unlanded (discard_wgrad_units(): going on after an aborted step), if still pending.
+  std::function<void()> discard;
   std::string owner;  // where the graphs are, for messages ("graphed callable 0 ('Sequential')")
 };
 

@@ -372,3 +372,40 @@ def test_raising_param_hook_on_a_lone_deferred_linear_as_eager(fused, pname, mod
     _assert_same_log(got_log, want_log)
     for i, (g, w) in enumerate(zip(got, want)):
         assert _same(g, w), f"state {i} differs"
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_recovery_from_a_raising_param_hook_by_discarding_as_docs_say(fused):
+    # docs/api.md: after a parameter hook raised in a graphed backward (which ran whole), zero
+    # the gradients and discard_wgrad_units() before going on. discard_wgrad_units() did not
+    # drop the unit pending in the graphs, so every later call was refused (a review found it).
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused),
+                                   torch.nn.Linear(H, H))
+
+    eager, graphed = build(), build()
+    run = dwgraph.make_graphed_callables(graphed, (torch.randn(B, H, requires_grad=True),))
+    torch.manual_seed(1)
+    xs = [torch.randn(B, H) for _ in range(STEPS + 1)]
+    for model, call in ((eager, eager), (graphed, run)):
+        handle = model[1].bias.register_hook(lambda g: (_ for _ in ()).throw(ValueError("boom")))
+        with pytest.raises(ValueError, match="boom"):
+            call(xs[0].clone().requires_grad_()).sum().backward()
+        handle.remove()
+        model[0].discard_wgrad_units()
+        assert model[0].num_pending_wgrad_units() == 0
+        model.zero_grad(set_to_none=True)
+        if fused:
+            model[0].weight.main_grad.zero_()
+    for step, x in enumerate(xs[1:]):
+        xe, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ye, yg = eager(xe), run(xg)
+        ye.sum().backward()
+        yg.sum().backward()
+        eager[0].backward_dw()
+        run.backward_dw()
+        assert torch.equal(ye, yg) and torch.equal(xe.grad, xg.grad), step
+        assert _same(_state(graphed), _state(eager)), step
+        for m in (eager, graphed):
+            m.zero_grad(set_to_none=True)

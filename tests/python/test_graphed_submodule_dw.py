@@ -17,7 +17,8 @@ gradients, every .grad and main_grad, the pending-unit counts and what the wgrad
             interleaved_last: the last module first, then the callable's.
   fused     fuse_wgrad_accumulation=True (weights into main_grad, zeroed in place) | False.
   model     pair: Linear -> Tanh -> LayerNormMLP; twice: one Linear used twice in the
-            forward (two units per backward), then a LayerNormMLP.
+            forward (two units per backward), then a LayerNormMLP; unused: pair with a
+            deferred Linear the forward never uses (no unit, no hook, .grad None).
 Between steps: zero_grad(set_to_none=True), main_grad zeroed in place, an SGD update.
 """
 
@@ -69,7 +70,16 @@ class TwoHeads(torch.nn.Module):
         return self.a(x), self.b(x)
 
 
-MODELS = {"pair": Pair, "twice": Twice}
+class Unused(Pair):
+    """Pair with a deferred submodule the forward never uses: nothing to land and no hook to
+    run, as eager (its capture was refused before a review found it)."""
+
+    def __init__(self, fused):
+        super().__init__(fused)
+        self.c = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+
+
+MODELS = {"pair": Pair, "twice": Twice, "unused": Unused}
 
 
 def build(model_kind, fused, seed=1234):
@@ -175,8 +185,10 @@ def test_submodule_backward_dw_matches_eager(schedule, w_order, fused, model_kin
     g_log, e_log = [], []
     for m, log in ((g_model, g_log), (e_model, e_log)):
         hook_log(m.b, log)
-        if model_kind == "pair":  # a module used twice runs its hooks once per backward_dw() call
+        if model_kind != "twice":  # a module used twice runs its hooks once per backward_dw() call
             hook_log(m.a, log)
+        if model_kind == "unused":
+            hook_log(m.c, log)
     for step in range(STEPS):
         xs = [torch.randn(ROWS, H) for _ in range(n_micro)]
         ws = [torch.randn(ROWS, H) for _ in range(n_micro)]
