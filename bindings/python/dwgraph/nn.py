@@ -169,9 +169,10 @@ class _DeferredWgradModule(torch.nn.Module):
         return self._wgrad_store.num_units()
 
     def discard_wgrad_units(self) -> None:
-        """Drops every queued backward's weight-gradient work without running it, and
-        forgets graphed backwards whose graphs were released before their
-        ``backward_dw()``: to go on after an aborted step, without those gradients."""
+        """Drops every backward's weight-gradient work without running it, queued here or
+        pending in a graphed callable's graphs (those will not replay it), and forgets
+        graphed backwards whose graphs were released before their ``backward_dw()``: to go
+        on after an aborted step, without those gradients."""
         self._wgrad_store.clear()
 
     def num_pending_wgrad_units(self) -> int:
