@@ -10,7 +10,10 @@ is the manager's own host work: the checks, the slot bookkeeping, the autograd n
 Python front end. The backward's time also holds the autograd engine's own cost of running
 a backward over an edge per parameter, which eager code and torch's make_graphed_callables
 (one ``autograd.Function`` over the input and every parameter) pay too: it is measured side
-by side with such a no-op ``torch.autograd.Function`` and subtracted ("net"). On CPU the
+by side with such a no-op ``torch.autograd.Function`` that hands each parameter what the
+graphed backward hands it (a gradient, which AccumulateGrad sets as .grad, or None; until
+2026-12-05 it handed None to all, so the net counted AccumulateGrad's work on every
+non-deferred parameter as dwgraph's) and subtracted ("net"). On CPU the
 clock is the calling thread's CPU time (``time.thread_time`` and the core's phase clock set
 to the same), so a loaded machine does not inflate the figures. Contract C10 asks for overhead that does
 not grow with the tree (the largest at most 1.2x the smallest) and at most 5 us. A last row
@@ -39,7 +42,13 @@ SIZES = (1, 16, 128, 1024)
 
 class _Noop(torch.autograd.Function):
     """The autograd node torch's own make_graphed_callables builds: one Function over the
-    input and every parameter, its backward a no-op (None for the parameters)."""
+    input and every parameter, its backward handing each parameter what the graphed
+    backward hands it: a fresh gradient where that backward gives one (AccumulateGrad then
+    sets .grad, as in eager), None where it gives none (a deferred weight). `fresh`: those
+    for the next backward, made outside the clock (the graphed backward's copies are
+    counted as copies, not overhead)."""
+
+    fresh: list = []
 
     @staticmethod
     def forward(x, *params):
@@ -47,11 +56,13 @@ class _Noop(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return (g,) + (None,) * ctx.n_params
+        out = (g,) + tuple(_Noop.fresh)
+        _Noop.fresh = []
+        return out
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.n_params = len(inputs) - 1
+        pass
 
 
 def _sync(dev):
@@ -85,9 +96,11 @@ def _instructions_available():
     return True
 
 
-def _engine_floor(model, dev, reps, n, kind="time"):
-    """A backward through a no-op node with edges to the input and every parameter:
-    autograd's own cost, which eager code and torch's graphs pay too."""
+def _engine_floor(model, given, dev, reps, n, kind="time"):
+    """A backward through a no-op node with edges to the input and every parameter, handing
+    the parameters the gradients the graphed backward hands them (`given`, per parameter:
+    a gradient or None): autograd's own cost, AccumulateGrad's included, which eager code
+    and torch's graphs pay too."""
     clock = _clock(dev, kind)
     if kind == "instructions":
         _C.graphs.set_phase_timing(True, clock="instructions")
@@ -99,9 +112,11 @@ def _engine_floor(model, dev, reps, n, kind="time"):
         total = 0.0
         for _ in range(n):
             y = _Noop.apply(x, *params)
+            _Noop.fresh = [None if g is None else g.clone() for g in given]  # outside the clock, as the graphed copies
             t0 = clock()
             y.backward(dy)
             total += clock() - t0
+            model.zero_grad(set_to_none=True)  # as between the graphed steps
         best.append(total / n)
     if kind == "instructions":
         _C.graphs.set_phase_timing(False)
@@ -209,10 +224,16 @@ def main() -> None:
             g(x).backward(dy)
             g.backward_dw()
             model.zero_grad(set_to_none=True)
+        # What the graphed backward hands each parameter (before backward_dw()): the floor
+        # hands the same.
+        g(x).backward(dy)
+        given = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
+        g.backward_dw()
+        model.zero_grad(set_to_none=True)
         n = max(20, (1000 if args.quick else 4000) // size)
         for kind in kinds:
             rows[kind][size] = _overheads(model, g, x, dy, dev, reps, n, kind)
-            floors[kind][size] = _engine_floor(model, dev, reps, n, kind)
+            floors[kind][size] = _engine_floor(model, given, dev, reps, n, kind)
 
     # One layer again, its caches evicted before each call: the same work as the first row,
     # the memory state the largest tree's calls meet.

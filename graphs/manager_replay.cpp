@@ -665,7 +665,11 @@ void GraphManager::check_saved_versions(Slot& slot, const std::vector<size_t>& p
 void GraphManager::backward_dw(size_t s) {
   check_live("backward_dw()");
   const std::shared_ptr<GraphPool> pool = pool_;  // held: a hook may reset() the graphs
-  const PoolUse::Scope in_use(pool->use(), slots_.at(s).where);  // Note [One thread at a time on a pool]
+  // Note [One thread at a time on a pool]: held while the graphs' memory is read and written,
+  // not while the modules' hooks run (on CUDA a backward a hook starts runs on autograd's
+  // device thread, which would find the pool in use).
+  std::optional<PoolUse::Scope> in_use;
+  in_use.emplace(pool->use(), slots_.at(s).where);
   Slot& slot = slots_.at(s);
   const size_t ci = slot.info.callable;
   const std::string& w = slot.where;
@@ -703,6 +707,7 @@ void GraphManager::backward_dw(size_t s) {
       slot.dw_scratch_parts.swap(parts);
       slot.dw_scratch_run.swap(run);
     }
+    in_use.reset();  // eager units land on the modules' own .grad, with their hooks
     run_eager_backward_dw(s);
     return;
   }
@@ -759,6 +764,7 @@ void GraphManager::backward_dw(size_t s) {
     slot.dw_scratch_parts.swap(parts);
     slot.dw_scratch_run.swap(run);
   }
+  in_use.reset();
   for (const auto& h : hooks) h->land(live);
 }
 

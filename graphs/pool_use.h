@@ -10,7 +10,9 @@
 // thread arriving meanwhile is refused with a GraphStateError before it writes anything,
 // rather than made to wait (CUDA graphs sharing a pool must not run concurrently either, and
 // waiting could hold the GIL against a hook of the thread inside). The same thread may enter
-// again (a hook that calls another graph of the set).
+// again (Python the hand-off runs, a host call). The modules' hooks run outside the use
+// (backward_dw() gives it up first): on CUDA, a backward a hook starts runs on autograd's
+// device thread, which would be refused as another thread while its caller waits for it.
 
 #include <cstddef>
 #include <mutex>

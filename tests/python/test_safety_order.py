@@ -17,9 +17,10 @@ anything is written.
     by pickle (refused before anything is written); graphs released with it pending
     (``reset()``) leave it counted as lost until ``discard_wgrad_units()``;
   * graphs of one pool used by two threads at once (a callable of the set called from
-    another thread while this one is inside a ``backward_dw()``): the other thread is
-    refused before it writes anything; the same thread may enter again, and the other
-    thread runs once the first is done (Note [One thread at a time on a pool]).
+    another thread while this one is inside a ``backward_dw()``'s hand-off): the other
+    thread is refused before it writes anything; the same thread may enter again, a wgrad
+    hook's thread runs (the use is given up before hooks), and the other thread runs once
+    the first is done (Note [One thread at a time on a pool]).
 """
 
 from __future__ import annotations
@@ -286,13 +287,30 @@ def test_dropped_graphed_callable_with_pending_backward_dw_is_seen_by_the_optimi
     opt.step()
 
 
+class _FlagSpawns(torch.nn.Parameter):
+    """A fused weight whose flag setter (Python the hand-off runs inside backward_dw(), while
+    the graphs' memory is in use) runs `during` first."""
+
+    during = None
+
+    def __setattr__(self, name, value):
+        if name == "grad_added_to_main_grad" and value and _FlagSpawns.during is not None:
+            _FlagSpawns.during()
+        super().__setattr__(name, value)
+
+
 def test_another_thread_using_the_same_pool_meanwhile_is_refused_before_it_writes():
-    # Deterministic: the other thread runs (and is joined) inside a wgrad hook, that is
-    # inside the first thread's backward_dw(). Before the refusal, two threads could both
-    # pass the pool's order check and replay into the same memory (silently wrong results).
+    # Deterministic: the other thread runs (and is joined) inside the first thread's
+    # backward_dw(), from the hand-off's flag setter. Before the refusal, two threads could
+    # both pass the pool's order check and replay into the same memory (silently wrong
+    # results, found by a review). A wgrad hook runs after the use is given up: a thread it
+    # starts runs (on CUDA a backward it starts runs on autograd's device thread).
     def build():
         torch.manual_seed(0)
-        return dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
+        a = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+        a.weight = _FlagSpawns(a.weight.detach().clone())
+        a.weight.main_grad = torch.zeros(H, H)
+        return a, dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
 
     (a, b), (ea, eb) = build(), build()
     dwgraph.make_graphed_callables((a, b), ((torch.randn(B, H, requires_grad=True),),
@@ -303,22 +321,28 @@ def test_another_thread_using_the_same_pool_meanwhile_is_refused_before_it_write
     def call_b():  # replays (a call without grad would run eagerly); its backward never runs
         return b(xb).detach()
 
-    def other_thread(tag):
-        try:
-            seen[tag] = call_b()
-        except dwgraph.GraphStateError as e:
-            seen[tag] = e
-
-    def hook(module):
-        t = threading.Thread(target=other_thread, args=("inside",))
+    def on_another_thread(tag):
+        def run():
+            try:
+                seen[tag] = call_b()
+            except dwgraph.GraphStateError as e:
+                seen[tag] = e
+        t = threading.Thread(target=run)
         t.start()
         t.join()
+
+    def during_hand_off():
+        on_another_thread("inside")
         seen["same_thread"] = call_b()
 
-    a.register_wgrad_hook(hook)
+    a.register_wgrad_hook(lambda m: on_another_thread("hook"))
     ea.register_wgrad_hook(lambda m: None)
-    a(x).square().sum().backward()
-    a.backward_dw()
+    _FlagSpawns.during = during_hand_off
+    try:
+        a(x).square().sum().backward()
+        a.backward_dw()
+    finally:
+        _FlagSpawns.during = None
     xe = x.detach().clone().requires_grad_()
     ea(xe).square().sum().backward()
     ea.backward_dw()
@@ -326,11 +350,35 @@ def test_another_thread_using_the_same_pool_meanwhile_is_refused_before_it_write
     assert "another thread is using graphs of the same memory pool" in str(seen["inside"])
     with torch.no_grad():
         expected = eb(xb)
-    assert torch.equal(seen["same_thread"], expected)
-    assert torch.equal(a.weight.grad, ea.weight.grad) and torch.equal(a.bias.grad, ea.bias.grad)
+    assert torch.equal(seen["same_thread"], expected) and torch.equal(seen["hook"], expected)
+    assert torch.equal(a.weight.main_grad, ea.weight.main_grad) and torch.equal(a.bias.grad, ea.bias.grad)
     assert torch.equal(x.grad, xe.grad)
-    other_thread("after")  # on this thread once it is done, then on another
-    t = threading.Thread(target=other_thread, args=("another_after",))
-    t.start()
-    t.join()
+    seen["after"] = call_b()  # on this thread once it is done, then on another
+    on_another_thread("another_after")
     assert torch.equal(seen["after"], expected) and torch.equal(seen["another_after"], expected)
+
+
+def test_a_backward_a_wgrad_hook_starts_is_not_refused(device):
+    # Note [One thread at a time on a pool]: backward_dw() gives the pool up before the
+    # modules' hooks. On CUDA a backward the hook starts runs on autograd's device thread, so
+    # holding the pool through the hooks would refuse it as another thread's (its caller only
+    # waits for it); on CPU it runs on the calling thread.
+    def build():
+        torch.manual_seed(0)
+        return (dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, device=device),
+                dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, device=device))
+
+    (a, b), (ea, eb) = build(), build()
+    dwgraph.make_graphed_callables((a, b), ((torch.randn(B, H, device=device, requires_grad=True),),
+                                            (torch.randn(B, H, device=device, requires_grad=True),)))
+    x, xb = torch.randn(B, H, device=device), torch.randn(B, H, device=device)
+    for model, other in ((a, b), (ea, eb)):
+        y_other = other(xb.clone().requires_grad_())
+        model.register_wgrad_hook(lambda m, y=y_other: y.square().sum().backward())
+        model(x.clone().requires_grad_()).square().sum().backward()
+        model.backward_dw()  # its hook runs the other call's backward
+        other.backward_dw()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for g, e in ((a, ea), (b, eb)):
+        assert torch.equal(g.weight.grad, e.weight.grad) and torch.equal(g.bias.grad, e.bias.grad)
