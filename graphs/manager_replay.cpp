@@ -920,6 +920,12 @@ void GraphManager::release_pending() {
 GraphManager::~GraphManager() { release_pending(); }
 
 void GraphManager::reset() {
+  // Not inside a call, backward or backward_dw() of these graphs (Python they run, or another
+  // thread): it frees the slots and parts they are using (Note [One thread at a time on a pool]).
+  const std::shared_ptr<GraphPool> pool = pool_;
+  static const std::string who = "dwgraph: reset() of graphed callables";
+  std::optional<PoolUse::Scope> alone;
+  if (pool) alone.emplace(pool->use(), who, /*alone=*/true);
   release_pending();
   for (auto& slot : slots_) {
     for (auto* g : {&slot.fwd, &slot.bwd}) {

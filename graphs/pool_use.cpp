@@ -4,9 +4,14 @@
 
 namespace dwgraph::graphs {
 
-PoolUse::Scope::Scope(PoolUse& use, const std::string& who) : use_(use) {
+PoolUse::Scope::Scope(PoolUse& use, const std::string& who, bool alone) : use_(use) {
   const std::lock_guard<std::mutex> lock(use.mu_);
   const auto me = std::this_thread::get_id();
+  DWGRAPH_CHECK_STATE(!alone || use.depth_ == 0, who, ": graphs of this pool are in use now (",
+                      use.who_.empty() ? std::string("a graph") : use.who_, ", on ",
+                      use.user_ == me ? "this thread: from Python it runs, such as a parameter's flag setter"
+                                      : "another thread",
+                      "); call it once that returns (a wgrad hook runs after it, and may). Nothing was released.");
   DWGRAPH_CHECK_STATE(use.depth_ == 0 || use.user_ == me, who.empty() ? std::string("dwgraph graph") : who,
                       ": another thread is using graphs of the same memory "
                       "pool now (", use.who_.empty() ? std::string("a graph") : use.who_,

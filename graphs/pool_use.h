@@ -27,7 +27,9 @@ class PoolUse {
   // refusal. The caller keeps the pool alive meanwhile (a hook may reset() the graphs).
   class Scope {
    public:
-    Scope(PoolUse& use, const std::string& who);
+    // `alone`: refused while any thread, this one included, is inside (reset(), which frees
+    // what a call, backward or backward_dw() running meanwhile holds).
+    Scope(PoolUse& use, const std::string& who, bool alone = false);
     ~Scope();
     Scope(const Scope&) = delete;
     Scope& operator=(const Scope&) = delete;

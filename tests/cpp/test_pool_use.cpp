@@ -1,5 +1,6 @@
 // Note [One thread at a time on a pool] (graphs/pool_use.h): a thread inside a pool's use
-// may enter again; another thread is refused, naming the first, until it is done.
+// may enter again; another thread is refused, naming the first, until it is done; a scope
+// that must be alone (reset()) is refused while any thread is inside.
 #include "testing.h"
 
 #include "common/check.h"
@@ -50,4 +51,28 @@ TEST_CASE("PoolUse: the same thread enters again, another is refused until the f
   again.emplace(use, first);
   again.reset();
   CHECK(enter_on_another_thread(use, second).empty());
+}
+
+TEST_CASE("PoolUse: a scope that must be alone is refused while any thread is inside", "[pool_use][cpu]") {
+  PoolUse use;
+  const std::string call = "graphed callable 0 ('Linear')", reset = "reset()";
+  {
+    const PoolUse::Scope inside(use, call);
+    CHECK_THROWS_AS(PoolUse::Scope(use, reset, /*alone=*/true), dwgraph::GraphStateError);  // this thread
+    std::string refused;
+    std::thread t([&] {
+      try {
+        const PoolUse::Scope s(use, reset, /*alone=*/true);
+      } catch (const dwgraph::GraphStateError& e) {
+        refused = e.what();
+      }
+    });
+    t.join();
+    CHECK(refused.find("in use now (" + call + ", on another thread)") != std::string::npos);
+  }
+  {
+    const PoolUse::Scope alone(use, reset, /*alone=*/true);
+    CHECK_FALSE(enter_on_another_thread(use, call).empty());  // others wait for it to end
+  }
+  CHECK(enter_on_another_thread(use, call).empty());
 }

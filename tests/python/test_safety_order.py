@@ -382,3 +382,52 @@ def test_a_backward_a_wgrad_hook_starts_is_not_refused(device):
         torch.cuda.synchronize()
     for g, e in ((a, ea), (b, eb)):
         assert torch.equal(g.weight.grad, e.weight.grad) and torch.equal(g.bias.grad, e.bias.grad)
+
+
+@pytest.mark.parametrize("where", ["same_thread", "another_thread"])
+def test_reset_while_backward_dw_hands_off_is_refused_and_loses_nothing(where):
+    # reset() from Python the hand-off runs (a flag setter), or from another thread meanwhile,
+    # freed the parts backward_dw() was landing: a segfault (a review found it). It is refused
+    # while the graphs are in use; the landing completes as eager; reset() works afterwards.
+    def build():
+        torch.manual_seed(0)
+        a = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+        a.weight = _FlagSpawns(a.weight.detach().clone())
+        a.weight.main_grad = torch.zeros(H, H)
+        return torch.nn.Sequential(a, dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+
+    graphed, eager = build(), build()
+    dwgraph.make_graphed_callables(graphed, (torch.randn(B, H, requires_grad=True),))
+    refused = []
+
+    def reset():
+        try:
+            dwgraph.graphed_handle(graphed).reset()
+        except dwgraph.GraphStateError as e:
+            refused.append(str(e))
+
+    def during():
+        if where == "same_thread":
+            reset()
+        else:
+            t = threading.Thread(target=reset)
+            t.start()
+            t.join()
+
+    x = torch.randn(B, H)
+    _FlagSpawns.during = during
+    try:
+        graphed(x.clone().requires_grad_()).square().sum().backward()
+        graphed.backward_dw()
+    finally:
+        _FlagSpawns.during = None
+    eager(x.clone().requires_grad_()).square().sum().backward()
+    for m in eager:
+        m.backward_dw()
+    assert len(refused) == 1 and "graphs of this pool are in use now" in refused[0], refused
+    assert torch.equal(graphed[0].weight.main_grad, eager[0].weight.main_grad)
+    for (name, p), q in zip(graphed.named_parameters(), eager.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    dwgraph.graphed_handle(graphed).reset()
+    with pytest.raises(dwgraph.GraphStateError, match="after reset"):
+        graphed(x)
