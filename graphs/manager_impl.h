@@ -205,25 +205,26 @@ struct DwPart {
 // AccumulateGrad. Held by that node as well as by the slot: a reset() in between (a hook on
 // the call's input runs between the two nodes) releases the slot, not the gradients eager
 // would land; before, the parameter node found nothing and every .grad of that backward was
-// silently lost.
-struct ParamGradStash {
-  explicit ParamGradStash(size_t edges) : n(edges) {}
-  void put(std::vector<at::Tensor> g) {
-    const std::lock_guard<std::mutex> lock(mu);
-    grads = std::move(g);
-  }
-  std::vector<at::Tensor> take() {
-    const std::lock_guard<std::mutex> lock(mu);
-    std::vector<at::Tensor> out = std::move(grads);
-    grads.clear();
-    out.resize(n);
-    return out;
-  }
+// silently lost. Each backward's set is found by the token tensor its node sends the
+// parameter node (the node is the slot's, shared by its backwards): a backward of the same
+// slot that runs in between (started by that hook, or on another thread) lands its own set,
+// not the earlier one's (a review found the earlier set overwritten). A set whose token only
+// the stash still holds belongs to a backward that ended without handing it on (an error
+// in between): dropped at the next put.
+class ParamGradStash {
+ public:
+  ParamGradStash(size_t edges, at::TensorOptions token_options) : n_(edges), token_options_(token_options) {}
+  // Holds `grads` and returns the token the backward's node sends the parameter node.
+  at::Tensor put(std::vector<at::Tensor> grads);
+  // The set `token` was returned for, one entry per edge (undefined where none).
+  std::vector<at::Tensor> take(const at::Tensor& token);
 
  private:
-  std::mutex mu;
-  std::vector<at::Tensor> grads;
-  const size_t n;
+  std::mutex mu_;
+  std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> sets_;  // (token, gradients), oldest first
+  std::vector<at::Tensor> free_tokens_;
+  const size_t n_;
+  const at::TensorOptions token_options_;
 };
 
 struct Slot {

@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <limits>
 #include <unordered_set>
 
@@ -76,9 +77,9 @@ class ParamGradNode final : public torch::autograd::Node {
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     if (grads.empty() || !grads[0].defined()) return torch::autograd::variable_list(num_outputs());
-    if (!pending_) return stash_->take();
+    if (!pending_) return stash_->take(grads[0]);
     torch::autograd::variable_list out(num_outputs());
-    *pending_ = stash_->take();
+    *pending_ = stash_->take(grads[0]);
     if (!pending_->empty()) out[0] = std::move((*pending_)[0]);
     if (out.size() > 1) out[1] = std::move(grads[0]);
     return out;
@@ -183,6 +184,45 @@ at::Tensor plain_alias(const at::Tensor& t) {
 
 }  // namespace
 
+at::Tensor ParamGradStash::put(std::vector<at::Tensor> grads) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < sets_.size();) {
+    if (sets_[i].first.use_count() == 1) {  // its backward ended without handing it on
+      free_tokens_.push_back(std::move(sets_[i].first));
+      sets_.erase(sets_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+  at::Tensor token;
+  if (free_tokens_.empty()) {
+    token = at::zeros({}, token_options_);
+  } else {
+    token = std::move(free_tokens_.back());
+    free_tokens_.pop_back();
+  }
+  sets_.emplace_back(token, std::move(grads));
+  return token;
+}
+
+std::vector<at::Tensor> ParamGradStash::take(const at::Tensor& token) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  std::vector<at::Tensor> out;
+  auto it = std::find_if(sets_.begin(), sets_.end(), [&](const auto& e) {
+    return e.first.unsafeGetTensorImpl() == token.unsafeGetTensorImpl();
+  });
+  // Not found: another tensor reached the parameter node (a hook on it replaced the token):
+  // the oldest set, as one set per backward lands in order.
+  if (it == sets_.end() && !sets_.empty()) it = sets_.begin();
+  if (it != sets_.end()) {
+    out = std::move(it->second);
+    free_tokens_.push_back(std::move(it->first));
+    sets_.erase(it);
+  }
+  out.resize(n_);
+  return out;
+}
+
 void PooledWrite::add(const std::shared_ptr<GraphPool>& p, std::string name, const std::vector<at::Tensor>& buffers) {
   std::vector<MemoryAccess> writes;
   for (const auto& t : buffers) {
@@ -249,7 +289,7 @@ void GraphManager::make_param_node(size_t s) {
   const size_t n = slot.param_node_edges.size();
   if (n == 0) return;
   slot.param_token = at::zeros({}, at::TensorOptions().device(device_));
-  slot.param_grads = std::make_shared<ParamGradStash>(n);
+  slot.param_grads = std::make_shared<ParamGradStash>(n, slot.param_token.options());
   {
     torch::autograd::edge_list edges;
     for (size_t j : slot.param_node_edges) edges.push_back(to_param[j]);
@@ -574,13 +614,14 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
   }
   for (size_t j = 0; j < np; ++j) dw_pending = dw_pending || (slot.param_deferred[j] && is(ni + j));
   add_phase_time(TimedPhase::kBackward, replay_ns, copy_ns, true);
-  if (slot.param_node) result.grads.push_back(any_param ? slot.param_token : at::Tensor());
+  at::Tensor token;  // what this backward's node sends the parameter node: finds its gradients there
+  if (any_param && slot.param_grads) token = slot.param_grads->put(std::move(param_grads));
+  if (slot.param_node) result.grads.push_back(token);
   if (!live.empty()) {
     result.live.assign(callables_[ci].parameters.size(), 0);
     for (size_t j = 0; j < np; ++j) result.live[slot.grad_param_indices[j]] = live[ni + j];
   }
   const std::lock_guard<std::mutex> lock(mu_);
-  if (slot.param_grads) slot.param_grads->put(std::move(param_grads));
   slot.dw_live = result.live;
   set_state(slot, defers_[ci] && dw_pending ? SlotState::kDwPending : SlotState::kIdle);
   for (const auto& part : slot.dw_parts) {

@@ -11,6 +11,7 @@ regression cases found by the hostile reviews, which several feature files share
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Dict, Iterable, Optional
 
 import torch
@@ -231,3 +232,13 @@ def step_on_main_grads(pairs) -> None:
                 p.main_grad.zero_()
         opt.step()
         model.zero_grad(set_to_none=True)
+
+
+def run_where(where: str, fn) -> None:
+    """Runs fn on this thread ("same_thread") or on another one it joins ("another_thread")."""
+    if where == "same_thread":
+        fn()
+        return
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()

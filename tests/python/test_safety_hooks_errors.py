@@ -28,7 +28,7 @@ import torch
 
 import dwgraph
 from safety_common import (SMALL_B, SMALL_H, assert_same_as_eager, deferred_bn_linear, eager_backward_dw,
-                           step_graphed_and_eager, two_deferred)
+                           run_where, step_graphed_and_eager, two_deferred)
 
 H = 16
 B = 8
@@ -310,3 +310,39 @@ def test_reset_from_an_input_hook_between_the_backward_and_the_hand_off_lands_as
         assert p.grad is not None and torch.equal(p.grad, q.grad), name
     with pytest.raises(dwgraph.GraphStateError, match="after reset"):
         model(x)
+
+
+@pytest.mark.parametrize("where", ["same_thread", "another_thread"])
+@pytest.mark.parametrize("hooks", [False, True], ids=["one_node", "parameter_hooks_chain"])
+def test_a_backward_of_the_same_callable_between_the_backward_and_the_hand_off_lands_both(hooks, where):
+    # A hook on the call's input runs between the graphed backward and the parameters'
+    # hand-off; a call and backward of the same callable there (on this thread, or on one it
+    # joins) made a second set of parameter gradients, which replaced the first before it
+    # was handed on: every .grad held one backward's gradient, not both (a review found it).
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.ReLU(), torch.nn.Linear(H, H))
+
+    eager, model = build(), build()
+    dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
+    if hooks:
+        for m in (eager, model):
+            for p in m.parameters():
+                p.register_hook(lambda g: g * 2)
+    xa, xb = torch.randn(B, H), torch.randn(B, H)
+
+    def run(m):
+        a, b = xa.clone().requires_grad_(), xb.clone().requires_grad_()
+
+        def inner():
+            with torch.enable_grad():
+                m(b).square().sum().backward()
+
+        a.register_hook(lambda g: run_where(where, inner))
+        m(a).square().sum().backward()
+        return a.grad, b.grad
+
+    got, want = run(model), run(eager)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad), name

@@ -34,8 +34,8 @@ import torch
 
 import dwgraph
 from safety_common import (SMALL_B, SMALL_H, assert_close_to_reference, assert_same_as_eager,
-                           assert_same_grads_and_params, assert_unchanged, eager_backward_dw, snapshot_grads,
-                           torch_reference, two_deferred)
+                           assert_same_grads_and_params, assert_unchanged, eager_backward_dw, run_where,
+                           snapshot_grads, torch_reference, two_deferred)
 
 H = 16
 B = 8
@@ -406,16 +406,8 @@ def test_reset_while_backward_dw_hands_off_is_refused_and_loses_nothing(where):
         except dwgraph.GraphStateError as e:
             refused.append(str(e))
 
-    def during():
-        if where == "same_thread":
-            reset()
-        else:
-            t = threading.Thread(target=reset)
-            t.start()
-            t.join()
-
     x = torch.randn(B, H)
-    _FlagSpawns.during = during
+    _FlagSpawns.during = lambda: run_where(where, reset)
     try:
         graphed(x.clone().requires_grad_()).square().sum().backward()
         graphed.backward_dw()
