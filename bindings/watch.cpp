@@ -36,7 +36,9 @@ namespace py = pybind11;
 namespace dwgraph::bindings {
 namespace {
 
-std::array<PyObject*, 4> g_names{};  // interned: data, requires_grad, grad_dtype, main_grad
+// Interned: data, requires_grad, grad_dtype, main_grad, __class__ (a watched parameter made
+// an instance of another type: what the checks read may follow other rules now).
+std::array<PyObject*, 5> g_names{};
 constexpr size_t kData = 0;
 
 // Guarded by the GIL (every caller holds it).
@@ -78,14 +80,25 @@ bool changes(PyObject* obj, PyObject* name, PyObject* value, bool identity) {
 }
 
 bool watched(PyObject* obj) {
-  return g_every_instance.count(Py_TYPE(obj)) > 0 || (!g_tensors.empty() && g_tensors.count(obj) > 0);
+  PyTypeObject* t = Py_TYPE(obj);
+  if (g_every_instance.count(t) > 0 || (!g_tensors.empty() && g_tensors.count(obj) > 0)) return true;
+  // An instance of a subclass of a watched type (a type made later, or a parameter whose
+  // __class__ was reassigned to one: its assignments reach this slot through the subclass's
+  // own __setattr__ and super()): heard as well (a review found `p.__class__ = Sub` then
+  // `p.data = t` unheard).
+  PyObject* mro = t->tp_mro;
+  if (mro == nullptr || !PyTuple_Check(mro)) return false;
+  for (Py_ssize_t i = 1; i < PyTuple_GET_SIZE(mro); ++i) {
+    if (g_every_instance.count(reinterpret_cast<PyTypeObject*>(PyTuple_GET_ITEM(mro, i))) > 0) return true;
+  }
+  return false;
 }
 
 int watched_setattro(PyObject* obj, PyObject* name, PyObject* value) {
   const int which = PyUnicode_Check(name) ? name_index(name) : -1;
   if (which >= 0 && watched(obj)) {
-    // main_grad by identity (a new buffer with equal values is another buffer).
-    if (which == static_cast<int>(kData) || changes(obj, name, value, /*identity=*/which == 3)) {
+    // main_grad and __class__ by identity (a new buffer with equal values is another buffer).
+    if (which == static_cast<int>(kData) || changes(obj, name, value, /*identity=*/which >= 3)) {
       graphs::bump_state_epoch();
     }
   }
@@ -173,7 +186,7 @@ bool compare_groups(const py::handle& groups, const py::list& seen, const py::li
 
 void init_watch(py::module_& parent) {
   auto m = parent.attr("graphs").cast<py::module_>();
-  const char* names[] = {"data", "requires_grad", "grad_dtype", "main_grad"};
+  const char* names[] = {"data", "requires_grad", "grad_dtype", "main_grad", "__class__"};
   for (size_t i = 0; i < g_names.size(); ++i) g_names[i] = PyUnicode_InternFromString(names[i]);
   // True when assignments on instances of `type` are watched now (or already were); false
   // for a type with its own __setattr__, whose parameters the caller must then check at

@@ -208,6 +208,16 @@ def test_in_place_writes_of_the_forward_to_its_input_reach_the_caller():
         assert torch.equal(xg, xe), "the forward's in-place write to its input was lost"
 
 
+class _BareParameterSubclass(torch.nn.Parameter):
+    """What a parameter's ``__class__`` may be reassigned to: its changes are heard through
+    the watched base type (a review found them unheard)."""
+
+
+def _reclassed(p: torch.Tensor) -> torch.Tensor:
+    p.__class__ = _BareParameterSubclass
+    return p
+
+
 # Contract C10 (Note [Checks paid when state changes]): the checks run when the state they
 # watch changes, not at every call. Each change below, made after several calls have
 # replayed (so the checks passed and are not repeated), is still refused at the next call,
@@ -230,6 +240,11 @@ LATE_CHANGES.update({
     # methods called unbound (and so on parameters whose type is a tensor subclass).
     "set_unbound": (lambda m: _moved_keeping_the_old(m[2].weight, lambda p, new: torch.Tensor.set_(p, new)),
                     r"'2\.weight' was reallocated"),
+    "class_reassigned_then_data": (lambda m: _moved_keeping_the_old(_reclassed(m[2].weight),
+                                                                    lambda p, new: setattr(p, "data", new)),
+                                   r"'2\.weight' was reallocated"),
+    "class_reassigned_then_frozen": (lambda m: setattr(_reclassed(m[2].weight), "requires_grad", False),
+                                     r"'2\.weight' no longer requires grad"),
     "requires_grad_unbound": (lambda m: torch.Tensor.requires_grad_(m[2].weight, False),
                               r"'2\.weight' no longer requires grad"),
     # A module's dicts assigned anew: the assignment is a change, and the new dict watches.
