@@ -473,6 +473,14 @@ void GraphManager::capture_bwd(size_t s) {
   const GradDtypesUnset raw_grads(c.parameters);  // Note [A graph returns the gradient autograd computed]
   std::vector<size_t> units_before;
   for (const auto& m : c.modules) units_before.push_back(m.store ? m.store->num_units() : 0);
+  // Which modules without deferral this backward reaches (WgradStore::note_reached).
+  std::unordered_map<const ops::WgradStore*, size_t> reached_before;
+  for (const auto& m : c.modules) {
+    if (m.store) reached_before.emplace(m.store.get(), m.store->num_reached());
+    for (const auto& inner : m.inner) {
+      if (inner.store) reached_before.emplace(inner.store.get(), inner.store->num_reached());
+    }
+  }
   std::vector<at::Tensor> grads;
   std::vector<at::Tensor> grad_params;
   for (size_t j : slot.grad_param_indices) grad_params.push_back(c.parameters[j]);
@@ -523,6 +531,14 @@ void GraphManager::capture_bwd(size_t s) {
     const size_t j = slot.param_order[k];
     if (j < slot.grad_param_indices.size()) reached_at.emplace(slot.grad_param_indices[j], k);
   }
+  // A module whose front end counts reach (dwgraph's) and that this backward did not reach:
+  // eager runs none of its hooks after such a backward (a review found them run after every
+  // graphed backward).
+  auto unreached = [&](const std::shared_ptr<ops::WgradStore>& store) {
+    if (!store || !store->tracks_reach()) return false;
+    auto it = reached_before.find(store.get());
+    return it != reached_before.end() && store->num_reached() == it->second;
+  };
   std::vector<std::pair<size_t, ModuleHooks>> hooks;
   for (const auto& m : c.modules) {
     if (module_defers(m)) continue;
@@ -532,7 +548,7 @@ void GraphManager::capture_bwd(size_t s) {
       indices.push_back(i);
       if (f.set_flag && f.param.requires_grad()) slot.after_backward.flags.push_back(FlagSetter{[f] { f.set_flag(true); }, i});
     }
-    if (!m.run_hooks) continue;
+    if (!m.run_hooks || unreached(m.store)) continue;
     // Its own parameters: named "<module>.<name>" in the callable ("<name>" at the root).
     size_t first = std::numeric_limits<size_t>::max();
     const std::string prefix = m.name.empty() ? "" : m.name + ".";
@@ -546,7 +562,7 @@ void GraphManager::capture_bwd(size_t s) {
   }
   for (const auto& m : c.modules) {
     for (const auto& inner : m.inner) {
-      if (!inner.defers && inner.run_hooks) {
+      if (!inner.defers && inner.run_hooks && !unreached(inner.store)) {
         hooks.emplace_back(std::numeric_limits<size_t>::max(), ModuleHooks{inner.run_hooks, inner.store, {}});
       }
     }

@@ -138,6 +138,16 @@ class WgradStore {
   // into the module's hooks only when it has some.
   void set_num_hooks(size_t n);
   size_t num_hooks() const;
+  // A module without deferral runs its wgrad hooks after a backward that reached its
+  // output, as eager (where its forward hooks that output). While its hooks are suppressed
+  // (warmup, capture) its front end counts such backwards here, so that graphs run the hooks
+  // after backwards their capture saw reach it, and not after others. `tracks_reach`: the
+  // front end counts (dwgraph's Python modules); for others reach is unknown and graphs run
+  // the hooks after every backward.
+  void note_reached() { reached_.fetch_add(1, std::memory_order_acq_rel); }
+  size_t num_reached() const { return reached_.load(std::memory_order_acquire); }
+  void set_tracks_reach(bool on) { tracks_reach_.store(on, std::memory_order_release); }
+  bool tracks_reach() const { return tracks_reach_.load(std::memory_order_acquire); }
 
  private:
   struct Unit {
@@ -158,6 +168,8 @@ class WgradStore {
   uint64_t next_id_ = 1;
   int hooks_suppressed_ = 0;
   std::atomic<size_t> num_hooks_{0};
+  std::atomic<size_t> reached_{0};
+  std::atomic<bool> tracks_reach_{false};
   mutable std::vector<std::weak_ptr<GraphedUnit>> graphed_units_;
   int captures_ = 0;  // take_queued() without its restore_queued(): graphed units do not land
   size_t graph_lost_ = 0;

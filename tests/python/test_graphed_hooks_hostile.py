@@ -861,3 +861,43 @@ def test_wgrad_hook_registered_by_python_the_hand_off_runs_runs_as_eager():
     assert calls == [eager[1]]
     torch.testing.assert_close(graphed[1].weight.grad, eager[1].weight.grad, rtol=0, atol=0)
     torch.testing.assert_close(graphed[0].weight.main_grad, eager[0].weight.main_grad, rtol=0, atol=0)
+
+
+class _ReachesSome(torch.nn.Module):
+    """Layers without deferral the backward does not reach: `unused` (never called) and
+    `frozen` (frozen, on a detached input): eager runs none of their wgrad hooks."""
+
+    def __init__(self, delay):
+        super().__init__()
+        self.a = dwgraph.nn.Linear(H, H, delay_wgrad_compute=delay)
+        self.unused = dwgraph.nn.Linear(H, H)
+        self.frozen = dwgraph.nn.Linear(H, H)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.a(x) + self.frozen(x.detach())
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["plain", "deferred"])
+def test_wgrad_hooks_of_layers_the_backward_does_not_reach_do_not_run(delay):
+    # Graphs ran them after every backward (the capture kept every layer's hooks); now only
+    # those of layers the captured backward reached (a review found it).
+    def build():
+        torch.manual_seed(0)
+        return _ReachesSome(delay)
+
+    eager, graphed = build(), build()
+    run = dwgraph.make_graphed_callables(graphed, (torch.randn(B, H, requires_grad=True),))
+    logs = {"e": [], "g": []}
+    for tag, m in (("e", eager), ("g", graphed)):
+        for name in ("a", "unused", "frozen"):
+            getattr(m, name).register_wgrad_hook(lambda mod, n=name, log=logs[tag]: log.append(n))
+    for _ in range(3):
+        x = torch.randn(B, H)
+        eager(x.clone().requires_grad_()).square().sum().backward()
+        run(x.clone().requires_grad_()).square().sum().backward()
+        if delay:
+            eager.a.backward_dw()
+            run.backward_dw()
+        _same_grads(graphed, eager)
+    assert logs["g"] == logs["e"] == ["a"] * 3

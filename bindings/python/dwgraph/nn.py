@@ -106,6 +106,7 @@ class _DeferredWgradModule(torch.nn.Module):
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self._wgrad_store = _C.nn.WgradStore()
+        self._wgrad_store.set_tracks_reach(True)  # _after_forward counts backwards that reach it
         # OrderedDict: RemovableHandle keeps a weak reference to it (a dict cannot have one).
         self._wgrad_hooks: Dict[int, Callable] = _WgradHooks(self._wgrad_store)
         # The parameter objects the last forward used: backward_dw() lands on those.
@@ -389,6 +390,11 @@ class _DeferredWgradModule(torch.nn.Module):
                 engine.queue_callback(self._run_wgrad_hooks)
 
             out.register_hook(queue)
+        if not self.delay_wgrad_compute and out.requires_grad and self._wgrad_store.hooks_suppressed():
+            # Warmup or capture: graphs run the hooks after backwards their capture saw reach
+            # this output (WgradStore::note_reached), as eager, whether or not it has hooks now.
+            store = self._wgrad_store
+            out.register_hook(lambda _grad: store.note_reached())
         return out
 
     # -- helpers ----------------------------------------------------------------------------
