@@ -218,10 +218,18 @@ class ParamGradStash {
   at::Tensor put(std::vector<at::Tensor> grads);
   // The set `token` was returned for, one entry per edge (undefined where none).
   std::vector<at::Tensor> take(const at::Tensor& token);
+  // Its entry `index` alone (the chain of relays, Note [Parameter hooks in autograd's
+  // order]); the set is released once every entry was taken.
+  at::Tensor take_one(const at::Tensor& token, size_t index);
 
  private:
+  struct Set {
+    at::Tensor token;
+    std::vector<at::Tensor> grads;
+    size_t taken = 0;
+  };
   std::mutex mu_;
-  std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> sets_;  // (token, gradients), oldest first
+  std::vector<Set> sets_;  // oldest first
   std::vector<at::Tensor> free_tokens_;
   const size_t n_;
   const at::TensorOptions token_options_;

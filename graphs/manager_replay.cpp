@@ -47,47 +47,50 @@ WatchedVersion watch(const at::Tensor& t, size_t index, const char* what = "inpu
 // more parameters one node feeds is the capture's: eager's engine breaks that tie by what
 // else its ready queue holds. Modules without deferral run their wgrad hooks in the same
 // reach order (manager_capture.cpp).
-using PendingGrads = std::shared_ptr<std::vector<at::Tensor>>;
 constexpr uint64_t kRelayPriority = std::numeric_limits<uint64_t>::max() - 1;
 
+// The chain's relays each hand on one parameter's gradient of the set their token names
+// (ParamGradStash::take_one): a backward of the same slot that runs between two relays (a
+// parameter's hook starts one) has its own token and set (a review found a chain-wide
+// pending list overwritten by the nested backward's).
 class ParamGradRelay final : public torch::autograd::Node {
  public:
-  ParamGradRelay(PendingGrads pending, size_t index) : Node(kRelayPriority), pending_(std::move(pending)), index_(index) {}
+  ParamGradRelay(std::shared_ptr<ParamGradStash> stash, size_t index)
+      : Node(kRelayPriority), stash_(std::move(stash)), index_(index) {}
   std::string name() const override { return "dwgraph::GraphedParameterGrads"; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     torch::autograd::variable_list out(num_outputs());
     if (grads.empty() || !grads[0].defined()) return out;
-    if (index_ < pending_->size()) out[0] = std::move((*pending_)[index_]);
+    out[0] = stash_->take_one(grads[0], index_);
     if (out.size() > 1) out[1] = std::move(grads[0]);  // the token, on to the next relay
     return out;
   }
 
  private:
-  PendingGrads pending_;
+  std::shared_ptr<ParamGradStash> stash_;
   size_t index_;
 };
 
 class ParamGradNode final : public torch::autograd::Node {
  public:
-  // `pending`: null for the node with an edge per parameter, else the chain's head.
-  ParamGradNode(std::shared_ptr<ParamGradStash> stash, PendingGrads pending)
-      : Node(kRelayPriority), stash_(std::move(stash)), pending_(std::move(pending)) {}
+  // `chain`: false for the node with an edge per parameter, true for the chain's head.
+  ParamGradNode(std::shared_ptr<ParamGradStash> stash, bool chain)
+      : Node(kRelayPriority), stash_(std::move(stash)), chain_(chain) {}
   std::string name() const override { return "dwgraph::GraphedParameterGrads"; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     if (grads.empty() || !grads[0].defined()) return torch::autograd::variable_list(num_outputs());
-    if (!pending_) return stash_->take(grads[0]);
+    if (!chain_) return stash_->take(grads[0]);
     torch::autograd::variable_list out(num_outputs());
-    *pending_ = stash_->take(grads[0]);
-    if (!pending_->empty()) out[0] = std::move((*pending_)[0]);
+    out[0] = stash_->take_one(grads[0], 0);
     if (out.size() > 1) out[1] = std::move(grads[0]);
     return out;
   }
 
  private:
   std::shared_ptr<ParamGradStash> stash_;
-  PendingGrads pending_;
+  bool chain_;
 };
 
 class GraphedBackward final : public torch::autograd::Node {
@@ -187,8 +190,8 @@ at::Tensor plain_alias(const at::Tensor& t) {
 at::Tensor ParamGradStash::put(std::vector<at::Tensor> grads) {
   const std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < sets_.size();) {
-    if (sets_[i].first.use_count() == 1) {  // its backward ended without handing it on
-      free_tokens_.push_back(std::move(sets_[i].first));
+    if (sets_[i].token.use_count() == 1) {  // its backward ended without handing it all on
+      free_tokens_.push_back(std::move(sets_[i].token));
       sets_.erase(sets_.begin() + static_cast<std::ptrdiff_t>(i));
     } else {
       ++i;
@@ -201,7 +204,7 @@ at::Tensor ParamGradStash::put(std::vector<at::Tensor> grads) {
     token = std::move(free_tokens_.back());
     free_tokens_.pop_back();
   }
-  sets_.emplace_back(token, std::move(grads));
+  sets_.push_back(Set{token, std::move(grads), 0});
   return token;
 }
 
@@ -209,17 +212,32 @@ std::vector<at::Tensor> ParamGradStash::take(const at::Tensor& token) {
   const std::lock_guard<std::mutex> lock(mu_);
   std::vector<at::Tensor> out;
   auto it = std::find_if(sets_.begin(), sets_.end(), [&](const auto& e) {
-    return e.first.unsafeGetTensorImpl() == token.unsafeGetTensorImpl();
+    return e.token.unsafeGetTensorImpl() == token.unsafeGetTensorImpl();
   });
   // Not found: another tensor reached the parameter node (a hook on it replaced the token):
   // the oldest set, as one set per backward lands in order.
   if (it == sets_.end() && !sets_.empty()) it = sets_.begin();
   if (it != sets_.end()) {
-    out = std::move(it->second);
-    free_tokens_.push_back(std::move(it->first));
+    out = std::move(it->grads);
+    free_tokens_.push_back(std::move(it->token));
     sets_.erase(it);
   }
   out.resize(n_);
+  return out;
+}
+
+at::Tensor ParamGradStash::take_one(const at::Tensor& token, size_t index) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  auto it = std::find_if(sets_.begin(), sets_.end(), [&](const auto& e) {
+    return e.token.unsafeGetTensorImpl() == token.unsafeGetTensorImpl();
+  });
+  if (it == sets_.end() && !sets_.empty()) it = sets_.begin();  // as take()
+  if (it == sets_.end()) return at::Tensor();
+  at::Tensor out = index < it->grads.size() ? std::move(it->grads[index]) : at::Tensor();
+  if (++it->taken >= n_) {
+    free_tokens_.push_back(std::move(it->token));
+    sets_.erase(it);
+  }
   return out;
 }
 
@@ -293,7 +311,7 @@ void GraphManager::make_param_node(size_t s) {
   {
     torch::autograd::edge_list edges;
     for (size_t j : slot.param_node_edges) edges.push_back(to_param[j]);
-    auto node = dwgraph::detail::make_node<ParamGradNode>(slot.param_grads, nullptr);
+    auto node = dwgraph::detail::make_node<ParamGradNode>(slot.param_grads, false);
     node->set_next_edges(std::move(edges));
     node->add_input_metadata(slot.param_token);
     slot.param_node = node;
@@ -301,10 +319,9 @@ void GraphManager::make_param_node(size_t s) {
   if (n < 2) return;
   // Note [Parameter hooks in autograd's order]: the chain, built from its end (a node's
   // edges are set before it has a parent).
-  auto pending = std::make_shared<std::vector<at::Tensor>>();
   std::vector<dwgraph::detail::NodePtr> chain;
-  chain.push_back(dwgraph::detail::make_node<ParamGradNode>(slot.param_grads, pending));
-  for (size_t e = 1; e < n; ++e) chain.push_back(dwgraph::detail::make_node<ParamGradRelay>(pending, e));
+  chain.push_back(dwgraph::detail::make_node<ParamGradNode>(slot.param_grads, true));
+  for (size_t e = 1; e < n; ++e) chain.push_back(dwgraph::detail::make_node<ParamGradRelay>(slot.param_grads, e));
   for (size_t e = n; e-- > 0;) {
     torch::autograd::edge_list edges{to_param[slot.param_node_edges[e]]};
     if (e + 1 < n) edges.emplace_back(chain[e + 1], 0);

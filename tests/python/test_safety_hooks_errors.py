@@ -313,12 +313,14 @@ def test_reset_from_an_input_hook_between_the_backward_and_the_hand_off_lands_as
 
 
 @pytest.mark.parametrize("where", ["same_thread", "another_thread"])
+@pytest.mark.parametrize("start", ["input_hook", "parameter_hook"])
 @pytest.mark.parametrize("hooks", [False, True], ids=["one_node", "parameter_hooks_chain"])
-def test_a_backward_of_the_same_callable_between_the_backward_and_the_hand_off_lands_both(hooks, where):
+def test_a_backward_of_the_same_callable_between_the_backward_and_the_hand_off_lands_both(hooks, start, where):
     # A hook on the call's input runs between the graphed backward and the parameters'
-    # hand-off; a call and backward of the same callable there (on this thread, or on one it
-    # joins) made a second set of parameter gradients, which replaced the first before it
-    # was handed on: every .grad held one backward's gradient, not both (a review found it).
+    # hand-off, a parameter's hook between two relays of the hand-off's chain; a call and
+    # backward of the same callable there (on this thread, or on one it joins) made a second
+    # set of parameter gradients that replaced the first, or the rest of it, before it was
+    # handed on: those .grad held one backward's gradient, not both (reviews found both).
     def build():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.ReLU(), torch.nn.Linear(H, H))
@@ -333,13 +335,20 @@ def test_a_backward_of_the_same_callable_between_the_backward_and_the_hand_off_l
 
     def run(m):
         a, b = xa.clone().requires_grad_(), xb.clone().requires_grad_()
+        fired = []
 
         def inner():
             with torch.enable_grad():
                 m(b).square().sum().backward()
 
-        a.register_hook(lambda g: run_where(where, inner))
+        def trigger(_grad):
+            if not fired:  # the nested backward reaches the same hook
+                fired.append(1)
+                run_where(where, inner)
+
+        handle = (a if start == "input_hook" else m[2].bias).register_hook(trigger)
         m(a).square().sum().backward()
+        handle.remove()
         return a.grad, b.grad
 
     got, want = run(model), run(eager)
