@@ -25,7 +25,7 @@ std::vector<uint8_t> Landing::hooked_now() const {
   return hooked;
 }
 
-void Landing::land(const LiveMask& live, const std::vector<uint8_t>* hooked_at_forward) const {
+void Landing::land(const LiveMask& live, const std::vector<uint8_t>* hooked_at_forward, const LiveMask* reached) const {
   {
     const at::NoGradGuard no_grad;
     for (const auto& c : contributions) {
@@ -45,11 +45,12 @@ void Landing::land(const LiveMask& live, const std::vector<uint8_t>* hooked_at_f
   // A hook may reset() the graphs that own this landing, destroying it (and `live`): the
   // hooks are held here and which modules are live is read before any runs.
   const std::shared_ptr<const std::vector<ModuleHooks>> held = hooks;
+  const LiveMask& by = reached != nullptr ? *reached : live;
   std::vector<uint8_t> live_module(held->size(), 0);
   for (size_t k = 0; k < held->size(); ++k) {
     const auto& h = (*held)[k];
     bool any = h.param_indices.empty();
-    for (size_t i : h.param_indices) any = any || is_live(live, i);
+    for (size_t i : h.param_indices) any = any || is_live(by, i);
     const bool hooked = hooked_at_forward != nullptr
                             ? k < hooked_at_forward->size() && (*hooked_at_forward)[k] != 0
                             : hooks_asked_at_turn || !h.store || h.store->num_hooks() > 0;

@@ -89,7 +89,9 @@ struct Landing {
   // the call's forward saw it (null: which modules have hooks is asked here). Untimed: the
   // caller times the hand-offs of all the parts it lands at once (graphs/phase_timing.h),
   // as a clock read per part would count as overhead.
-  void land(const LiveMask& live = {}, const std::vector<uint8_t>* hooked_at_forward = nullptr) const;
+  // `reached` (null: `live`): which parameters' layers the backward reached, for the hooks.
+  void land(const LiveMask& live = {}, const std::vector<uint8_t>* hooked_at_forward = nullptr,
+            const LiveMask* reached = nullptr) const;
   bool empty() const { return contributions.empty() && flags.empty() && (!hooks || hooks->empty()); }
 };
 

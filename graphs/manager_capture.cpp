@@ -539,6 +539,7 @@ void GraphManager::capture_bwd(size_t s) {
     auto it = reached_before.find(store.get());
     return it != reached_before.end() && store->num_reached() == it->second;
   };
+  const std::unordered_set<size_t> trainable(slot.grad_param_indices.begin(), slot.grad_param_indices.end());
   std::vector<std::pair<size_t, ModuleHooks>> hooks;
   for (const auto& m : c.modules) {
     if (module_defers(m)) continue;
@@ -550,6 +551,9 @@ void GraphManager::capture_bwd(size_t s) {
     }
     if (!m.run_hooks || unreached(m.store)) continue;
     // Its own parameters: named "<module>.<name>" in the callable ("<name>" at the root).
+    // Its hooks run after a backward that reaches one of its trainable ones (an output the
+    // loss does not use reaches none, as it reaches not the layer in eager); with none
+    // trainable, after every backward its capture reached it in.
     size_t first = std::numeric_limits<size_t>::max();
     const std::string prefix = m.name.empty() ? "" : m.name + ".";
     for (size_t i = 0; i < c.parameter_names.size(); ++i) {
@@ -557,8 +561,9 @@ void GraphManager::capture_bwd(size_t s) {
       if (n.compare(0, prefix.size(), prefix) != 0 || n.find('.', prefix.size()) != std::string::npos) continue;
       auto it = reached_at.find(i);
       if (it != reached_at.end()) first = std::min(first, it->second);
+      if (trainable.count(i) > 0) indices.push_back(i);
     }
-    hooks.emplace_back(first, ModuleHooks{m.run_hooks, m.store, module_parameter_indices(c, m)});
+    hooks.emplace_back(first, ModuleHooks{m.run_hooks, m.store, std::move(indices)});
   }
   for (const auto& m : c.modules) {
     for (const auto& inner : m.inner) {

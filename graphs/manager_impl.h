@@ -323,6 +323,10 @@ struct CallableChecks {
 struct BackwardResult {
   std::vector<at::Tensor> grads;
   LiveMask live;
+  // Per callable parameter: whether a defined output gradient reaches it, asked for or not
+  // (empty: all). Whose layers' wgrad hooks run after the backward, as eager runs a layer's
+  // when the backward reaches its output.
+  LiveMask reached;
 };
 
 class GraphManager : public std::enable_shared_from_this<GraphManager> {

@@ -163,9 +163,8 @@ class GraphedBackward final : public torch::autograd::Node {
     if (!manager_->after_backward(slot_).empty()) {
       // After autograd has accumulated what this node returns: at the end of the backward.
       torch::autograd::Engine::get_default_engine().queue_callback(
-          [m = manager_, s = slot_, live = std::move(result.live), hooked = hooked_at_forward_] {
-            m->after_backward(s).land(live, &hooked);
-          });
+          [m = manager_, s = slot_, live = std::move(result.live), reached = std::move(result.reached),
+           hooked = hooked_at_forward_] { m->after_backward(s).land(live, &hooked, &reached); });
     }
     return std::move(result.grads);
   }
@@ -546,9 +545,10 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
     ++k;
   }
   std::vector<uint8_t> live;  // per target; empty: all
+  std::vector<uint8_t> unasked;  // reached by a used output but not asked for (with `live`)
   if (!all_defined || !asked.empty()) {
     live.assign(ni + np, 1);
-    std::vector<uint8_t> unasked(ni + np, 0);  // reached by a used output but not asked for
+    unasked.assign(ni + np, 0);
     bool deferred_live = false;
     for (size_t j = 0; j < ni + np; ++j) {
       bool reached = j >= slot.reached.size() || !slot.reached[j];  // unknown reach: never masked
@@ -636,7 +636,11 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
   if (slot.param_node) result.grads.push_back(token);
   if (!live.empty()) {
     result.live.assign(callables_[ci].parameters.size(), 0);
-    for (size_t j = 0; j < np; ++j) result.live[slot.grad_param_indices[j]] = live[ni + j];
+    result.reached.assign(callables_[ci].parameters.size(), 0);
+    for (size_t j = 0; j < np; ++j) {
+      result.live[slot.grad_param_indices[j]] = live[ni + j];
+      result.reached[slot.grad_param_indices[j]] = live[ni + j] || unasked[ni + j] ? 1 : 0;
+    }
   }
   const std::lock_guard<std::mutex> lock(mu_);
   slot.dw_live = result.live;

@@ -901,3 +901,46 @@ def test_wgrad_hooks_of_layers_the_backward_does_not_reach_do_not_run(delay):
             run.backward_dw()
         _same_grads(graphed, eager)
     assert logs["g"] == logs["e"] == ["a"] * 3
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = dwgraph.nn.Linear(H, H), dwgraph.nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+@pytest.mark.parametrize("hooks_after_capture", [False, True], ids=["hooks_before", "hooks_after"])
+@pytest.mark.parametrize("uses", ["first", "second", "both"])
+def test_wgrad_hooks_of_a_head_the_loss_does_not_use_do_not_run(uses, hooks_after_capture):
+    # A layer reached only from an output the loss does not use: eager runs none of its
+    # hooks; the graphs ran them after every backward (a review found it). Which layers a
+    # backward reaches is read from its output gradients, asked for or not.
+    loss = {"first": lambda o: o[0].square().sum(), "second": lambda o: o[1].square().sum(),
+            "both": lambda o: (o[0] * o[1]).sum()}[uses]
+
+    def build():
+        torch.manual_seed(0)
+        return _TwoHeads()
+
+    eager, graphed = build(), build()
+    logs = {"e": [], "g": []}
+
+    def register():
+        for tag, m in (("e", eager), ("g", graphed)):
+            for name in ("a", "b"):
+                getattr(m, name).register_wgrad_hook(lambda mod, n=name, log=logs[tag]: log.append(n))
+
+    if not hooks_after_capture:
+        register()
+    dwgraph.make_graphed_callables(graphed, (torch.randn(B, H, requires_grad=True),))
+    if hooks_after_capture:
+        register()
+    for _ in range(2):
+        x = torch.randn(B, H)
+        loss(eager(x.clone().requires_grad_())).backward()
+        loss(graphed(x.clone().requires_grad_())).backward()
+        _same_grads(graphed, eager)
+    assert logs["g"] == logs["e"] and logs["e"]
