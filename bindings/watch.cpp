@@ -29,6 +29,7 @@
 #include <Python.h>
 
 #include <array>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace py = pybind11;
@@ -40,6 +41,7 @@ namespace {
 // an instance of another type: what the checks read may follow other rules now).
 std::array<PyObject*, 5> g_names{};
 constexpr size_t kData = 0;
+constexpr size_t kClass = 4;
 
 // Guarded by the GIL (every caller holds it).
 std::unordered_set<PyTypeObject*> g_every_instance;  // parameter types: all their instances
@@ -94,15 +96,48 @@ bool watched(PyObject* obj) {
   return false;
 }
 
+// A watched object whose __class__ moved to a type outside the watched ones is watched by
+// itself from then on, until it dies (a review found `p.__class__ = OtherTensor` then
+// `p.data = t` unheard). weakref -> object; the weakrefs are owned here.
+std::unordered_map<PyObject*, PyObject*> g_left_their_type;
+
+PyObject* forget_watched(PyObject* /*self*/, PyObject* ref) {
+  auto it = g_left_their_type.find(ref);
+  if (it != g_left_their_type.end()) {
+    g_tensors.erase(it->second);
+    PyObject* owned = it->first;
+    g_left_their_type.erase(it);
+    Py_DECREF(owned);
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef g_forget_watched{"_dwgraph_forget_watched", forget_watched, METH_O, nullptr};
+
+void watch_by_itself(PyObject* obj) {
+  if (g_tensors.count(obj) > 0) return;
+  static PyObject* const callback = PyCFunction_New(&g_forget_watched, nullptr);
+  PyObject* ref = callback != nullptr ? PyWeakref_NewRef(obj, callback) : nullptr;
+  if (ref == nullptr) {  // not weak-referenceable: its address could outlive it
+    PyErr_Clear();
+    return;
+  }
+  g_tensors.insert(obj);
+  g_left_their_type.emplace(ref, obj);
+}
+
 int watched_setattro(PyObject* obj, PyObject* name, PyObject* value) {
   const int which = PyUnicode_Check(name) ? name_index(name) : -1;
-  if (which >= 0 && watched(obj)) {
+  const bool was_watched = which >= 0 && watched(obj);
+  if (was_watched) {
     // main_grad and __class__ by identity (a new buffer with equal values is another buffer).
     if (which == static_cast<int>(kData) || changes(obj, name, value, /*identity=*/which >= 3)) {
       graphs::bump_state_epoch();
     }
   }
-  return PyObject_GenericSetAttr(obj, name, value);
+  const int rc = PyObject_GenericSetAttr(obj, name, value);
+  if (rc == 0 && was_watched && which == static_cast<int>(kClass) && !watched(obj)) watch_by_itself(obj);
+  return rc;
 }
 
 // Note [One setattr slot for every tensor type]. False (nothing changed) when torch.Tensor

@@ -213,8 +213,12 @@ class _BareParameterSubclass(torch.nn.Parameter):
     the watched base type (a review found them unheard)."""
 
 
-def _reclassed(p: torch.Tensor) -> torch.Tensor:
-    p.__class__ = _BareParameterSubclass
+class _OtherTensor(torch.Tensor):
+    """A type outside Parameter's: a parameter moved to it is watched by itself."""
+
+
+def _reclassed(p: torch.Tensor, to=_BareParameterSubclass) -> torch.Tensor:
+    p.__class__ = to
     return p
 
 
@@ -245,6 +249,9 @@ LATE_CHANGES.update({
                                    r"'2\.weight' was reallocated"),
     "class_reassigned_then_frozen": (lambda m: setattr(_reclassed(m[2].weight), "requires_grad", False),
                                      r"'2\.weight' no longer requires grad"),
+    "class_left_then_data": (lambda m: _moved_keeping_the_old(_reclassed(m[2].weight, _OtherTensor),
+                                                              lambda p, new: setattr(p, "data", new)),
+                             r"'2\.weight' was reallocated"),
     "requires_grad_unbound": (lambda m: torch.Tensor.requires_grad_(m[2].weight, False),
                               r"'2\.weight' no longer requires grad"),
     # A module's dicts assigned anew: the assignment is a change, and the new dict watches.
