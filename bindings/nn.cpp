@@ -67,6 +67,7 @@ void init_nn(py::module_& parent) {
       .def("set_num_hooks", &WgradStore::set_num_hooks, py::arg("n"))
       .def("num_hooks", &WgradStore::num_hooks)
       .def("note_reached", &WgradStore::note_reached)
+      .def("note_hook_run", &WgradStore::note_hook_run)
       .def("num_reached", &WgradStore::num_reached)
       .def("set_tracks_reach", &WgradStore::set_tracks_reach, py::arg("on"))
       .def("take_after", &WgradStore::take_after, py::arg("keep"))

@@ -553,6 +553,7 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
   check_none_queued_before(e.modules, "which it would capture");
   std::vector<at::Tensor> outs;
   auto graph = make_graph(device_);
+  ops::HookRunRecording hook_runs;  // Note [Hook runs a capture saw]
   {
     const CallerStateGuard guard(std::move(state));
     // The gradients as this call sees them (Note [A step's gradients are graph state]).
@@ -653,8 +654,22 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
   for (const auto& f : written) {
     if (f.set_flag) v.landing.flags.push_back(FlagSetter{[f] { f.set_flag(true); }});
   }
+  // Note [Hook runs a capture saw]: the modules' hooks as often and in the order the capture
+  // met their runs; modules without a store (and all of them, were the record ambiguous)
+  // once per call, after those.
+  const auto runs = hook_runs.take();
+  if (runs) {
+    for (const ops::WgradStore* store : *runs) {
+      for (const auto& m : e.modules) {
+        if (m.run_hooks && m.store.get() == store) {
+          v.landing.add_hook(ModuleHooks{m.run_hooks, m.store, {}});
+          break;
+        }
+      }
+    }
+  }
   for (const auto& m : e.modules) {
-    if (m.run_hooks) v.landing.add_hook(ModuleHooks{m.run_hooks, m.store, {}});
+    if (m.run_hooks && (!runs || !m.store)) v.landing.add_hook(ModuleHooks{m.run_hooks, m.store, {}});
   }
   v.graph = std::move(graph);
   ++captures_;

@@ -10,7 +10,32 @@ namespace dwgraph::ops {
 namespace {
 std::atomic<size_t> g_queued_units{0};
 std::atomic<size_t> g_stores_with_hooks{0};
+std::mutex g_recordings_mu;
+std::vector<HookRunRecording*> g_recordings;  // Note [Hook runs a capture saw]
 }  // namespace
+
+HookRunRecording::HookRunRecording() {
+  const std::lock_guard<std::mutex> lock(g_recordings_mu);
+  for (auto* r : g_recordings) r->ambiguous_ = true;
+  ambiguous_ = !g_recordings.empty();
+  g_recordings.push_back(this);
+}
+
+HookRunRecording::~HookRunRecording() {
+  const std::lock_guard<std::mutex> lock(g_recordings_mu);
+  g_recordings.erase(std::remove(g_recordings.begin(), g_recordings.end(), this), g_recordings.end());
+}
+
+std::optional<std::vector<const WgradStore*>> HookRunRecording::take() {
+  const std::lock_guard<std::mutex> lock(g_recordings_mu);
+  if (ambiguous_) return std::nullopt;
+  return std::move(runs_);
+}
+
+void WgradStore::note_hook_run() const {
+  const std::lock_guard<std::mutex> lock(g_recordings_mu);
+  for (auto* r : g_recordings) r->runs_.push_back(this);
+}
 
 uint64_t next_wgrad_sequence() {
   static std::atomic<uint64_t> next{1};

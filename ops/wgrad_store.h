@@ -148,6 +148,9 @@ class WgradStore {
   size_t num_reached() const { return reached_.load(std::memory_order_acquire); }
   void set_tracks_reach(bool on) { tracks_reach_.store(on, std::memory_order_release); }
   bool tracks_reach() const { return tracks_reach_.load(std::memory_order_acquire); }
+  // Its front end met a run of the module's wgrad hooks while they were suppressed (Note
+  // [Hook runs a capture saw]).
+  void note_hook_run() const;
 
  private:
   struct Unit {
@@ -201,6 +204,29 @@ class WgradUnits {
   };
   std::vector<Taken> units_;
   bool ran_ = false;
+};
+
+// Note [Hook runs a capture saw]: while a recording lives, every run of a module's wgrad
+// hooks that its suppression skipped (WgradStore::note_hook_run: the end of a backward that
+// reached a layer without deferral, a backward_dw() call) is noted in order, so a graph of
+// a whole step (graphed_step) runs those modules' hooks as often and in the order its
+// capture met them, which is what the same step runs eagerly: once per use of a layer, not
+// for a layer the loss does not reach, under no_grad or in another mode. Notes from
+// anywhere while two recordings overlap (two threads capturing) go to both, and make them
+// ambiguous: take() then returns nothing and the caller keeps its older rule.
+class HookRunRecording {
+ public:
+  HookRunRecording();
+  ~HookRunRecording();
+  HookRunRecording(const HookRunRecording&) = delete;
+  HookRunRecording& operator=(const HookRunRecording&) = delete;
+  // The stores whose hooks ran, in order; nullopt when ambiguous.
+  std::optional<std::vector<const WgradStore*>> take();
+
+ private:
+  friend class WgradStore;
+  std::vector<const WgradStore*> runs_;
+  bool ambiguous_ = false;
 };
 
 }  // namespace dwgraph::ops

@@ -34,7 +34,10 @@ fix), checked the same way, the parameters too:
      generator untouched; fork_rng and checkpoint without draws are exact;
  14. host reads, optimizer state the capture would create, collectives and sparse gradients
      inside a capture are typed refusals; constants made from Python data, step-local
-     leaves and a torch.compile'd model replay exactly.
+     leaves and a torch.compile'd model replay exactly;
+ 15. the wgrad hooks of dwgraph layers run as the step runs them eagerly (Note [Hook runs
+     a capture saw]): once per use of a layer, per backward_dw() call, not for a head the
+     loss does not use, a layer under no_grad, a detached or frozen branch, or in eval mode.
 """
 
 from __future__ import annotations
@@ -1048,3 +1051,63 @@ def test_step_around_a_compiled_model_matches_eager():
         return _land(model, compiled(x).square().mean())
 
     _check_step_against_eager(m, e, body, 4, zero=True)
+
+
+class _HookedLayers(torch.nn.Module):
+    def __init__(self, delay):
+        super().__init__()
+        self.a, self.b, self.c = (dwgraph.nn.Linear(H, H, delay_wgrad_compute=delay) for _ in range(3))
+
+    def forward(self, x, case):
+        if case == "unused_head":
+            return self.a(x), self.b(x)
+        if case == "used_twice":
+            return self.a(torch.tanh(self.a(x))), None
+        if case == "layer_under_no_grad":
+            with torch.no_grad():
+                h = self.b(x)
+            return self.a(x + h), None
+        if case == "detached_branch":
+            return self.a(self.b(x).detach()), None
+        return self.a(x), self.b(x)
+
+
+@pytest.mark.parametrize("eval_mode", [False, True], ids=["train", "eval"])
+@pytest.mark.parametrize("case", ["unused_head", "used_twice", "layer_under_no_grad", "detached_branch", "dw_twice"])
+@pytest.mark.parametrize("delay", [False, True], ids=["plain", "deferred"])
+def test_wgrad_hooks_run_as_the_step_runs_them_eagerly(delay, case, eval_mode):
+    # The graph ran every module's hooks once per call, whatever the step did (a review found
+    # it): now as often and in the order its capture met them.
+    torch.manual_seed(0)
+    eager = _HookedLayers(delay)
+    graphed = copy.deepcopy(eager)
+    logs = {"e": [], "g": []}
+    for tag, m in (("e", eager), ("g", graphed)):
+        m.train(not eval_mode)
+        for name in "abc":
+            getattr(m, name).register_wgrad_hook(lambda mod, n=name, log=logs[tag]: log.append(n))
+
+    def make(m):
+        def step(x):
+            loss = m(x, case)[0].square().sum()
+            loss.backward()
+            if delay:
+                for layer in (m.a, m.b):
+                    while layer.num_pending_wgrad_units():
+                        layer.backward_dw()
+                if case == "dw_twice":
+                    torch.tanh(m.a(x)).sum().backward()
+                    m.a.backward_dw()
+            return loss.detach()
+        return step
+
+    run_eager, run_graphed = make(eager), dwgraph.graphed_step(make(graphed))
+    for step in range(6):
+        x = torch.randn(B, H)
+        for tag, run in (("e", run_eager), ("g", run_graphed)):
+            logs[tag].append("|")
+            run(x.clone())
+        assert logs["g"] == logs["e"], (step, logs)
+        for m in (eager, graphed):
+            m.zero_grad(set_to_none=True)
+    assert run_graphed.num_captures >= 1

@@ -192,6 +192,7 @@ class _DeferredWgradModule(torch.nn.Module):
         # Graph warmup and capture suppress them (the core decides, through the store); the
         # graph manager runs them after each hand-off instead.
         if self._wgrad_store.hooks_suppressed():
+            self._wgrad_store.note_hook_run()  # Note [Hook runs a capture saw] (ops/wgrad_store.h)
             return
         for fn in list(self._wgrad_hooks.values()):
             fn(self)
@@ -383,18 +384,21 @@ class _DeferredWgradModule(torch.nn.Module):
             self._fp8_cache_versions, self._fp8_filling = self._fp8_filling, None
         # Without deferral the gradients land during the backward; the hooks run when the
         # whole backward has finished (after AccumulateGrad), once per forward.
-        if not self.delay_wgrad_compute and self._wgrad_hooks and out.requires_grad:
+        # Warmup or capture (hooks suppressed): whether or not it has hooks now, the backwards
+        # that reach this output are counted (WgradStore::note_reached) and the hook runs
+        # they would make noted (Note [Hook runs a capture saw]), so that graphs run the
+        # hooks where eager would.
+        suppressed = self._wgrad_store.hooks_suppressed()
+        if not self.delay_wgrad_compute and out.requires_grad and (self._wgrad_hooks or suppressed):
             engine = torch.autograd.Variable._execution_engine
+            store = self._wgrad_store
 
             def queue(_grad):
+                if suppressed:
+                    store.note_reached()
                 engine.queue_callback(self._run_wgrad_hooks)
 
             out.register_hook(queue)
-        if not self.delay_wgrad_compute and out.requires_grad and self._wgrad_store.hooks_suppressed():
-            # Warmup or capture: graphs run the hooks after backwards their capture saw reach
-            # this output (WgradStore::note_reached), as eager, whether or not it has hooks now.
-            store = self._wgrad_store
-            out.register_hook(lambda _grad: store.note_reached())
         return out
 
     # -- helpers ----------------------------------------------------------------------------
