@@ -553,7 +553,11 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
   check_none_queued_before(e.modules, "which it would capture");
   std::vector<at::Tensor> outs;
   auto graph = make_graph(device_);
-  ops::HookRunRecording hook_runs;  // Note [Hook runs a capture saw]
+  std::vector<const ops::WgradStore*> step_stores;
+  for (const auto& m : e.modules) {
+    if (m.store) step_stores.push_back(m.store.get());
+  }
+  ops::HookRunRecording hook_runs(std::move(step_stores));  // Note [Hook runs a capture saw]
   {
     const CallerStateGuard guard(std::move(state));
     // The gradients as this call sees them (Note [A step's gradients are graph state]).
@@ -655,21 +659,22 @@ std::vector<at::Tensor> GraphedStep::capture(Entry& e, Variant& v, const std::st
     if (f.set_flag) v.landing.flags.push_back(FlagSetter{[f] { f.set_flag(true); }});
   }
   // Note [Hook runs a capture saw]: the modules' hooks as often and in the order the capture
-  // met their runs; modules without a store (and all of them, were the record ambiguous)
-  // once per call, after those.
+  // met their runs; modules without a store once per call, after those.
   const auto runs = hook_runs.take();
-  if (runs) {
-    for (const ops::WgradStore* store : *runs) {
-      for (const auto& m : e.modules) {
-        if (m.run_hooks && m.store.get() == store) {
-          v.landing.add_hook(ModuleHooks{m.run_hooks, m.store, {}});
-          break;
-        }
+  DWGRAPH_CHECK_STATE(runs.has_value(), kApi, ": another graphed step that shares a module with this one captured "
+                      "on another thread at the same time, so which wgrad-hook runs were whose cannot be told; "
+                      "capture them one at a time (call each once on one thread first). Nothing was kept of this "
+                      "capture.");
+  for (const ops::WgradStore* store : *runs) {
+    for (const auto& m : e.modules) {
+      if (m.run_hooks && m.store.get() == store) {
+        v.landing.add_hook(ModuleHooks{m.run_hooks, m.store, {}});
+        break;
       }
     }
   }
   for (const auto& m : e.modules) {
-    if (m.run_hooks && (!runs || !m.store)) v.landing.add_hook(ModuleHooks{m.run_hooks, m.store, {}});
+    if (m.run_hooks && !m.store) v.landing.add_hook(ModuleHooks{m.run_hooks, m.store, {}});
   }
   v.graph = std::move(graph);
   ++captures_;

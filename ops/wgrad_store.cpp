@@ -14,12 +14,18 @@ std::mutex g_recordings_mu;
 std::vector<HookRunRecording*> g_recordings;  // Note [Hook runs a capture saw]
 }  // namespace
 
-HookRunRecording::HookRunRecording() {
+HookRunRecording::HookRunRecording(std::vector<const WgradStore*> stores) : stores_(std::move(stores)) {
+  std::sort(stores_.begin(), stores_.end());
   const std::lock_guard<std::mutex> lock(g_recordings_mu);
-  for (auto* r : g_recordings) r->ambiguous_ = true;
-  ambiguous_ = !g_recordings.empty();
+  for (auto* r : g_recordings) {
+    for (const WgradStore* s : stores_) {
+      if (r->owns(s)) r->ambiguous_ = ambiguous_ = true;
+    }
+  }
   g_recordings.push_back(this);
 }
+
+bool HookRunRecording::owns(const WgradStore* s) const { return std::binary_search(stores_.begin(), stores_.end(), s); }
 
 HookRunRecording::~HookRunRecording() {
   const std::lock_guard<std::mutex> lock(g_recordings_mu);
@@ -34,7 +40,9 @@ std::optional<std::vector<const WgradStore*>> HookRunRecording::take() {
 
 void WgradStore::note_hook_run() const {
   const std::lock_guard<std::mutex> lock(g_recordings_mu);
-  for (auto* r : g_recordings) r->runs_.push_back(this);
+  for (auto* r : g_recordings) {
+    if (r->owns(this)) r->runs_.push_back(this);
+  }
 }
 
 uint64_t next_wgrad_sequence() {

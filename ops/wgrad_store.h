@@ -211,12 +211,14 @@ class WgradUnits {
 // reached a layer without deferral, a backward_dw() call) is noted in order, so a graph of
 // a whole step (graphed_step) runs those modules' hooks as often and in the order its
 // capture met them, which is what the same step runs eagerly: once per use of a layer, not
-// for a layer the loss does not reach, under no_grad or in another mode. Notes from
-// anywhere while two recordings overlap (two threads capturing) go to both, and make them
-// ambiguous: take() then returns nothing and the caller keeps its older rule.
+// for a layer the loss does not reach, under no_grad or in another mode. A recording takes
+// the notes of the stores it is given (the step's modules), from any thread (on CUDA a
+// backward's hooks run on autograd's device thread). Two recordings at once that share a
+// store (two threads capturing steps over one module) cannot tell whose runs are whose:
+// take() then returns nothing, and the caller refuses the capture.
 class HookRunRecording {
  public:
-  HookRunRecording();
+  explicit HookRunRecording(std::vector<const WgradStore*> stores);
   ~HookRunRecording();
   HookRunRecording(const HookRunRecording&) = delete;
   HookRunRecording& operator=(const HookRunRecording&) = delete;
@@ -225,8 +227,10 @@ class HookRunRecording {
 
  private:
   friend class WgradStore;
+  std::vector<const WgradStore*> stores_;  // sorted
   std::vector<const WgradStore*> runs_;
   bool ambiguous_ = false;
+  bool owns(const WgradStore* s) const;
 };
 
 }  // namespace dwgraph::ops

@@ -1111,3 +1111,64 @@ def test_wgrad_hooks_run_as_the_step_runs_them_eagerly(delay, case, eval_mode):
         for m in (eager, graphed):
             m.zero_grad(set_to_none=True)
     assert run_graphed.num_captures >= 1
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["independent", "sharing_a_module"])
+def test_two_steps_capturing_at_once_on_two_threads_keep_their_hook_runs_apart(shared):
+    # Deterministic overlap: the first step's capture calls the second step's capture on a
+    # thread it joins. Each recording takes the runs of its own modules (Note [Hook runs a
+    # capture saw]); sharing a module makes them ambiguous, and the capture is refused.
+    def model():
+        return torch.nn.ModuleDict(dict(a=dwgraph.nn.Linear(H, H), head=dwgraph.nn.Linear(H, H)))
+
+    torch.manual_seed(0)
+    first, second = model(), model()
+    if shared:
+        second["a"] = first["a"]
+    logs = {"first": [], "second": []}
+    for tag, m in (("first", first), ("second", second)):
+        m["head"].register_wgrad_hook(lambda mod, log=logs[tag]: log.append("head"))
+    if not shared:
+        for tag, m in (("first", first), ("second", second)):
+            m["a"].register_wgrad_hook(lambda mod, log=logs[tag]: log.append("a"))
+    state = {"nest": False}
+    errors = []
+
+    def body(m, nest):
+        def step(x):
+            loss = m["a"](x).square().sum()
+            m["head"](x)  # an output the loss does not use: eager runs no hook of `head`
+            if nest and state["nest"]:
+                state["nest"] = False
+
+                def other():
+                    try:
+                        run_second(x)
+                    except dwgraph.GraphStateError as e:
+                        errors.append(str(e))
+                t = threading.Thread(target=other)
+                t.start()
+                t.join()
+            loss.backward()
+            return loss.detach()
+        return step
+
+    run_first = dwgraph.graphed_step(body(first, True), warmup_iters=1)
+    run_second = dwgraph.graphed_step(body(second, False), warmup_iters=1)
+    x = torch.randn(B, H)
+    run_first(x)  # warmup
+    run_second(x)  # warmup
+    state["nest"] = True
+    if shared:
+        with pytest.raises(dwgraph.GraphStateError, match="captured on another thread at the same time"):
+            run_first(x)  # its capture: the second captures inside it
+        assert len(errors) == 1 and "at the same time" in errors[0], errors
+        return
+    run_first(x)  # captures, the second capturing inside it
+    for tag in logs:
+        logs[tag].clear()
+    for _ in range(2):
+        run_first(x)
+        run_second(x)
+    assert errors == [] and logs["first"] == ["a", "a"] and logs["second"] == ["a", "a"], (errors, logs)
+    assert run_first.num_captures == 1 and run_second.num_captures == 1
