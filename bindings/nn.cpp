@@ -66,10 +66,8 @@ void init_nn(py::module_& parent) {
       .def("hooks_suppressed", &WgradStore::hooks_suppressed)
       .def("set_num_hooks", &WgradStore::set_num_hooks, py::arg("n"))
       .def("num_hooks", &WgradStore::num_hooks)
-      .def("note_reached", &WgradStore::note_reached)
       .def("note_hook_run", &WgradStore::note_hook_run)
-      .def("num_reached", &WgradStore::num_reached)
-      .def("set_tracks_reach", &WgradStore::set_tracks_reach, py::arg("on"))
+      .def("set_notes_hook_runs", &WgradStore::set_notes_hook_runs, py::arg("on"))
       .def("take_after", &WgradStore::take_after, py::arg("keep"))
       // A copied module starts with nothing queued: queued work belongs to the original's
       // autograd graphs.

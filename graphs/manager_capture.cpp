@@ -473,14 +473,16 @@ void GraphManager::capture_bwd(size_t s) {
   const GradDtypesUnset raw_grads(c.parameters);  // Note [A graph returns the gradient autograd computed]
   std::vector<size_t> units_before;
   for (const auto& m : c.modules) units_before.push_back(m.store ? m.store->num_units() : 0);
-  // Which modules without deferral this backward reaches (WgradStore::note_reached).
-  std::unordered_map<const ops::WgradStore*, size_t> reached_before;
+  // Which modules without deferral this backward reaches: those whose hooks it would run
+  // (Note [Hook runs a capture saw]).
+  std::vector<const ops::WgradStore*> stores;
   for (const auto& m : c.modules) {
-    if (m.store) reached_before.emplace(m.store.get(), m.store->num_reached());
+    if (m.store) stores.push_back(m.store.get());
     for (const auto& inner : m.inner) {
-      if (inner.store) reached_before.emplace(inner.store.get(), inner.store->num_reached());
+      if (inner.store) stores.push_back(inner.store.get());
     }
   }
+  ops::HookRunRecording hook_runs(std::move(stores));
   std::vector<at::Tensor> grads;
   std::vector<at::Tensor> grad_params;
   for (size_t j : slot.grad_param_indices) grad_params.push_back(c.parameters[j]);
@@ -531,13 +533,16 @@ void GraphManager::capture_bwd(size_t s) {
     const size_t j = slot.param_order[k];
     if (j < slot.grad_param_indices.size()) reached_at.emplace(slot.grad_param_indices[j], k);
   }
-  // A module whose front end counts reach (dwgraph's) and that this backward did not reach:
-  // eager runs none of its hooks after such a backward (a review found them run after every
-  // graphed backward).
+  // A module whose front end notes its hook runs (dwgraph's) and whose hooks this backward
+  // would not run: eager runs none of them after such a backward (a review found them run
+  // after every graphed backward).
+  const auto runs = hook_runs.take();
+  DWGRAPH_CHECK_STATE(runs.has_value(), kApi, ": ", where(s), ": a capture that shares a module with this one ran on "
+                      "another thread at the same time, so which wgrad-hook runs were whose cannot be told; capture "
+                      "them one at a time");
+  const std::unordered_set<const ops::WgradStore*> reached(runs->begin(), runs->end());
   auto unreached = [&](const std::shared_ptr<ops::WgradStore>& store) {
-    if (!store || !store->tracks_reach()) return false;
-    auto it = reached_before.find(store.get());
-    return it != reached_before.end() && store->num_reached() == it->second;
+    return store && store->notes_hook_runs() && reached.count(store.get()) == 0;
   };
   const std::unordered_set<size_t> trainable(slot.grad_param_indices.begin(), slot.grad_param_indices.end());
   std::vector<std::pair<size_t, ModuleHooks>> hooks;

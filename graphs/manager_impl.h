@@ -228,6 +228,8 @@ class ParamGradStash {
     std::vector<at::Tensor> grads;
     size_t taken = 0;
   };
+  std::vector<Set>::iterator find_locked(const at::Tensor& token);
+  void release_locked(std::vector<Set>::iterator it);
   std::mutex mu_;
   std::vector<Set> sets_;  // oldest first
   std::vector<at::Tensor> free_tokens_;

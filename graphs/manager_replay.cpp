@@ -190,8 +190,7 @@ at::Tensor ParamGradStash::put(std::vector<at::Tensor> grads) {
   const std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < sets_.size();) {
     if (sets_[i].token.use_count() == 1) {  // its backward ended without handing it all on
-      free_tokens_.push_back(std::move(sets_[i].token));
-      sets_.erase(sets_.begin() + static_cast<std::ptrdiff_t>(i));
+      release_locked(sets_.begin() + static_cast<std::ptrdiff_t>(i));
     } else {
       ++i;
     }
@@ -207,19 +206,27 @@ at::Tensor ParamGradStash::put(std::vector<at::Tensor> grads) {
   return token;
 }
 
-std::vector<at::Tensor> ParamGradStash::take(const at::Tensor& token) {
-  const std::lock_guard<std::mutex> lock(mu_);
-  std::vector<at::Tensor> out;
-  auto it = std::find_if(sets_.begin(), sets_.end(), [&](const auto& e) {
+std::vector<ParamGradStash::Set>::iterator ParamGradStash::find_locked(const at::Tensor& token) {
+  auto it = std::find_if(sets_.begin(), sets_.end(), [&](const Set& e) {
     return e.token.unsafeGetTensorImpl() == token.unsafeGetTensorImpl();
   });
   // Not found: another tensor reached the parameter node (a hook on it replaced the token):
   // the oldest set, as one set per backward lands in order.
-  if (it == sets_.end() && !sets_.empty()) it = sets_.begin();
+  return it == sets_.end() ? sets_.begin() : it;
+}
+
+void ParamGradStash::release_locked(std::vector<Set>::iterator it) {
+  free_tokens_.push_back(std::move(it->token));
+  sets_.erase(it);
+}
+
+std::vector<at::Tensor> ParamGradStash::take(const at::Tensor& token) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  std::vector<at::Tensor> out;
+  const auto it = find_locked(token);
   if (it != sets_.end()) {
     out = std::move(it->grads);
-    free_tokens_.push_back(std::move(it->token));
-    sets_.erase(it);
+    release_locked(it);
   }
   out.resize(n_);
   return out;
@@ -227,16 +234,10 @@ std::vector<at::Tensor> ParamGradStash::take(const at::Tensor& token) {
 
 at::Tensor ParamGradStash::take_one(const at::Tensor& token, size_t index) {
   const std::lock_guard<std::mutex> lock(mu_);
-  auto it = std::find_if(sets_.begin(), sets_.end(), [&](const auto& e) {
-    return e.token.unsafeGetTensorImpl() == token.unsafeGetTensorImpl();
-  });
-  if (it == sets_.end() && !sets_.empty()) it = sets_.begin();  // as take()
+  const auto it = find_locked(token);
   if (it == sets_.end()) return at::Tensor();
   at::Tensor out = index < it->grads.size() ? std::move(it->grads[index]) : at::Tensor();
-  if (++it->taken >= n_) {
-    free_tokens_.push_back(std::move(it->token));
-    sets_.erase(it);
-  }
+  if (++it->taken >= n_) release_locked(it);
   return out;
 }
 

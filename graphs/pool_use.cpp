@@ -5,8 +5,12 @@
 namespace dwgraph::graphs {
 
 PoolUse::Scope::Scope(PoolUse& use, const std::string& who, bool alone) : use_(use) {
-  const std::lock_guard<std::mutex> lock(use.mu_);
   const auto me = std::this_thread::get_id();
+  if (!alone && use.user_.load(std::memory_order_acquire) == me) {
+    use.depth_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  const std::lock_guard<std::mutex> lock(use.mu_);
   DWGRAPH_CHECK_STATE(!alone || use.depth_ == 0, who, ": graphs of this pool are in use now (",
                       use.who_.empty() ? std::string("a graph") : use.who_, ", on ",
                       use.user_ == me ? "this thread: from Python it runs, such as a parameter's flag setter"
@@ -17,17 +21,21 @@ PoolUse::Scope::Scope(PoolUse& use, const std::string& who, bool alone) : use_(u
                       "pool now (", use.who_.empty() ? std::string("a graph") : use.who_,
                       "); graphs that share a pool share memory and must run one thread at a time (serialize "
                       "these calls, or give each thread graphs of its own). Nothing was run.");
-  if (use.depth_++ == 0) {
-    use.user_ = me;
-    use.who_.assign(who);  // its capacity kept: no allocation per call
-  }
+  // depth_ is 0 here: another thread's use was refused above, and this thread's took the
+  // nested path.
+  use.who_.assign(who);  // its capacity kept: no allocation per call
+  use.depth_.store(1, std::memory_order_relaxed);
+  use.user_.store(me, std::memory_order_release);
 }
 
 PoolUse::Scope::~Scope() {
-  const std::lock_guard<std::mutex> lock(use_.mu_);
-  if (--use_.depth_ == 0) {
-    use_.user_ = std::thread::id();
+  if (use_.depth_.load(std::memory_order_relaxed) > 1) {  // nested: only this thread changes it now
+    use_.depth_.fetch_sub(1, std::memory_order_relaxed);
+    return;
   }
+  const std::lock_guard<std::mutex> lock(use_.mu_);
+  use_.depth_.store(0, std::memory_order_relaxed);
+  use_.user_.store(std::thread::id(), std::memory_order_release);
 }
 
 }  // namespace dwgraph::graphs

@@ -14,6 +14,7 @@
 // (backward_dw() gives it up first): on CUDA, a backward a hook starts runs on autograd's
 // device thread, which would be refused as another thread while its caller waits for it.
 
+#include <atomic>
 #include <cstddef>
 #include <mutex>
 #include <string>
@@ -39,9 +40,12 @@ class PoolUse {
   };
 
  private:
+  // The outermost scope takes mu_; one nested inside it on the same thread (a replay inside
+  // a call or backward_dw(): once per part) only counts, as no other thread changes user_ or
+  // depth_ while they name this one.
   std::mutex mu_;
-  std::thread::id user_;
-  size_t depth_ = 0;
+  std::atomic<std::thread::id> user_{};
+  std::atomic<size_t> depth_{0};
   std::string who_;  // the outermost scope's, while depth_ > 0
 };
 

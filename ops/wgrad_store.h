@@ -138,19 +138,13 @@ class WgradStore {
   // into the module's hooks only when it has some.
   void set_num_hooks(size_t n);
   size_t num_hooks() const;
-  // A module without deferral runs its wgrad hooks after a backward that reached its
-  // output, as eager (where its forward hooks that output). While its hooks are suppressed
-  // (warmup, capture) its front end counts such backwards here, so that graphs run the hooks
-  // after backwards their capture saw reach it, and not after others. `tracks_reach`: the
-  // front end counts (dwgraph's Python modules); for others reach is unknown and graphs run
-  // the hooks after every backward.
-  void note_reached() { reached_.fetch_add(1, std::memory_order_acq_rel); }
-  size_t num_reached() const { return reached_.load(std::memory_order_acquire); }
-  void set_tracks_reach(bool on) { tracks_reach_.store(on, std::memory_order_release); }
-  bool tracks_reach() const { return tracks_reach_.load(std::memory_order_acquire); }
   // Its front end met a run of the module's wgrad hooks while they were suppressed (Note
-  // [Hook runs a capture saw]).
+  // [Hook runs a capture saw]). `notes_hook_runs`: the front end does (dwgraph's Python
+  // modules, which also note the runs of a layer without deferral whether or not it has
+  // hooks); for others which runs a capture met is unknown.
   void note_hook_run() const;
+  void set_notes_hook_runs(bool on) { notes_hook_runs_.store(on, std::memory_order_release); }
+  bool notes_hook_runs() const { return notes_hook_runs_.load(std::memory_order_acquire); }
 
  private:
   struct Unit {
@@ -171,8 +165,7 @@ class WgradStore {
   uint64_t next_id_ = 1;
   int hooks_suppressed_ = 0;
   std::atomic<size_t> num_hooks_{0};
-  std::atomic<size_t> reached_{0};
-  std::atomic<bool> tracks_reach_{false};
+  std::atomic<bool> notes_hook_runs_{false};
   mutable std::vector<std::weak_ptr<GraphedUnit>> graphed_units_;
   int captures_ = 0;  // take_queued() without its restore_queued(): graphed units do not land
   size_t graph_lost_ = 0;
@@ -208,10 +201,11 @@ class WgradUnits {
 
 // Note [Hook runs a capture saw]: while a recording lives, every run of a module's wgrad
 // hooks that its suppression skipped (WgradStore::note_hook_run: the end of a backward that
-// reached a layer without deferral, a backward_dw() call) is noted in order, so a graph of
-// a whole step (graphed_step) runs those modules' hooks as often and in the order its
-// capture met them, which is what the same step runs eagerly: once per use of a layer, not
-// for a layer the loss does not reach, under no_grad or in another mode. A recording takes
+// reached a layer without deferral, a backward_dw() call) is noted in order. A graph of a
+// whole step (graphed_step) runs those modules' hooks as often and in the order its capture
+// met them, which is what the same step runs eagerly: once per use of a layer, not for a
+// layer the loss does not reach, under no_grad or in another mode; a graphed callable's
+// backward runs the hooks of the layers without deferral its capture reached. A recording takes
 // the notes of the stores it is given (the step's modules), from any thread (on CUDA a
 // backward's hooks run on autograd's device thread). Two recordings at once that share a
 // store (two threads capturing steps over one module) cannot tell whose runs are whose:

@@ -456,18 +456,19 @@ def test_unused_and_frozen_parameters_with_hooks():
         _step_compared(eager, twin, x, le, lg, zero=False)
 
 
+class _TwoHeads(torch.nn.Module):
+    def __init__(self, layer=dwgraph.nn.Linear):
+        super().__init__()
+        self.a, self.b = layer(H, H), layer(H, H)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
 @pytest.mark.xfail(strict=True, reason=_NONE_HOOKS)
 def test_an_unused_output_with_hooks():
-    class TwoOut(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(H, H), torch.nn.Linear(H, H)
-
-        def forward(self, x):
-            return self.a(x), self.b(x)
-
     torch.manual_seed(0)
-    eager = TwoOut()
+    eager = _TwoHeads(torch.nn.Linear)
     twin = copy.deepcopy(eager)
     dwgraph.make_graphed_callables(twin, (torch.randn(B, H, requires_grad=True),))
     le, lg = [], []
@@ -901,15 +902,6 @@ def test_wgrad_hooks_of_layers_the_backward_does_not_reach_do_not_run(delay):
             run.backward_dw()
         _same_grads(graphed, eager)
     assert logs["g"] == logs["e"] == ["a"] * 3
-
-
-class _TwoHeads(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = dwgraph.nn.Linear(H, H), dwgraph.nn.Linear(H, H)
-
-    def forward(self, x):
-        return self.a(x), self.b(x)
 
 
 @pytest.mark.parametrize("hooks_after_capture", [False, True], ids=["hooks_before", "hooks_after"])

@@ -106,7 +106,7 @@ class _DeferredWgradModule(torch.nn.Module):
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self._wgrad_store = _C.nn.WgradStore()
-        self._wgrad_store.set_tracks_reach(True)  # _after_forward counts backwards that reach it
+        self._wgrad_store.set_notes_hook_runs(True)  # Note [Hook runs a capture saw] (ops/wgrad_store.h)
         # OrderedDict: RemovableHandle keeps a weak reference to it (a dict cannot have one).
         self._wgrad_hooks: Dict[int, Callable] = _WgradHooks(self._wgrad_store)
         # The parameter objects the last forward used: backward_dw() lands on those.
@@ -384,18 +384,14 @@ class _DeferredWgradModule(torch.nn.Module):
             self._fp8_cache_versions, self._fp8_filling = self._fp8_filling, None
         # Without deferral the gradients land during the backward; the hooks run when the
         # whole backward has finished (after AccumulateGrad), once per forward.
-        # Warmup or capture (hooks suppressed): whether or not it has hooks now, the backwards
-        # that reach this output are counted (WgradStore::note_reached) and the hook runs
-        # they would make noted (Note [Hook runs a capture saw]), so that graphs run the
-        # hooks where eager would.
-        suppressed = self._wgrad_store.hooks_suppressed()
-        if not self.delay_wgrad_compute and out.requires_grad and (self._wgrad_hooks or suppressed):
+        # Warmup or capture (hooks suppressed): whether or not it has hooks now, the runs a
+        # backward reaching this output would make are noted (Note [Hook runs a capture
+        # saw]), so that graphs run the hooks where eager would.
+        if not self.delay_wgrad_compute and out.requires_grad and (
+                self._wgrad_hooks or self._wgrad_store.hooks_suppressed()):
             engine = torch.autograd.Variable._execution_engine
-            store = self._wgrad_store
 
             def queue(_grad):
-                if suppressed:
-                    store.note_reached()
                 engine.queue_callback(self._run_wgrad_hooks)
 
             out.register_hook(queue)
