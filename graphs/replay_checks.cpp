@@ -96,6 +96,8 @@ CapturedParameters::CapturedParameters(std::vector<std::string> names, std::vect
   for (const auto& p : params_) {
     requires_grad_.push_back(p.requires_grad());
     data_.push_back(p.data_ptr());
+    sizes_.push_back(p.sizes().vec());
+    strides_.push_back(p.strides().vec());
   }
   registrations_seen_ = registration_epoch();
 }
@@ -117,6 +119,13 @@ void CapturedParameters::check(const std::string& where) const {
     DWGRAPH_CHECK_STATE(p.data_ptr() == data_[i], where, ": ", kind_, " '", names_[i],
                         "' was reallocated since capture (its data moved); the graphs would use the old memory. "
                         "Update parameters in place, or reset() and capture again");
+    // The same memory seen through other sizes or strides (`.data = p.t()`, `t_()`): the
+    // graphs' kernels would read it with the captured ones (a review found it silent).
+    DWGRAPH_CHECK_STATE(p.sizes() == c10::IntArrayRef(sizes_[i]) && p.strides() == c10::IntArrayRef(strides_[i]),
+                        where, ": ", kind_, " '", names_[i], "' has other sizes or strides than at capture (sizes ",
+                        p.sizes(), ", strides ", p.strides(), "; captured ", c10::IntArrayRef(sizes_[i]), ", ",
+                        c10::IntArrayRef(strides_[i]), "); the graphs would read its memory the captured way. "
+                        "Keep its layout, or reset() and capture again");
   }
   // A registration since the last check names a replaced parameter as replaced; a tensor
   // put into a slot without one (FSDP2) is named as that.

@@ -42,6 +42,7 @@ class CapturedParameters {
   std::vector<at::Tensor> params_;
   std::vector<bool> requires_grad_;
   std::vector<const void*> data_;
+  std::vector<std::vector<int64_t>> sizes_, strides_;  // the layout the graphs read
   std::function<NamedTensors()> current_;
   void check_registered(const std::string& where) const;  // the scan of current_
   void check_slots(const std::string& where) const;       // registered_ against slots_

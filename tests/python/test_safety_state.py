@@ -217,6 +217,11 @@ class _OtherTensor(torch.Tensor):
     """A type outside Parameter's: a parameter moved to it is watched by itself."""
 
 
+def _under_no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
 def _reclassed(p: torch.Tensor, to=_BareParameterSubclass) -> torch.Tensor:
     p.__class__ = to
     return p
@@ -249,6 +254,14 @@ LATE_CHANGES.update({
                                    r"'2\.weight' was reallocated"),
     "class_reassigned_then_frozen": (lambda m: setattr(_reclassed(m[2].weight), "requires_grad", False),
                                      r"'2\.weight' no longer requires grad"),
+    # The same memory through other strides (a review found it silent): through .data, and
+    # in place, which moves the state epoch through the watched methods.
+    "transposed_data": (lambda m: setattr(m[2].weight, "data", m[2].weight.data.t()),
+                        r"'2\.weight' has other sizes or strides than at capture"),
+    "transposed_in_place": (lambda m: _under_no_grad(lambda: m[2].weight.t_()),
+                            r"'2\.weight' has other sizes or strides than at capture"),
+    "as_strided_in_place": (lambda m: _under_no_grad(lambda: m[2].weight.as_strided_((H, H), (1, H))),
+                            r"'2\.weight' has other sizes or strides than at capture"),
     "class_left_then_data": (lambda m: _moved_keeping_the_old(_reclassed(m[2].weight, _OtherTensor),
                                                               lambda p, new: setattr(p, "data", new)),
                              r"'2\.weight' was reallocated"),

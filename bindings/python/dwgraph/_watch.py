@@ -349,8 +349,12 @@ def install() -> None:
         torch.utils.swap_tensors = _after(torch.utils.swap_tensors)
         # On torch.Tensor, not Parameter: unbound calls (torch.Tensor.set_(p, t)), parameters
         # of tensor subclasses (whose type is not Parameter) and watched buffers go through it.
-        for name in ("requires_grad_", "set_"):
-            fn = getattr(torch.Tensor, name)
+        # The in-place methods that give a tensor other sizes or strides over its memory too.
+        for name in ("requires_grad_", "set_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_",
+                     "squeeze_", "unsqueeze_", "resize_", "resize_as_"):
+            fn = getattr(torch.Tensor, name, None)
+            if fn is None:
+                continue
             if not getattr(fn, "_dwgraph_watch", False):
                 setattr(torch.Tensor, name, _on_watched_tensors(fn))
         for name in ("register_hook", "register_post_accumulate_grad_hook"):
