@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <numeric>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -275,6 +276,10 @@ std::vector<at::Tensor> GraphManager::backward_targets(size_t s, bool for_captur
     }
     slot.param_deferred.push_back(deferred);
     slot.param_fused.push_back(fused);
+  }
+  if (for_capture) {
+    slot.any_param_deferred =
+        std::find(slot.param_deferred.begin(), slot.param_deferred.end(), true) != slot.param_deferred.end();
   }
   return targets;
 }
@@ -630,6 +635,7 @@ void GraphManager::capture_dw(size_t s) {
   // as eager's backward_dw() calls add them to .grad (the sums must round the same).
   slot.dw_parts.clear();
   slot.armed_parts = 0;
+  slot.dw_arm = std::make_shared<ops::GraphedArm>();
   slot.dw_hooks.assign(c.modules.size(), nullptr);
   for (size_t k = 0; k < c.modules.size(); ++k) {
     const auto& m = c.modules[k];
@@ -640,6 +646,7 @@ void GraphManager::capture_dw(size_t s) {
     const size_t runs = runs_of(k);
     for (size_t r = 0; r < runs; ++r) {
       DwPart part;
+      part.state = std::make_shared<ops::GraphedUnit>(slot.dw_arm, slot.dw_parts.size());
       part.module = k;
       part.unit = r;
       part.param_indices = module_parameter_indices(c, m);
@@ -694,6 +701,16 @@ void GraphManager::capture_dw(size_t s) {
     }
     if (!hooks.empty()) slot.dw_hooks[k] = std::make_shared<const Landing>(std::move(hooks));
   }
+  slot.dw_all_parts.resize(slot.dw_parts.size());
+  std::iota(slot.dw_all_parts.begin(), slot.dw_all_parts.end(), size_t{0});
+  slot.dw_parts_all_have_params = std::all_of(slot.dw_parts.begin(), slot.dw_parts.end(),
+                                              [](const DwPart& p) { return !p.param_indices.empty(); });
+  slot.any_dw_hooks = std::any_of(slot.dw_hooks.begin(), slot.dw_hooks.end(),
+                                  [](const std::shared_ptr<const Landing>& h) { return h != nullptr; });
+  slot.dw_hooks_unconditional = std::any_of(slot.dw_hooks.begin(), slot.dw_hooks.end(),
+                                            [](const std::shared_ptr<const Landing>& h) {
+                                              return h != nullptr && h->unconditional_hooks > 0;
+                                            });
   // What any part reads: the call and the backward watch these (Note [Slot states]).
   auto any_part = [&](std::vector<bool> DwPart::*reads, size_t n) {
     std::vector<bool> out(n, false);
@@ -900,7 +917,10 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
       }
       slot.dw_parts.clear();
       slot.armed_parts = 0;
+      slot.dw_all_parts.clear();
       slot.dw_hooks.clear();
+      slot.any_dw_hooks = false;
+      slot.dw_hooks_unconditional = false;
     }
     shared_contributions_.clear();
     pool_.reset();

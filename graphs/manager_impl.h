@@ -196,8 +196,9 @@ struct DwPart {
   std::vector<size_t> param_indices;  // the module's deferred and fused parameters (callable indices)
   // What its graph reads of the slot's static inputs, outputs and grad outputs.
   std::vector<bool> reads_input, reads_output, reads_grad_output;
-  // Pending flag and sequence, counted by the module's store (and inner stores).
-  std::shared_ptr<ops::GraphedUnit> state = std::make_shared<ops::GraphedUnit>();
+  // Pending flag and sequence, counted by the module's store (and inner stores); armed
+  // with the slot's other parts through Slot::dw_arm (Note [Units armed together]).
+  std::shared_ptr<ops::GraphedUnit> state;
 };
 
 // The gradients a graphed backward made for its slot's parameters (caller-owned copies, per
@@ -259,6 +260,7 @@ struct Slot {
   std::vector<size_t> grad_param_indices;
   std::vector<bool> param_deferred;  // per grad_param_indices: lands in backward_dw() (or main_grad)
   std::vector<bool> param_fused;     // per grad_param_indices: accumulates into main_grad in a graph
+  bool any_param_deferred = false;  // some entry of param_deferred is set
   // Note [What a backward asked for]: per output requiring grad, per target (inputs, then
   // parameters, as static_grad_inputs), whether the captured autograd graph reaches it;
   // `reached` is their union (a target no output reaches is never masked out).
@@ -268,8 +270,17 @@ struct Slot {
   std::unique_ptr<Graph> fwd, bwd;
   std::vector<DwPart> dw_parts;  // Note [A backward-dw graph per unit]
   // How many of dw_parts are pending (their state's flag set; both written under mu_ only,
-  // by set_state and disarm_part), so a call need not visit every part to find none is.
+  // by set_state and disarm_part), so a call need not visit every part to find none is,
+  // or that all are.
   size_t armed_parts = 0;
+  // Note [Units armed together]: shared by the parts' states; a new one per capture.
+  std::shared_ptr<ops::GraphedArm> dw_arm;
+  // Every part has a parameter (so a backward that gives every parameter a gradient arms
+  // them all at once), and 0..n-1, what backward_dw() lands when every part is pending.
+  bool dw_parts_all_have_params = false;
+  std::vector<size_t> dw_all_parts;
+  bool any_dw_hooks = false;             // some entry of dw_hooks is set
+  bool dw_hooks_unconditional = false;   // one of them holds a hook without a store (runs whenever live)
   // backward_dw()'s lists of the parts it lands and their graphs, kept between calls
   // (contract C10: a call of many parts allocates nothing; a large allocation after the
   // replays' frees made glibc consolidate them inside the call). Taken out while in use,

@@ -630,7 +630,11 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
       }
     }
   }
-  for (size_t j = 0; j < np; ++j) dw_pending = dw_pending || (slot.param_deferred[j] && is(ni + j));
+  if (live.empty()) {
+    dw_pending = slot.any_param_deferred;  // contract C10: not a visit per parameter
+  } else {
+    for (size_t j = 0; j < np; ++j) dw_pending = dw_pending || (slot.param_deferred[j] && is(ni + j));
+  }
   add_phase_time(TimedPhase::kBackward, replay_ns, copy_ns, true);
   at::Tensor token;  // what this backward's node sends the parameter node: finds its gradients there
   if (any_param && slot.param_grads) token = slot.param_grads->put(std::move(param_grads));
@@ -646,8 +650,9 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
   const std::lock_guard<std::mutex> lock(mu_);
   slot.dw_live = result.live;
   set_state(slot, defers_[ci] && dw_pending ? SlotState::kDwPending : SlotState::kIdle);
+  if (slot.armed_parts == slot.dw_parts.size()) return result;  // every part will be read
   for (const auto& part : slot.dw_parts) {
-    if (part.state->pending.load(std::memory_order_acquire) > 0 || !part.graph) continue;
+    if (part.state->pending() || !part.graph) continue;
     // No backward_dw() will replay this part (a backward that asked for none of its
     // module's weights): what the forward and this backward wrote for it is not read.
     abandon_reads(slot, *part.graph);
@@ -749,8 +754,12 @@ void GraphManager::backward_dw(size_t s) {
     run.swap(slot.dw_scratch_run);
     parts.clear();
     run.clear();
-    for (size_t p = 0; p < slot.dw_parts.size(); ++p) {
-      if (slot.dw_parts[p].state->pending.load(std::memory_order_acquire) > 0) parts.push_back(p);
+    if (slot.armed_parts == slot.dw_parts.size()) {
+      parts = slot.dw_all_parts;  // Note [Units armed together]: no visit per part
+    } else if (slot.armed_parts > 0) {
+      for (size_t p = 0; p < slot.dw_parts.size(); ++p) {
+        if (slot.dw_parts[p].state->pending()) parts.push_back(p);
+      }
     }
   }
   // FIFO (contract C1): eager units its modules queued before the graphed backward (calls
@@ -797,20 +806,9 @@ void GraphManager::backward_dw(size_t s) {
     Graph::check_run(run);
     for (size_t p : parts) slot.dw_parts[p].graph->replay();
   }
-  std::vector<std::shared_ptr<const Landing>> hooks;  // held: a hook may reset() the graphs that own them
   {
     const std::lock_guard<std::mutex> lock(mu_);
     set_state(slot, SlotState::kIdle);
-    // Once per module with a part landing now (a module used twice runs its hooks once per
-    // backward_dw(), as eager), after every part's hand-off.
-    size_t last = slot.dw_hooks.size();
-    for (size_t p : parts) {
-      const size_t k = slot.dw_parts[p].module;
-      // Whether a hook runs is asked at its module's turn (land()): an earlier hook, or Python
-      // the hand-off runs (a flag setter), may register one. A module without hooks: no copy.
-      if (k < slot.dw_hooks.size() && k != last && slot.dw_hooks[k]) hooks.push_back(slot.dw_hooks[k]);
-      last = k;
-    }
   }
   add_phase_time(TimedPhase::kBackwardDw, replay_ns, 0, true);
   {
@@ -821,9 +819,24 @@ void GraphManager::backward_dw(size_t s) {
     }
     add_phase_time(TimedPhase::kBackwardDw, 0, copy_ns, false);
   }
+  std::vector<std::shared_ptr<const Landing>> hooks;  // held: a hook may reset() the graphs that own them
   {
     // Before the hooks, which may reset() the graphs and with them the slot.
     const std::lock_guard<std::mutex> lock(mu_);
+    // Once per module with a part landing now (a module used twice runs its hooks once per
+    // backward_dw(), as eager), after every part's hand-off. Whether a module's hook runs is
+    // asked at its turn (land()): an earlier hook may register one. Asked after the
+    // hand-offs, whose Python (a flag setter) may register the first hook of the process;
+    // with none anywhere and none without a store, no hook can run: no visit per part
+    // (contract C10).
+    if (slot.any_dw_hooks && (slot.dw_hooks_unconditional || ops::num_stores_with_hooks() > 0)) {
+      size_t last = slot.dw_hooks.size();
+      for (size_t p : parts) {
+        const size_t k = slot.dw_parts[p].module;
+        if (k < slot.dw_hooks.size() && k != last && slot.dw_hooks[k]) hooks.push_back(slot.dw_hooks[k]);
+        last = k;
+      }
+    }
     slot.dw_scratch_parts.swap(parts);
     slot.dw_scratch_run.swap(run);
   }
@@ -843,7 +856,7 @@ void GraphManager::land_part(size_t s, size_t p) {
                                    "'.backward_dw()");
   {
     const std::lock_guard<std::mutex> lock(mu_);
-    DWGRAPH_CHECK_STATE(slot.state == SlotState::kDwPending && part.state->pending.load(std::memory_order_acquire) > 0,
+    DWGRAPH_CHECK_STATE(slot.state == SlotState::kDwPending && part.state->pending(),
                         who, ": expected its unit pending in the graphs, got none (another thread landed it)");
   }
   verify(ci, slot.where, /*front_end=*/false);
@@ -884,7 +897,7 @@ void GraphManager::discard_part(size_t s, size_t p) {
 
 void GraphManager::drop_part(Slot& slot, size_t p) {
   const DwPart& part = slot.dw_parts.at(p);
-  if (part.state->pending.load(std::memory_order_acquire) <= 0) return;
+  if (!part.state->pending()) return;
   disarm_part(slot, p);
   if (part.graph) abandon_reads(slot, *part.graph);
 }
@@ -897,8 +910,10 @@ void GraphManager::abandon_reads(Slot& slot, const Graph& reader) {
 }
 
 void GraphManager::disarm_part(Slot& slot, size_t p) {
-  if (slot.dw_parts.at(p).state->pending.exchange(0, std::memory_order_acq_rel) > 0 && slot.armed_parts > 0) {
-    --slot.armed_parts;
+  ops::GraphedUnit& unit = *slot.dw_parts.at(p).state;
+  if (unit.pending()) {
+    unit.set_own(false, 0);
+    if (slot.armed_parts > 0) --slot.armed_parts;
   }
   if (slot.armed_parts == 0 && slot.state == SlotState::kDwPending) set_state(slot, SlotState::kIdle);
 }
@@ -947,18 +962,25 @@ void GraphManager::set_state(Slot& slot, SlotState next) {
   if (is) slot.dw_sequence = ops::next_wgrad_sequence();
   if (!is) slot.dw_grads.clear();  // nothing of that backward will be read
   if (!is && slot.armed_parts == 0) return;  // no part to disarm (contract C10: not a visit per part)
+  if (!slot.dw_arm) return;  // no parts captured
   // Note [A backward-dw graph per unit]: a part is pending when the backward gave its
   // module's deferred (or fused) parameters a gradient; in capture order, which is its
-  // module's FIFO order.
-  size_t armed_parts = 0;
+  // module's FIFO order. Note [Units armed together]: all at once in the common case.
+  if (is && slot.dw_live.empty() && slot.dw_parts_all_have_params) {
+    slot.dw_arm->arm_all(ops::next_wgrad_sequences(slot.dw_parts.size()));
+    slot.armed_parts = slot.dw_parts.size();
+    return;
+  }
+  slot.dw_arm->disarm_all();
+  slot.armed_parts = 0;
+  if (!is) return;
   for (auto& part : slot.dw_parts) {
     bool armed = false;
-    for (size_t i : part.param_indices) armed = armed || (is && is_live(slot.dw_live, i));
-    if (armed) part.state->sequence.store(ops::next_wgrad_sequence(), std::memory_order_release);
-    part.state->pending.store(armed ? 1 : 0, std::memory_order_release);
-    armed_parts += armed ? 1 : 0;
+    for (size_t i : part.param_indices) armed = armed || is_live(slot.dw_live, i);
+    if (!armed) continue;
+    part.state->set_own(true, ops::next_wgrad_sequence());
+    ++slot.armed_parts;
   }
-  slot.armed_parts = armed_parts;
 }
 
 void GraphManager::release_pending() {
@@ -969,7 +991,7 @@ void GraphManager::release_pending() {
     if (slot.state != SlotState::kDwPending) continue;
     const auto& c = callables_[slot.info.callable];
     for (const auto& part : slot.dw_parts) {
-      if (part.state->pending.load(std::memory_order_acquire) <= 0) continue;
+      if (!part.state->pending()) continue;
       const auto& m = c.modules.at(part.module);
       if (m.store) m.store->add_graph_lost(1);
       for (const auto& inner : m.inner) {
@@ -1001,7 +1023,10 @@ void GraphManager::reset() {
     }
     slot.dw_parts.clear();
     slot.armed_parts = 0;
+    slot.dw_all_parts.clear();
     slot.dw_hooks.clear();
+    slot.any_dw_hooks = false;
+    slot.dw_hooks_unconditional = false;
     slot.input_write.remove();
     slot.grad_write.remove();
     slot.after_backward = Landing();

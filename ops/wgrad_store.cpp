@@ -45,9 +45,51 @@ void WgradStore::note_hook_run() const {
   }
 }
 
-uint64_t next_wgrad_sequence() {
+namespace {
+std::atomic<uint64_t>& next_wgrad_sequence_counter() {
   static std::atomic<uint64_t> next{1};
-  return next.fetch_add(1, std::memory_order_relaxed);
+  return next;
+}
+}  // namespace
+
+uint64_t next_wgrad_sequence() { return next_wgrad_sequence_counter().fetch_add(1, std::memory_order_relaxed); }
+
+uint64_t next_wgrad_sequences(size_t n) {
+  return next_wgrad_sequence_counter().fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
+}
+
+void GraphedArm::arm_all(uint64_t first) {
+  base.store(first, std::memory_order_relaxed);
+  all.store(true, std::memory_order_relaxed);
+  epoch.fetch_add(1, std::memory_order_acq_rel);  // publishes both; voids every unit's own state
+}
+
+void GraphedArm::disarm_all() {
+  all.store(false, std::memory_order_relaxed);
+  epoch.fetch_add(1, std::memory_order_acq_rel);
+}
+
+bool GraphedUnit::own_now(uint64_t* epoch_out) const {
+  if (!arm_) return true;
+  const uint64_t e = arm_->epoch.load(std::memory_order_acquire);
+  if (epoch_out != nullptr) *epoch_out = e;
+  return own_epoch_.load(std::memory_order_acquire) == e;
+}
+
+bool GraphedUnit::pending() const {
+  if (own_now(nullptr)) return own_pending_.load(std::memory_order_acquire);
+  return arm_->all.load(std::memory_order_acquire);
+}
+
+uint64_t GraphedUnit::sequence() const {
+  if (own_now(nullptr)) return own_sequence_.load(std::memory_order_acquire);
+  return arm_->base.load(std::memory_order_acquire) + index_;
+}
+
+void GraphedUnit::set_own(bool pending, uint64_t sequence) {
+  own_pending_.store(pending, std::memory_order_relaxed);
+  own_sequence_.store(sequence, std::memory_order_relaxed);
+  own_epoch_.store(arm_ ? arm_->epoch.load(std::memory_order_acquire) : 0, std::memory_order_release);
 }
 
 size_t num_queued_units_anywhere() { return g_queued_units.load(std::memory_order_acquire); }
@@ -88,13 +130,13 @@ void WgradStore::run_oldest(const std::string& owner) {
     if (captures_ == 0) {
       for (const auto& w : graphed_units_) {
         auto u = w.lock();
-        if (!u || u->pending.load(std::memory_order_acquire) <= 0) continue;
-        if (!graphed || u->sequence.load(std::memory_order_acquire) < graphed->sequence.load(std::memory_order_acquire)) {
+        if (!u || !u->pending()) continue;
+        if (!graphed || u->sequence() < graphed->sequence()) {
           graphed = std::move(u);
         }
       }
     }
-    if (graphed && !units_.empty() && units_.front().sequence < graphed->sequence.load(std::memory_order_acquire)) {
+    if (graphed && !units_.empty() && units_.front().sequence < graphed->sequence()) {
       graphed.reset();  // an older eager unit lands first
     }
     if (graphed) {
@@ -181,7 +223,7 @@ size_t WgradStore::num_graph_pending() const {
   const std::lock_guard<std::mutex> lock(mu_);
   size_t n = 0;
   for (const auto& w : graphed_units_) {
-    if (auto u = w.lock()) n += static_cast<size_t>(std::max(u->pending.load(std::memory_order_acquire), 0));
+    if (auto u = w.lock()) n += u->pending() ? 1 : 0;
   }
   return n;
 }
@@ -280,7 +322,7 @@ void WgradStore::clear() {
     graph_lost_ = 0;
     for (const auto& w : graphed_units_) {
       auto u = w.lock();
-      if (u && u->pending.load(std::memory_order_acquire) > 0 && u->discard) graphed.push_back(std::move(u));
+      if (u && u->pending() && u->discard) graphed.push_back(std::move(u));
     }
   }
   // Outside the lock, as land(): the graphs' manager decides (its own lock).

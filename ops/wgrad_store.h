@@ -25,6 +25,8 @@ class WgradUnits;
 // A process-wide, increasing number for each backward that queues deferred work: the
 // order in which backward_dw() calls must land them.
 uint64_t next_wgrad_sequence();
+// `n` consecutive numbers at once (the first returned): one backward's units, in order.
+uint64_t next_wgrad_sequences(size_t n);
 
 // Units queued in every store of the process (not counting graphs' pending work): when 0,
 // no eager unit can be older than a graphed backward, and the FIFO check costs nothing.
@@ -36,8 +38,8 @@ size_t num_stores_with_hooks();
 // Note [Graphed units]: one unit of a store's work that waits in a graph instead of its
 // FIFO: a graphed callable's backward-dw part for this module (one per unit one backward
 // of the callable queues: a module used twice in the forward has two; graphs/manager_impl.h).
-// The graph manager owns it: `pending` is 1 from the graphed backward that owes the unit
-// until the unit lands or is dropped, and `sequence` is that backward's place among the
+// The graph manager owns it: pending() from the graphed backward that owes the unit
+// until the unit lands or is dropped, and sequence() is that backward's place among the
 // process's deferred work (next_wgrad_sequence()). The store counts pending units
 // (num_graph_pending) and, in run_oldest, lands the oldest of its eager units and pending
 // graphed units, so a module's backward_dw() on a graphed callable lands its own part in
@@ -46,13 +48,45 @@ size_t num_stores_with_hooks();
 // backward_dw() runs them), or throws a typed error having written nothing; null for work
 // that lands only with its callable's backward_dw() (a dwgraph module inside another
 // library's deferring module, whose own backward_dw() the graphs replace).
+//
+// Note [Units armed together]: a graphed backward arms every part of its slot at once in
+// the common case (every parameter given a gradient), so that arming and disarming them
+// costs O(1), not a write per part (contract C10: at 1024 parts those visits, each a cache
+// miss after the replays, were most of backward_dw()'s own time). The units of one slot
+// share a GraphedArm: while `all` is set, a unit is pending, with sequence base + its
+// index, unless it holds a state of its own written in the arm's current epoch (a backward
+// that armed only some parts, or a part landed or dropped alone). A new epoch voids every
+// state of its own at once. Written by the graph manager under its lock; read by the
+// stores (atomics: a read racing a write sees either).
+struct GraphedArm {
+  std::atomic<uint64_t> epoch{1};
+  std::atomic<bool> all{false};
+  std::atomic<uint64_t> base{0};
+  // Every unit pending, in index order from `first` (next_wgrad_sequences()).
+  void arm_all(uint64_t first);
+  // No unit pending until each is set on its own (set_own) in the new epoch.
+  void disarm_all();
+};
+
 struct GraphedUnit {
-  std::atomic<int> pending{0};
-  std::atomic<uint64_t> sequence{0};
+  GraphedUnit() = default;
+  GraphedUnit(std::shared_ptr<GraphedArm> arm, size_t index) : arm_(std::move(arm)), index_(index) {}
+  bool pending() const;
+  uint64_t sequence() const;  // meaningful while pending()
+  // Its own state in the arm's current epoch (a unit without an arm holds only its own).
+  void set_own(bool pending, uint64_t sequence);
   std::function<void()> land;
   // Drops it unlanded (discard_wgrad_units(): going on after an aborted step), if still pending.
   std::function<void()> discard;
   std::string owner;  // where the graphs are, for messages ("graphed callable 0 ('Sequential')")
+
+ private:
+  bool own_now(uint64_t* epoch_out) const;
+  const std::shared_ptr<GraphedArm> arm_;
+  const size_t index_ = 0;
+  std::atomic<uint64_t> own_epoch_{0};
+  std::atomic<bool> own_pending_{false};
+  std::atomic<uint64_t> own_sequence_{0};
 };
 
 class WgradStore {

@@ -627,6 +627,59 @@ def test_hooks_after_reset():
         twin(x)  # typed, nothing written
 
 
+class _FlagRegisters(torch.nn.Parameter):
+    """A fused weight whose flag setter (Python the hand-off runs inside backward_dw())
+    runs `on_flag` the first time it is set."""
+
+    on_flag = None
+
+    def __setattr__(self, name, value):
+        if name == "grad_added_to_main_grad" and value and type(self).on_flag is not None:
+            fn, type(self).on_flag = type(self).on_flag, None
+            fn()
+        super().__setattr__(name, value)
+
+
+def test_wgrad_hooks_a_flag_setter_registers_during_backward_dw_run_as_eager():
+    # The callable's backward_dw() decides which wgrad hooks may run after its hand-offs
+    # (with no hook anywhere it visits no module: contract C10); a flag setter, run by the
+    # first module's hand-off, registers the process's first hooks on both modules: eager
+    # runs both, after their own backward_dw(), and so must the graphs.
+    def build():
+        torch.manual_seed(0)
+        a = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+        a.weight = type("_Flag", (_FlagRegisters,), {})(a.weight.detach().clone())
+        a.weight.main_grad = torch.zeros(H, H)
+        return torch.nn.Sequential(a, dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+
+    eager, twin = build(), build()
+    dwgraph.make_graphed_callables(twin, (torch.randn(B, H, requires_grad=True),))
+    logs = {"e": [], "g": []}
+
+    def arm(model, log):
+        def register():
+            for name, m in model.named_children():
+                m.register_wgrad_hook(lambda mod, n=name: log.append(
+                    (n, _clone(mod.weight.main_grad if hasattr(mod.weight, "main_grad") else mod.weight.grad))))
+        type(model[0].weight).on_flag = register
+
+    for model, log in ((eager, logs["e"]), (twin, logs["g"])):
+        arm(model, log)
+    x = torch.randn(B, H, requires_grad=True)
+    for step in range(3):  # the first registers the hooks; later steps run them from the start
+        _loss(eager(x)).backward()
+        for m in eager:
+            m.backward_dw()
+        _loss(twin(x)).backward()
+        twin.backward_dw()
+        _same_grads(twin, eager)
+        assert [n for n, _ in logs["g"]] == [n for n, _ in logs["e"]] == ["0", "1"] * (step + 1)
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(logs["g"], logs["e"]))
+        for m in (eager, twin):
+            m.zero_grad(set_to_none=True)
+            m[0].weight.main_grad.zero_()
+
+
 # -- training loops ---------------------------------------------------------------------
 
 def test_optimizer_in_backward_through_post_accumulate_grad_hooks():
