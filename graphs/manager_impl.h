@@ -61,7 +61,9 @@
 // whose edges lead to the parameters. Building an edge per parameter at every call would
 // make the call cost grow with the module tree; the persistent node's edges are built once
 // at capture. The backward stashes the parameters' gradients for it, and it hands them to
-// the parameters' AccumulateGrad nodes (which also run the parameters' tensor hooks).
+// the parameters' AccumulateGrad nodes (which also run the parameters' tensor hooks). A
+// slot with few parameter edges and no parameter hooks skips it: the call's node has those
+// edges itself (kDirectParamEdges, manager_replay.cpp).
 //
 // Note [Parameter tensor hooks at replay]: so a hook registered on a parameter
 // (param.register_hook, register_post_accumulate_grad_hook), before capture or after it,
@@ -361,9 +363,10 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   std::vector<at::Tensor> replay_call(size_t s, const std::vector<at::Tensor>& inputs);
   // The backward of slot s's call `generation`, with the gradients of the outputs that
   // require grad (undefined: unused), `asked` per target (inputs, then parameters) from the
-  // engine; returns the input gradients and stashes the parameters' for param_node.
+  // engine; returns the input gradients and stashes the parameters' for param_node, or
+  // (`direct`: the call's node has the parameter edges itself) returns them too.
   BackwardResult backward(size_t s, uint64_t generation, const std::vector<at::Tensor>& grads,
-                          const std::vector<uint8_t>& asked);
+                          const std::vector<uint8_t>& asked, bool direct);
   void node_released(size_t s, uint64_t generation) noexcept;
   void node_done(size_t s, uint64_t generation) noexcept;  // its backward freed the graph
   void backward_dw(size_t s);

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import sys
 import zlib
 
 import pytest
@@ -54,6 +55,17 @@ def device(request) -> str:
 def _seed(request):
     """Fresh, reproducible random inputs per test (the seed depends on the test id)."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo's caches and recompile counts are per code object and process-wide: the
+    dwgraph modules' forward, compiled by tests in several files, could exceed its recompile
+    limit in a later test depending on the order the tests run in. Each test starts without
+    them (reset costs microseconds; dynamo is not imported for tests that never compile)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor, scale: float | None = None) -> float:

@@ -405,10 +405,6 @@ def _compile_cases():
 def test_undeferred_modules_compile_fullgraph(case):
     # delay_wgrad_compute=False: traced without a graph break (fullgraph=True), bitwise eager.
     make, grouped = _compile_cases()[case]
-    # The modules' forward code is shared with every earlier compile in the process (other
-    # test files compile dwgraph modules too): without a reset, the order tests run in
-    # could exceed dynamo's recompile limit for it.
-    torch._dynamo.reset()
     torch.manual_seed(3)
     m = make()
     eager = copy.deepcopy(m)

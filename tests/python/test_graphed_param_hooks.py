@@ -130,24 +130,39 @@ def test_parameter_hooks_run_in_eagers_order_after_a_graphed_backward(model, inp
     _same_order(_hook_order(twin, True, asked, when=when), _hook_order(eager, False, asked, when=when))
 
 
-def test_parameter_gradients_go_through_relays_only_while_a_parameter_has_hooks():
+@pytest.mark.parametrize("layers", [3, 9], ids=["few parameters", "many parameters"])
+def test_parameter_gradients_go_through_relays_only_while_a_parameter_has_hooks(layers):
     # The chain costs an engine node per parameter: a call's node leads to it only once some
     # parameter has a tensor hook (a removed Python hook leaves its empty hook dict on the
-    # tensor, which keeps the chain: the same order, at the chain's cost).
+    # tensor, which keeps the chain: the same order, at the chain's cost). Without hooks, a
+    # slot with few parameters has the edges to them on the call's node itself (no node in
+    # between: Note [Parameter gradients through one node]); one with many, on the slot's
+    # one node with an edge per parameter, so a call's edges stay bounded.
     torch.manual_seed(0)
-    model = _MODELS["torch x3"]()
+    model = torch.nn.Sequential(*[torch.nn.Linear(H, H) for _ in range(layers)])
     run = dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
-    n = len(list(model.parameters()))
+    params = list(model.parameters())
+    n = len(params)
 
-    def fan_out():
+    def param_edges():
         node = run(torch.randn(B, H, requires_grad=True)).grad_fn
-        return len(node.next_functions[-1][0].next_functions)
+        return [f for f, _ in node.next_functions[1:]]  # after the input's
 
-    assert fan_out() == n  # one node, an edge per parameter
+    def leads_to_each_parameter(fns):
+        return sorted(id(f.variable) for f in fns) == sorted(id(p) for p in params)
+
+    def plain():
+        fns = param_edges()
+        if n <= 16:
+            return len(fns) == n and leads_to_each_parameter(fns)
+        return len(fns) == 1 and leads_to_each_parameter([f for f, _ in fns[0].next_functions])
+
+    assert plain()
     torch.zeros(1, requires_grad=True).register_hook(lambda g: None)  # a leaf elsewhere: looked, none
-    assert fan_out() == n
-    model[2].bias.register_post_accumulate_grad_hook(lambda p: None)
-    assert fan_out() == 2  # the chain's head: the first parameter and the next relay
+    assert plain()
+    model[-1].bias.register_post_accumulate_grad_hook(lambda p: None)
+    fns = param_edges()
+    assert len(fns) == 1 and len(fns[0].next_functions) == 2  # the chain's head: a parameter and the next relay
 
 
 def _wgrad_hook_runs(model, graphed, fused, change):
