@@ -7,8 +7,9 @@ skipped without a GPU):
   backend uses its own pool, so only a GPU runs that routing. Replays must stay bitwise
   eager's and the pool must not grow with the microbatch count.
 * Autograd runs a CUDA backward on its own device thread, not the caller's: the slot's
-  parameter node (Note [Parameter gradients through one node]) and what a partial backward
-  asked for (Note [What a backward asked for]) are read there.
+  parameter node (Note [Parameter gradients through one node]), or the call's node's own
+  edges to the parameters where they are few, and what a partial backward asked for (Note
+  [What a backward asked for]) are read there.
 * FP8 (docs/fp8.md): cuBLASLt's FP8 GEMMs and the scaling-state update captured as kernels,
   the output gradient quantized on that device thread with the recipe its forward saved, and
   the weight cache's first-microbatch flag written before each replay.
@@ -171,6 +172,41 @@ def test_parameter_hooks_run_in_eagers_order_on_the_device_thread():
     assert [n for n, _ in runs["graphed"]] == [n for n, _ in runs["eager"]]
     for (_, a), (_, b) in zip(runs["graphed"], runs["eager"]):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+@pytest.mark.parametrize("layers", [2, 9], ids=["edges on the call's node", "the slot's parameter node"])
+@pytest.mark.parametrize("stream", ["current", "side"])
+def test_parameter_gradients_without_hooks_on_the_device_thread(layers, stream):
+    # Note [Parameter gradients through one node]: up to 16 parameter edges the call's node
+    # hands the gradients itself (no node between it and AccumulateGrad), beyond that the
+    # slot's node does; both on autograd's device thread, with the call (and its node's
+    # stream) on a side stream too. Gradients equal eager's, bitwise, across steps.
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(*[dwgraph.nn.Linear(H, H, delay_wgrad_compute=(i % 2 == 0), device="cuda")
+                                  for i in range(layers)])
+    twin = copy.deepcopy(eager)
+    run = dwgraph.make_graphed_callables(twin, (torch.randn(B, H, device="cuda", requires_grad=True),))
+    side = torch.cuda.Stream()
+    for step in range(3):
+        x = torch.randn(B, H, device="cuda", requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        if stream == "side":
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                y = run(x)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            y = run(x)
+        y.square().sum().backward()
+        run.backward_dw()
+        eager(xe).square().sum().backward()
+        for m in eager:
+            if m.delay_wgrad_compute:
+                m.backward_dw()
+        torch.cuda.synchronize()
+        assert torch.equal(x.grad, xe.grad), f"step {step}: input gradient"
+        assert_same_as_eager(twin, eager, f"step {step}")
+        twin.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
 
 
 # Note [FP8 in a checkpoint's recomputation] on CUDA: the recomputation runs on autograd's

@@ -278,14 +278,18 @@ def test_reset_inside_a_wgrad_hook_while_gradients_land():
         model(torch.randn(SMALL_B, SMALL_H))
 
 
+@pytest.mark.parametrize("layers", [2, 9], ids=["few_parameters", "many_parameters"])
 @pytest.mark.parametrize("hooks", [False, True], ids=["one_node", "parameter_hooks_chain"])
-def test_reset_from_an_input_hook_between_the_backward_and_the_hand_off_lands_as_eager(hooks):
+def test_reset_from_an_input_hook_between_the_backward_and_the_hand_off_lands_as_eager(hooks, layers):
     # The input's hook runs after the graphed backward made the parameters' gradients and
     # before the node that hands them to the parameters; its reset() released the slot that
     # held them, and every .grad of that backward was silently None (a review found it).
+    # Few parameters without hooks: the call's node hands them over itself (Note [Parameter
+    # gradients through one node]); many: the slot's parameter node.
     def build():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh(), torch.nn.Linear(H, 2))
+        body = [m for _ in range(layers - 1) for m in (torch.nn.Linear(H, H), torch.nn.Tanh())]
+        return torch.nn.Sequential(*body, torch.nn.Linear(H, 2))
 
     eager, model = build(), build()
     dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
@@ -312,18 +316,22 @@ def test_reset_from_an_input_hook_between_the_backward_and_the_hand_off_lands_as
         model(x)
 
 
+@pytest.mark.parametrize("layers", [2, 9], ids=["few_parameters", "many_parameters"])
 @pytest.mark.parametrize("where", ["same_thread", "another_thread"])
 @pytest.mark.parametrize("start", ["input_hook", "parameter_hook"])
 @pytest.mark.parametrize("hooks", [False, True], ids=["one_node", "parameter_hooks_chain"])
-def test_a_backward_of_the_same_callable_between_the_backward_and_the_hand_off_lands_both(hooks, start, where):
+def test_a_backward_of_the_same_callable_between_the_backward_and_the_hand_off_lands_both(hooks, start, where, layers):
     # A hook on the call's input runs between the graphed backward and the parameters'
     # hand-off, a parameter's hook between two relays of the hand-off's chain; a call and
     # backward of the same callable there (on this thread, or on one it joins) made a second
     # set of parameter gradients that replaced the first, or the rest of it, before it was
     # handed on: those .grad held one backward's gradient, not both (reviews found both).
+    # Few parameters without hooks: the call's node hands them over itself; many: the
+    # slot's parameter node, through its stash.
     def build():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.ReLU(), torch.nn.Linear(H, H))
+        body = [m for _ in range(layers - 1) for m in (torch.nn.Linear(H, H), torch.nn.ReLU())]
+        return torch.nn.Sequential(*body, torch.nn.Linear(H, H))
 
     eager, model = build(), build()
     dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
@@ -346,7 +354,7 @@ def test_a_backward_of_the_same_callable_between_the_backward_and_the_hand_off_l
                 fired.append(1)
                 run_where(where, inner)
 
-        handle = (a if start == "input_hook" else m[2].bias).register_hook(trigger)
+        handle = (a if start == "input_hook" else m[-1].bias).register_hook(trigger)
         m(a).square().sum().backward()
         handle.remove()
         return a.grad, b.grad
