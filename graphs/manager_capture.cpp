@@ -35,8 +35,10 @@ bool contains_impl(const std::vector<T>& v, const at::Tensor& t) {
   return false;
 }
 
-// The leaves the autograd graph of `outputs` accumulates into.
-std::vector<at::Tensor> reached_leaves(const std::vector<at::Tensor>& outputs) {
+// The leaves the autograd graph of `outputs` accumulates into (and, with `nodes`, every
+// node of that graph).
+std::vector<at::Tensor> reached_leaves(const std::vector<at::Tensor>& outputs,
+                                       std::unordered_set<const void*>* nodes = nullptr) {
   std::vector<at::Tensor> out;
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
@@ -55,6 +57,7 @@ std::vector<at::Tensor> reached_leaves(const std::vector<at::Tensor>& outputs) {
       if (e.function) stack.push_back(e.function.get());
     }
   }
+  if (nodes != nullptr) nodes->insert(seen.begin(), seen.end());
   return out;
 }
 
@@ -501,8 +504,10 @@ void GraphManager::capture_bwd(size_t s) {
     slot.param_order = reach.order;
   });
   slot.units_per_backward.clear();
+  slot.unit_sources.assign(c.modules.size(), {});
   for (size_t k = 0; k < c.modules.size(); ++k) {
     const auto& m = c.modules[k];
+    if (m.store) slot.unit_sources[k] = m.store->unit_sources(units_before[k]);  // Note [Parts armed per use]
     const size_t after = m.store ? m.store->num_units() : 0;
     // Another library's module keeps its own queue: one backward_dw() per backward.
     slot.units_per_backward.push_back(m.store ? (after > units_before[k] ? after - units_before[k] : 0) : 1);
@@ -592,8 +597,9 @@ void GraphManager::record_reach(size_t s, const std::vector<at::Tensor>& outs, c
   for (size_t j = 0; j < targets.size(); ++j) index.emplace(targets[j].unsafeGetTensorImpl(), j);
   slot.reaches.assign(outs.size(), std::vector<uint8_t>(targets.size(), 0));
   slot.reached.assign(targets.size(), 0);
+  slot.reach_nodes.assign(outs.size(), {});
   for (size_t i = 0; i < outs.size(); ++i) {
-    for (const auto& leaf : reached_leaves({outs[i]})) {
+    for (const auto& leaf : reached_leaves({outs[i]}, &slot.reach_nodes[i])) {
       auto it = index.find(leaf.unsafeGetTensorImpl());
       if (it == index.end()) continue;
       slot.reaches[i][it->second] = 1;
@@ -689,6 +695,15 @@ void GraphManager::capture_dw(size_t s) {
         part.reads_grad_output.push_back(g.defined() && part.graph->touches(g.storage()));
       }
       part.state->owner = where(s);
+      // Note [Parts armed per use]: which outputs reach the use that queued this unit.
+      if (k < slot.unit_sources.size() && r < slot.unit_sources[k].size() && runs == slot.unit_sources[k].size()) {
+        const auto& sources = slot.unit_sources[k][r];
+        part.reached_from.assign(slot.reach_nodes.size(), 0);
+        for (size_t i = 0; i < slot.reach_nodes.size(); ++i) {
+          for (const void* node : sources) part.reached_from[i] = part.reached_from[i] || slot.reach_nodes[i].count(node) > 0;
+        }
+        if (sources.empty()) part.reached_from.clear();
+      }
       slot.dw_parts.push_back(std::move(part));
     }
     Landing hooks;
@@ -701,6 +716,8 @@ void GraphManager::capture_dw(size_t s) {
     }
     if (!hooks.empty()) slot.dw_hooks[k] = std::make_shared<const Landing>(std::move(hooks));
   }
+  slot.reach_nodes.clear();  // Note [Parts armed per use]: read, no longer needed
+  slot.unit_sources.clear();
   slot.dw_all_parts.resize(slot.dw_parts.size());
   std::iota(slot.dw_all_parts.begin(), slot.dw_all_parts.end(), size_t{0});
   slot.dw_parts_all_have_params = std::all_of(slot.dw_parts.begin(), slot.dw_parts.end(),

@@ -142,6 +142,8 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <unordered_set>
+#include <vector>
 
 namespace dwgraph::graphs {
 
@@ -190,6 +192,16 @@ struct PooledWrite {
 // main_grad, no flag, no hooks) and that module's backward_dw() is refused as eager's is.
 // On CUDA each part is one graph launch: the callable's backward_dw() costs one launch per
 // deferring module (per use), where one graph would cost one.
+//
+// Note [Parts armed per use]: which parts a backward arms is decided per use of a module,
+// not per module: a module used twice where one use feeds only an output the loss does not
+// use queues one unit in eager (the other use's node never runs), so only that use's part
+// is armed (a review found both armed: the module counted a unit more, refusing an
+// optimizer step eager allows). The backward capture records, per output, the autograd
+// nodes its graph reaches, and per unit the nodes that queued it (WgradStore::unit_sources);
+// a part is armed when its module's parameters get a gradient and an output with a
+// gradient reaches its use. A unit of unknown origin (another library's module) is armed
+// by its module's parameters alone.
 struct DwPart {
   size_t module = 0;  // index into the callable's modules
   size_t unit = 0;    // which of that module's units of one backward
@@ -198,6 +210,10 @@ struct DwPart {
   std::vector<size_t> param_indices;  // the module's deferred and fused parameters (callable indices)
   // What its graph reads of the slot's static inputs, outputs and grad outputs.
   std::vector<bool> reads_input, reads_output, reads_grad_output;
+  // Note [Parts armed per use]: per output requiring grad, whether the captured backward
+  // from it reaches the use that queued this part's unit (empty: not known; the module's
+  // parameters decide alone).
+  std::vector<uint8_t> reached_from;
   // Pending flag and sequence, counted by the module's store (and inner stores); armed
   // with the slot's other parts through Slot::dw_arm (Note [Units armed together]).
   std::shared_ptr<ops::GraphedUnit> state;
@@ -268,6 +284,11 @@ struct Slot {
   // `reached` is their union (a target no output reaches is never masked out).
   std::vector<std::vector<uint8_t>> reaches;
   std::vector<uint8_t> reached;
+  // Note [Parts armed per use]: between the backward capture and capture_dw(), per output
+  // requiring grad, the autograd nodes its captured graph reaches, and per module the
+  // nodes that queued each of its units in that backward (with its own store).
+  std::vector<std::unordered_set<const void*>> reach_nodes;
+  std::vector<std::vector<std::vector<const void*>>> unit_sources;
   std::vector<at::Tensor> static_grad_inputs;
   std::unique_ptr<Graph> fwd, bwd;
   std::vector<DwPart> dw_parts;  // Note [A backward-dw graph per unit]
@@ -311,6 +332,8 @@ struct Slot {
   std::shared_ptr<ParamGradStash> param_grads;  // the backward's, for param_node
   Landing after_backward;  // flags and hooks of modules without deferral
   LiveMask dw_live;        // of the backward whose backward-dw is pending (empty: all)
+  // Of that backward, per output requiring grad: whether it got a gradient (empty: all).
+  std::vector<uint8_t> dw_defined;
   // Per module of the callable: how many units one backward queues (a module used twice
   // in the forward queues two), so the backward-dw graph runs them all.
   std::vector<size_t> units_per_backward;

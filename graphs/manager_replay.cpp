@@ -671,6 +671,11 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
   }
   const std::lock_guard<std::mutex> lock(mu_);
   slot.dw_live = result.live;
+  if (all_defined) {
+    slot.dw_defined.clear();
+  } else {
+    slot.dw_defined = defined;
+  }
   set_state(slot, defers_[ci] && dw_pending ? SlotState::kDwPending : SlotState::kIdle);
   if (slot.armed_parts == slot.dw_parts.size()) return result;  // every part will be read
   for (const auto& part : slot.dw_parts) {
@@ -999,6 +1004,15 @@ void GraphManager::set_state(Slot& slot, SlotState next) {
   for (auto& part : slot.dw_parts) {
     bool armed = false;
     for (size_t i : part.param_indices) armed = armed || is_live(slot.dw_live, i);
+    if (armed && !part.reached_from.empty() && !slot.dw_defined.empty()) {
+      // Note [Parts armed per use]: a use no output with a gradient reaches queued nothing
+      // in eager (its node did not run), though another use of its module did.
+      bool reached = false;
+      for (size_t i = 0; i < part.reached_from.size() && i < slot.dw_defined.size(); ++i) {
+        reached = reached || (part.reached_from[i] && slot.dw_defined[i]);
+      }
+      armed = reached;
+    }
     if (!armed) continue;
     part.state->set_own(true, ops::next_wgrad_sequence());
     ++slot.armed_parts;

@@ -201,6 +201,13 @@ size_t WgradStore::num_units() const {
   return units_.size();
 }
 
+std::vector<std::vector<const void*>> WgradStore::unit_sources(size_t from) const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::vector<const void*>> out;
+  for (size_t i = from; i < units_.size(); ++i) out.push_back(units_[i].sources);
+  return out;
+}
+
 void WgradStore::add_graphed_unit(const std::shared_ptr<GraphedUnit>& unit) {
   const std::lock_guard<std::mutex> lock(mu_);
   graphed_units_.erase(std::remove_if(graphed_units_.begin(), graphed_units_.end(),

@@ -117,6 +117,9 @@ class WgradStore {
   void run_oldest(const std::string& owner);
 
   size_t num_units() const;
+  // The autograd nodes that queued each unit from the `from`-th on, oldest first (a graph
+  // capture maps its backward-dw parts to the uses of the module that queued them).
+  std::vector<std::vector<const void*>> unit_sources(size_t from) const;
   // Units whose work waits in graphs instead (Note [Graphed units]): the pending graphed
   // units registered here (add_graphed_unit, once per part at capture; dead ones are
   // dropped). With num_units() it is everything that must land before an optimizer step.

@@ -304,6 +304,65 @@ def test_a_module_the_backward_never_reached_behaves_as_eager(fused, land):
     assert_same(g_model, e_model, "both heads")
 
 
+class TwiceTwoHeads(torch.nn.Module):
+    """a used twice: its first use feeds both outputs, its second only the second output."""
+
+    def __init__(self, fused):
+        super().__init__()
+        self.a = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+        self.b = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h), self.a(torch.tanh(h))
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return "ok"
+    except dwgraph.GraphStateError as e:
+        return f"refused: {type(e).__name__}"
+
+
+@pytest.mark.parametrize("land", ["modules", "callable"])
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("used", ["first", "second", "both"])
+def test_a_use_the_backward_never_reached_queues_nothing_as_eager(used, fused, land):
+    # Note [Parts armed per use]: eager queues a unit per use whose node the backward runs;
+    # the graphs armed a part per use of every module a parameter gradient reached, so the
+    # first head alone left a's second part pending (a review found the optimizer step and
+    # the next call refused where eager's pass).
+    torch.manual_seed(7)
+    g_model = TwiceTwoHeads(fused)
+    e_model = copy.deepcopy(g_model)
+    dwgraph.make_graphed_callables(g_model, (torch.randn(ROWS, H, requires_grad=True),))
+    want = {"first": (1, 1), "second": (2, 0), "both": (2, 1)}[used]
+    for step in range(STEPS):
+        seen = {}
+        for tag, m in (("g", g_model), ("e", e_model)):
+            opt = torch.optim.SGD(m.parameters(), lr=LR)
+            x = torch.randn(ROWS, H, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            y1, y2 = m(x)
+            loss = {"first": y1.square().sum(), "second": y2.square().sum(),
+                    "both": y1.square().sum() + y2.sum()}[used]
+            loss.backward()
+            pending = (m.a.num_pending_wgrad_units(), m.b.num_pending_wgrad_units())
+            if land == "callable" and m is g_model:
+                m.backward_dw()
+            else:
+                for mod in (m.a, m.b):
+                    for _ in range(mod.num_pending_wgrad_units()):
+                        mod.backward_dw()
+            seen[tag] = (pending, m.a.num_pending_wgrad_units(), _outcome(m.a.backward_dw), _outcome(opt.step),
+                         x.grad.clone())
+        assert seen["g"][0] == seen["e"][0] == want, f"step {step}: pending units after the backward"
+        assert seen["g"][1:4] == seen["e"][1:4], f"step {step}: after the W step"
+        assert torch.equal(seen["g"][4], seen["e"][4]), f"step {step}: input gradient"
+        assert_same(g_model, e_model, f"step {step}")
+        step_end((g_model, e_model))
+
+
 def test_a_submodule_input_changed_in_place_drops_only_its_unit_as_eager():
     g_model, e_model = build("pair", fused=False)
     dwgraph.make_graphed_callables(g_model, (torch.randn(ROWS, H, requires_grad=True),))
