@@ -304,13 +304,8 @@ def test_a_module_the_backward_never_reached_behaves_as_eager(fused, land):
     assert_same(g_model, e_model, "both heads")
 
 
-class TwiceTwoHeads(torch.nn.Module):
+class TwiceTwoHeads(TwoHeads):
     """a used twice: its first use feeds both outputs, its second only the second output."""
-
-    def __init__(self, fused):
-        super().__init__()
-        self.a = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
-        self.b = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
 
     def forward(self, x):
         h = self.a(x)
