@@ -702,7 +702,13 @@ void GraphManager::capture_dw(size_t s) {
         for (size_t i = 0; i < slot.reach_nodes.size(); ++i) {
           for (const void* node : sources) part.reached_from[i] = part.reached_from[i] || slot.reach_nodes[i].count(node) > 0;
         }
-        if (sources.empty()) part.reached_from.clear();
+        // No output reaches any of them: they are not nodes of the forward's graph (a
+        // checkpointed module keys its recomputation's work by its own fields), so its use
+        // is not known: its module's parameters decide, as before (a review found such a
+        // part never armed by a partial backward: its gradients silently lost).
+        if (std::find(part.reached_from.begin(), part.reached_from.end(), 1) == part.reached_from.end()) {
+          part.reached_from.clear();
+        }
       }
       slot.dw_parts.push_back(std::move(part));
     }

@@ -1017,6 +1017,10 @@ void GraphManager::set_state(Slot& slot, SlotState next) {
     part.state->set_own(true, ops::next_wgrad_sequence());
     ++slot.armed_parts;
   }
+  // A deferred weight got a gradient through no use of its module (a tie: x @ lin.weight.t()
+  // beside lin(x), the loss only of the first): nothing of that backward to land, as eager
+  // queues nothing; the slot is idle (a review found it left pending, refusing every call).
+  if (slot.armed_parts == 0) set_state(slot, SlotState::kIdle);
 }
 
 void GraphManager::release_pending() {

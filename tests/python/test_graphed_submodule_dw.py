@@ -69,6 +69,9 @@ class TwoHeads(torch.nn.Module):
     def forward(self, x):
         return self.a(x), self.b(x)
 
+    def units(self):  # the deferred modules, in the order eager's W step lands them
+        return [self.a, self.b]
+
 
 class Unused(Pair):
     """Pair with a deferred submodule the forward never uses: nothing to land and no hook to
@@ -312,6 +315,32 @@ class TwiceTwoHeads(TwoHeads):
         return self.b(h), self.a(torch.tanh(h))
 
 
+class CheckpointedHeads(torch.nn.Module):
+    """A checkpointed LayerNormMLP (its recomputation queues the unit, from nodes the
+    forward's graph does not hold) beside a Linear that may be armed on its own."""
+
+    def __init__(self, fused):
+        super().__init__()
+        self.b = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+        self.a = dwgraph.nn.LayerNormMLP(H, F, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused,
+                                         checkpoint=True)
+
+    def forward(self, x):
+        h = self.b(x)
+        return self.a(h), h * 2
+
+    def units(self):
+        return [self.b, self.a]
+
+
+class TiedUse(TwoHeads):
+    """a's weight used by a's forward and directly: the second output reaches the weight
+    through no use of a (eager queues nothing for it)."""
+
+    def forward(self, x):
+        return self.b(self.a(x)), torch.tanh(x @ self.a.weight.t())
+
+
 def _outcome(fn):
     try:
         fn()
@@ -323,16 +352,25 @@ def _outcome(fn):
 @pytest.mark.parametrize("land", ["modules", "callable"])
 @pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
 @pytest.mark.parametrize("used", ["first", "second", "both"])
-def test_a_use_the_backward_never_reached_queues_nothing_as_eager(used, fused, land):
+@pytest.mark.parametrize("model_kind", ["twice", "checkpointed", "tied"])
+def test_a_use_the_backward_never_reached_queues_nothing_as_eager(model_kind, used, fused, land, request):
     # Note [Parts armed per use]: eager queues a unit per use whose node the backward runs;
     # the graphs armed a part per use of every module a parameter gradient reached, so the
     # first head alone left a's second part pending (a review found the optimizer step and
-    # the next call refused where eager's pass).
+    # the next call refused where eager's pass). A later review found the first fix never
+    # arming a checkpointed module's part (its unit is queued from its recomputation), its
+    # gradients silently lost, and a slot whose weight got a gradient through no use left
+    # pending for good. Compared with eager: pending units, what the W step and the
+    # optimizer step do, every gradient.
+    if model_kind == "tied" and used == "first" and fused:
+        # Known (docs/memory-contract.md row 21): the unused output's direct path hands the
+        # fused weight a zero .grad (the backward graph computed it from the zeroed output
+        # gradient; the weight is live through a's use), where eager leaves .grad None.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="a tied fused weight's zero .grad, row 21"))
     torch.manual_seed(7)
-    g_model = TwiceTwoHeads(fused)
+    g_model = {"twice": TwiceTwoHeads, "checkpointed": CheckpointedHeads, "tied": TiedUse}[model_kind](fused)
     e_model = copy.deepcopy(g_model)
     dwgraph.make_graphed_callables(g_model, (torch.randn(ROWS, H, requires_grad=True),))
-    want = {"first": (1, 1), "second": (2, 0), "both": (2, 1)}[used]
     for step in range(STEPS):
         seen = {}
         for tag, m in (("g", g_model), ("e", e_model)):
@@ -342,20 +380,22 @@ def test_a_use_the_backward_never_reached_queues_nothing_as_eager(used, fused, l
             loss = {"first": y1.square().sum(), "second": y2.square().sum(),
                     "both": y1.square().sum() + y2.sum()}[used]
             loss.backward()
-            pending = (m.a.num_pending_wgrad_units(), m.b.num_pending_wgrad_units())
-            if land == "callable" and m is g_model:
+            pending = tuple(u.num_pending_wgrad_units() for u in m.units())
+            if land == "callable" and m is g_model and sum(pending) > 0:
                 m.backward_dw()
             else:
-                for mod in (m.a, m.b):
+                for mod in m.units():
                     for _ in range(mod.num_pending_wgrad_units()):
                         mod.backward_dw()
-            seen[tag] = (pending, m.a.num_pending_wgrad_units(), _outcome(m.a.backward_dw), _outcome(opt.step),
-                         x.grad.clone())
-        assert seen["g"][0] == seen["e"][0] == want, f"step {step}: pending units after the backward"
+            seen[tag] = (pending, tuple(u.num_pending_wgrad_units() for u in m.units()),
+                         _outcome(m.units()[-1].backward_dw), _outcome(opt.step), x.grad.clone())
+        assert seen["g"][0] == seen["e"][0], f"step {step}: pending units after the backward"
         assert seen["g"][1:4] == seen["e"][1:4], f"step {step}: after the W step"
         assert torch.equal(seen["g"][4], seen["e"][4]), f"step {step}: input gradient"
         assert_same(g_model, e_model, f"step {step}")
         step_end((g_model, e_model))
+    if model_kind == "twice":
+        assert seen["e"][0] == {"first": (1, 1), "second": (2, 0), "both": (2, 1)}[used]
 
 
 def test_a_submodule_input_changed_in_place_drops_only_its_unit_as_eager():
