@@ -953,8 +953,15 @@ void GraphManager::run_eager_backward_dw(size_t s) {
   // Copies: a module's hook may reset() the graphs, which releases the callables.
   const std::vector<ModuleSpec> modules = callables_[slot.info.callable].modules;
   const std::vector<size_t> runs = slot.units_per_backward;
+  // A module that did not defer at capture and does now (delay_wgrad_compute set since: its
+  // calls run eagerly and queue units) lands here too, as its own backward_dw() would; one
+  // unit per call, as a backward of the callable is known to queue for it (before, its
+  // unit stayed queued and its .grad None: a review found it).
+  auto lands = [&](const ModuleSpec& m) {
+    return m.store && !m.store->empty() && (module_defers(m) || (!m.defers && m.backward_dw != nullptr));
+  };
   bool any = false;
-  for (const auto& m : modules) any = any || (module_defers(m) && m.store && !m.store->empty());
+  for (const auto& m : modules) any = any || lands(m);
   SlotState state;
   {
     const std::lock_guard<std::mutex> lock(mu_);
@@ -965,7 +972,7 @@ void GraphManager::run_eager_backward_dw(size_t s) {
                                                    : "no backward is pending (called before any backward, or twice)");
   for (size_t k = 0; k < modules.size(); ++k) {
     const auto& m = modules[k];
-    if (!module_defers(m) || !m.store || m.store->empty()) continue;
+    if (!lands(m)) continue;
     const size_t n = k < runs.size() ? std::max<size_t>(runs[k], 1) : 1;
     for (size_t r = 0; r < n && !m.store->empty(); ++r) m.backward_dw();
     if (m.run_hooks && m.store->num_hooks() > 0) m.run_hooks();

@@ -16,9 +16,9 @@ ModuleSpec dwgraph_module_spec(const DwgraphModuleInfo& info) {
   spec.store = info.store;
   spec.keep_alive = info.keep_alive;
   spec.run_hooks = info.run_hooks;
-  if (info.delay_wgrad_compute) {
-    spec.backward_dw = [store = info.store, owner = info.display_name] { store->run_oldest(owner); };
-  }
+  // Also for a module that does not defer now: if it does later (delay_wgrad_compute set
+  // after capture), its units are landed through this (run_eager_backward_dw).
+  spec.backward_dw = [store = info.store, owner = info.display_name] { store->run_oldest(owner); };
   const std::string prefix = info.name.empty() ? "" : info.name + ".";
   for (size_t i = 0; i < info.parameters.size(); ++i) {
     const std::string& local = info.parameter_names[i];

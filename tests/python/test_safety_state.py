@@ -820,3 +820,39 @@ def test_graphed_backward_dw_refuses_an_output_gradient_changed_in_place():
         with pytest.raises(dwgraph.GraphStateError, match="output gradient"):
             mm.backward_dw() if mm is m else mm[2].backward_dw()
     assert m[2].num_pending_wgrad_units() == 0
+
+
+@pytest.mark.parametrize("land", ["callable", "modules"])
+def test_a_module_switched_to_deferral_after_capture_lands_as_eager(land):
+    # Captured with the first layer not deferring; set to defer since, it makes the calls run
+    # eagerly, and its backward queues a unit as eager's does. The callable's backward_dw()
+    # lands it with the rest, as the module's own would (before, it stayed queued and its
+    # .grad None, which only an optimizer step refused: a review found it).
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(dwgraph.nn.Linear(H, H), torch.nn.Tanh(),
+                                   dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+
+    model, eager = build(), build()
+    dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
+    ran = {"graphed": 0, "eager": 0}
+    for tag, m in (("graphed", model), ("eager", eager)):
+        m[0].delay_wgrad_compute = True
+        m[0].register_wgrad_hook(lambda mod, tag=tag: ran.__setitem__(tag, ran[tag] + 1))
+    for step in range(3):
+        x = torch.randn(B, H)
+        for m in (model, eager):
+            m(x).square().sum().backward()
+            assert m[0].num_pending_wgrad_units() == 1 and m[2].num_pending_wgrad_units() == 1
+        if land == "callable":
+            model.backward_dw()
+        else:
+            model[0].backward_dw()
+            model[2].backward_dw()
+        eager[0].backward_dw()
+        eager[2].backward_dw()
+        for m in (model, eager):
+            assert m[0].num_pending_wgrad_units() == 0 and m[2].num_pending_wgrad_units() == 0
+        assert_same_as_eager(model, eager, f"step {step}")
+        assert ran["graphed"] == ran["eager"] == step + 1
+        model.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
