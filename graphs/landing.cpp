@@ -13,9 +13,7 @@ void Landing::check(const std::string& where, const LiveMask& live) const {
   }
 }
 
-bool Landing::may_run_hooks() const {
-  return hooks && (unconditional_hooks > 0 || ops::num_stores_with_hooks() > 0);
-}
+bool Landing::hooks_may_run(size_t unconditional) { return unconditional > 0 || ops::num_stores_with_hooks() > 0; }
 
 std::vector<uint8_t> Landing::hooked_now() const {
   std::vector<uint8_t> hooked;

@@ -84,7 +84,10 @@ struct Landing {
   // Whether land() may run a hook now: with no hooked module in the process and no hook
   // outside a store there is nothing to scan, so a landing's cost does not grow with the
   // module tree (contract C10).
-  bool may_run_hooks() const;
+  bool may_run_hooks() const { return hooks && hooks_may_run(unconditional_hooks); }
+  // The same rule for landings holding `unconditional` hooks without a store between them
+  // (backward_dw() asks it once for all of its modules' landings).
+  static bool hooks_may_run(size_t unconditional);
   // Hand-off, flags, hooks, for the live parameters. `hooked_at_forward`: hooked_now() as
   // the call's forward saw it (null: which modules have hooks is asked here). Untimed: the
   // caller times the hand-offs of all the parts it lands at once (graphs/phase_timing.h),

@@ -730,10 +730,8 @@ void GraphManager::capture_dw(size_t s) {
                                               [](const DwPart& p) { return !p.param_indices.empty(); });
   slot.any_dw_hooks = std::any_of(slot.dw_hooks.begin(), slot.dw_hooks.end(),
                                   [](const std::shared_ptr<const Landing>& h) { return h != nullptr; });
-  slot.dw_hooks_unconditional = std::any_of(slot.dw_hooks.begin(), slot.dw_hooks.end(),
-                                            [](const std::shared_ptr<const Landing>& h) {
-                                              return h != nullptr && h->unconditional_hooks > 0;
-                                            });
+  slot.dw_unconditional_hooks = 0;
+  for (const auto& h : slot.dw_hooks) slot.dw_unconditional_hooks += h ? h->unconditional_hooks : 0;
   // What any part reads: the call and the backward watch these (Note [Slot states]).
   auto any_part = [&](std::vector<bool> DwPart::*reads, size_t n) {
     std::vector<bool> out(n, false);
@@ -943,7 +941,7 @@ void GraphManager::build(const std::vector<std::vector<at::Tensor>>& sample_args
       slot.dw_all_parts.clear();
       slot.dw_hooks.clear();
       slot.any_dw_hooks = false;
-      slot.dw_hooks_unconditional = false;
+      slot.dw_unconditional_hooks = 0;
     }
     shared_contributions_.clear();
     pool_.reset();

@@ -302,8 +302,8 @@ struct Slot {
   // them all at once), and 0..n-1, what backward_dw() lands when every part is pending.
   bool dw_parts_all_have_params = false;
   std::vector<size_t> dw_all_parts;
-  bool any_dw_hooks = false;             // some entry of dw_hooks is set
-  bool dw_hooks_unconditional = false;   // one of them holds a hook without a store (runs whenever live)
+  bool any_dw_hooks = false;            // some entry of dw_hooks is set
+  size_t dw_unconditional_hooks = 0;    // their hooks without a store (Landing::hooks_may_run)
   // backward_dw()'s lists of the parts it lands and their graphs, kept between calls
   // (contract C10: a call of many parts allocates nothing; a large allocation after the
   // replays' frees made glibc consolidate them inside the call). Taken out while in use,

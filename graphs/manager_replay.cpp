@@ -856,7 +856,7 @@ void GraphManager::backward_dw(size_t s) {
     // hand-offs, whose Python (a flag setter) may register the first hook of the process;
     // with none anywhere and none without a store, no hook can run: no visit per part
     // (contract C10).
-    if (slot.any_dw_hooks && (slot.dw_hooks_unconditional || ops::num_stores_with_hooks() > 0)) {
+    if (slot.any_dw_hooks && Landing::hooks_may_run(slot.dw_unconditional_hooks)) {
       size_t last = slot.dw_hooks.size();
       for (size_t p : parts) {
         const size_t k = slot.dw_parts[p].module;
@@ -954,9 +954,10 @@ void GraphManager::run_eager_backward_dw(size_t s) {
   const std::vector<ModuleSpec> modules = callables_[slot.info.callable].modules;
   const std::vector<size_t> runs = slot.units_per_backward;
   // A module that did not defer at capture and does now (delay_wgrad_compute set since: its
-  // calls run eagerly and queue units) lands here too, as its own backward_dw() would; one
-  // unit per call, as a backward of the callable is known to queue for it (before, its
-  // unit stayed queued and its .grad None: a review found it).
+  // calls run eagerly and queue units) lands here too, as its own backward_dw() would: every
+  // unit it has queued, as the capture cannot tell how many one backward queues for it (a
+  // module used twice queues two; before, its units stayed queued and its .grad None, and
+  // then one of two did: reviews found both).
   auto lands = [&](const ModuleSpec& m) {
     return m.store && !m.store->empty() && (module_defers(m) || (!m.defers && m.backward_dw != nullptr));
   };
@@ -973,7 +974,7 @@ void GraphManager::run_eager_backward_dw(size_t s) {
   for (size_t k = 0; k < modules.size(); ++k) {
     const auto& m = modules[k];
     if (!lands(m)) continue;
-    const size_t n = k < runs.size() ? std::max<size_t>(runs[k], 1) : 1;
+    const size_t n = !module_defers(m) ? m.store->num_units() : k < runs.size() ? std::max<size_t>(runs[k], 1) : 1;
     for (size_t r = 0; r < n && !m.store->empty(); ++r) m.backward_dw();
     if (m.run_hooks && m.store->num_hooks() > 0) m.run_hooks();
   }
@@ -1073,7 +1074,7 @@ void GraphManager::reset() {
     slot.dw_all_parts.clear();
     slot.dw_hooks.clear();
     slot.any_dw_hooks = false;
-    slot.dw_hooks_unconditional = false;
+    slot.dw_unconditional_hooks = 0;
     slot.input_write.remove();
     slot.grad_write.remove();
     slot.after_backward = Landing();

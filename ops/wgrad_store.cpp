@@ -45,18 +45,12 @@ void WgradStore::note_hook_run() const {
   }
 }
 
-namespace {
-std::atomic<uint64_t>& next_wgrad_sequence_counter() {
-  static std::atomic<uint64_t> next{1};
-  return next;
-}
-}  // namespace
-
-uint64_t next_wgrad_sequence() { return next_wgrad_sequence_counter().fetch_add(1, std::memory_order_relaxed); }
-
 uint64_t next_wgrad_sequences(size_t n) {
-  return next_wgrad_sequence_counter().fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
 }
+
+uint64_t next_wgrad_sequence() { return next_wgrad_sequences(1); }
 
 void GraphedArm::arm_all(uint64_t first) {
   base.store(first, std::memory_order_relaxed);
@@ -69,20 +63,17 @@ void GraphedArm::disarm_all() {
   epoch.fetch_add(1, std::memory_order_acq_rel);
 }
 
-bool GraphedUnit::own_now(uint64_t* epoch_out) const {
-  if (!arm_) return true;
-  const uint64_t e = arm_->epoch.load(std::memory_order_acquire);
-  if (epoch_out != nullptr) *epoch_out = e;
-  return own_epoch_.load(std::memory_order_acquire) == e;
+bool GraphedUnit::own_now() const {
+  return !arm_ || own_epoch_.load(std::memory_order_acquire) == arm_->epoch.load(std::memory_order_acquire);
 }
 
 bool GraphedUnit::pending() const {
-  if (own_now(nullptr)) return own_pending_.load(std::memory_order_acquire);
+  if (own_now()) return own_pending_.load(std::memory_order_acquire);
   return arm_->all.load(std::memory_order_acquire);
 }
 
 uint64_t GraphedUnit::sequence() const {
-  if (own_now(nullptr)) return own_sequence_.load(std::memory_order_acquire);
+  if (own_now()) return own_sequence_.load(std::memory_order_acquire);
   return arm_->base.load(std::memory_order_acquire) + index_;
 }
 

@@ -81,7 +81,7 @@ struct GraphedUnit {
   std::string owner;  // where the graphs are, for messages ("graphed callable 0 ('Sequential')")
 
  private:
-  bool own_now(uint64_t* epoch_out) const;
+  bool own_now() const;  // its own state is of the arm's current epoch
   const std::shared_ptr<GraphedArm> arm_;
   const size_t index_ = 0;
   std::atomic<uint64_t> own_epoch_{0};

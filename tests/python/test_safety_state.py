@@ -822,16 +822,19 @@ def test_graphed_backward_dw_refuses_an_output_gradient_changed_in_place():
     assert m[2].num_pending_wgrad_units() == 0
 
 
+@pytest.mark.parametrize("uses", [1, 2])
 @pytest.mark.parametrize("land", ["callable", "modules"])
-def test_a_module_switched_to_deferral_after_capture_lands_as_eager(land):
+def test_a_module_switched_to_deferral_after_capture_lands_as_eager(land, uses):
     # Captured with the first layer not deferring; set to defer since, it makes the calls run
     # eagerly, and its backward queues a unit as eager's does. The callable's backward_dw()
     # lands it with the rest, as the module's own would (before, it stayed queued and its
-    # .grad None, which only an optimizer step refused: a review found it).
+    # .grad None, which only an optimizer step refused: a review found it). Used twice, both
+    # of its units (a later review found one left queued).
     def build():
         torch.manual_seed(0)
-        return torch.nn.Sequential(dwgraph.nn.Linear(H, H), torch.nn.Tanh(),
-                                   dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
+        first = dwgraph.nn.Linear(H, H)
+        body = [first, torch.nn.Tanh()] * uses
+        return torch.nn.Sequential(*body, dwgraph.nn.Linear(H, H, delay_wgrad_compute=True))
 
     model, eager = build(), build()
     dwgraph.make_graphed_callables(model, (torch.randn(B, H, requires_grad=True),))
@@ -843,16 +846,20 @@ def test_a_module_switched_to_deferral_after_capture_lands_as_eager(land):
         x = torch.randn(B, H)
         for m in (model, eager):
             m(x).square().sum().backward()
-            assert m[0].num_pending_wgrad_units() == 1 and m[2].num_pending_wgrad_units() == 1
+            assert m[0].num_pending_wgrad_units() == uses and m[-1].num_pending_wgrad_units() == 1
         if land == "callable":
             model.backward_dw()
         else:
-            model[0].backward_dw()
-            model[2].backward_dw()
-        eager[0].backward_dw()
-        eager[2].backward_dw()
+            for _ in range(uses):
+                model[0].backward_dw()
+            model[-1].backward_dw()
+        for _ in range(uses):
+            eager[0].backward_dw()
+        eager[-1].backward_dw()
         for m in (model, eager):
-            assert m[0].num_pending_wgrad_units() == 0 and m[2].num_pending_wgrad_units() == 0
+            assert m[0].num_pending_wgrad_units() == 0 and m[-1].num_pending_wgrad_units() == 0
         assert_same_as_eager(model, eager, f"step {step}")
-        assert ran["graphed"] == ran["eager"] == step + 1
+        # Once per backward_dw() call of the module (the callable's lands its units in one).
+        per_step = 1 if land == "callable" else uses
+        assert ran["graphed"] == per_step * (step + 1) and ran["eager"] == uses * (step + 1)
         model.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
