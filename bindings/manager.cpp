@@ -11,8 +11,6 @@
 #include "graphs/recorder.h"
 #include "graphs/phase_timing.h"
 #include "graphs/state_epoch.h"
-#include "ops/autocast.h"
-#include "ops/fp8.h"
 
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
@@ -125,12 +123,9 @@ void init_manager(py::module_& parent) {
   // grad mode, autocast state (its dtypes too, ops/autocast.h) and fp8 state, read in one
   // call; and whether autocast is on (the caller then refuses the autocast weight cache).
   m.def("step_ambient", [] {
-    const auto autocast = ops::AutocastState::current();
-    std::string text = c10::GradMode::is_enabled() ? "grad 1|autocast " : "grad 0|autocast ";
-    text += autocast.describe();
-    text += "|fp8 ";
-    text += ops::Fp8State::current().describe();
-    return py::make_tuple(text, autocast.cpu || autocast.cuda);
+    bool autocast_on = false;
+    std::string text = graphs::step_ambient(&autocast_on);
+    return py::make_tuple(std::move(text), autocast_on);
   });
   // Note [Hyperparameters a replay reads] (dwgraph/_optim.py): a routed optimizer's numbers
   // written into its buffer in place when only they changed (a schedule's learning rate):
@@ -376,6 +371,62 @@ void init_manager(py::module_& parent) {
       .def("__call__", &GraphedStep::operator(), py::arg("tensors"), py::arg("key"),
            py::call_guard<py::gil_scoped_release>())
       .def("run_eagerly", &GraphedStep::run_eagerly, py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
+      // Note [A step's plain call] (graphs/graphed_step.h): the front end's common path
+      // (contract C10). A call whose arguments are distinct plain tensors, as many as in the
+      // recorded plain call, none the step trains, none sharing memory, under the recorded
+      // ambient state and state epoch, has the recorded key: replayed here when its graph
+      // exists. None otherwise (the front end's general path decides the call).
+      .def(
+          "replay_plain",
+          [](GraphedStep& self, const py::tuple& args) -> py::object {
+            const auto& plain = self.plain_call();
+            if (!plain || args.size() != plain->num_tensors || state_epoch() != plain->epoch) return py::none();
+            bool autocast_on = false;
+            if (graphs::step_ambient(&autocast_on) != plain->ambient || autocast_on) return py::none();
+            std::vector<at::Tensor> tensors;
+            tensors.reserve(args.size());
+            std::vector<const void*> memory;
+            for (const auto& a : args) {
+              // torch.Tensor itself: a Parameter or a subclass takes the general path.
+              if (Py_TYPE(a.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return py::none();
+              const auto id = reinterpret_cast<uintptr_t>(a.ptr());
+              if (std::binary_search(plain->refused.begin(), plain->refused.end(), id)) return py::none();
+              const at::Tensor& t = THPVariable_Unpack(a.ptr());
+              if (t.layout() != at::kStrided) return py::none();
+              if (t.numel() > 0) {
+                const void* m = t.storage().data();
+                if (std::find(memory.begin(), memory.end(), m) != memory.end()) return py::none();
+                memory.push_back(m);
+              }
+              for (const auto& u : tensors) {
+                if (u.is_same(t)) return py::none();
+              }
+              tensors.push_back(t);
+            }
+            std::optional<std::vector<at::Tensor>> outs;
+            {
+              const py::gil_scoped_release no_gil;
+              outs = self.replay_if_captured(tensors, plain->key);
+            }
+            if (!outs) return py::none();
+            return py::cast(std::move(*outs));
+          },
+          py::arg("args"))
+      .def(
+          "set_plain_call",
+          [](GraphedStep& self, size_t num_tensors, std::string ambient, uint64_t epoch, std::string key,
+             std::vector<uintptr_t> refused) {
+            GraphedStep::PlainCall c;
+            c.num_tensors = num_tensors;
+            c.ambient = std::move(ambient);
+            c.epoch = epoch;
+            c.key = std::move(key);
+            std::sort(refused.begin(), refused.end());
+            c.refused = std::move(refused);
+            self.set_plain_call(std::move(c));
+          },
+          py::arg("num_tensors"), py::arg("ambient"), py::arg("epoch"), py::arg("key"), py::arg("refused"))
+      .def("clear_plain_call", [](GraphedStep& self) { self.set_plain_call(std::nullopt); })
       .def_property_readonly("num_graphs", &GraphedStep::num_graphs)
       .def_property_readonly("num_captures", &GraphedStep::num_captures)
       .def_property_readonly("last_variant", &GraphedStep::last_variant)

@@ -5,6 +5,8 @@
 #include "graphs/caller_state.h"
 #include "graphs/phase_timing.h"
 #include "graphs/state_epoch.h"
+#include "ops/autocast.h"
+#include "ops/fp8.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty_like.h>
@@ -231,6 +233,7 @@ void GraphedStep::reset() {
   captures_since_reset_ = 0;
   last_capture_.clear();
   last_key_.clear();
+  plain_.reset();
   if (!opts_.pool) pool_.reset();
 }
 
@@ -314,7 +317,17 @@ std::vector<at::Tensor> GraphedStep::run_eagerly(const std::vector<at::Tensor>& 
   return step_(tensors);
 }
 
-std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& tensors, const std::string& key) {
+std::string step_ambient(bool* autocast_on) {
+  const auto autocast = ops::AutocastState::current();
+  std::string text = at::GradMode::is_enabled() ? "grad 1|autocast " : "grad 0|autocast ";
+  text += autocast.describe();
+  text += "|fp8 ";
+  text += ops::Fp8State::current().describe();
+  if (autocast_on != nullptr) *autocast_on = autocast.cpu || autocast.cuda;
+  return text;
+}
+
+void GraphedStep::check_arguments(const std::vector<at::Tensor>& tensors) const {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     if (!t.defined()) continue;
@@ -324,26 +337,51 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
                       " requires grad and has autograd history (it is not a leaf); a graphed step cannot "
                       "backpropagate into the caller's graph. Detach it, or compute it inside the step");
   }
+}
+
+std::string GraphedStep::full_key(const std::string& key, const std::vector<at::Tensor>& tensors) {
   std::string full = key + "|tensors ";
   if (!tensors.empty()) {  // (a stream costs more than the rest of the key)
     std::ostringstream os;
     for (const auto& t : tensors) append_tensor_key(os, t);
     full += os.str();
   }
+  return full;
+}
+
+void GraphedStep::called(Entry& e, const std::string& full) {
+  if (e.lru_pos != key_lru_.begin()) key_lru_.splice(key_lru_.begin(), key_lru_, e.lru_pos);
+  if (last_key_ != full) last_key_ = full;
+  ++e.calls;
+}
+
+std::vector<at::Tensor> GraphedStep::replay_chosen(Entry& e, Variant& v, const std::string& full,
+                                                   const std::vector<at::Tensor>& tensors) {
+  last_variant_ = v.id;
+  if (lru_.empty() || lru_.front().first != full || lru_.front().second != v.pattern) {
+    // Moved to the front only when another graph ran last: the pattern holds a few bytes
+    // per parameter, and copying it per call is O(parameters).
+    auto id = std::make_pair(full, v.pattern);
+    lru_.remove(id);
+    lru_.push_front(std::move(id));
+  }
+  return replay(e, v, tensors);
+}
+
+std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& tensors, const std::string& key) {
+  check_arguments(tensors);
+  const std::string full = full_key(key, tensors);
   auto it = entries_.find(full);
   if (it == entries_.end()) {
     it = entries_.emplace(full, std::make_unique<Entry>()).first;
     key_lru_.push_front(full);
     it->second->lru_pos = key_lru_.begin();
     drop_idle_keys(full);
-  } else if (it->second->lru_pos != key_lru_.begin()) {
-    key_lru_.splice(key_lru_.begin(), key_lru_, it->second->lru_pos);
   }
-  if (last_key_ != full) last_key_ = full;
   Entry& e = *it->second;
-  ++e.calls;
+  called(e, full);
   if (e.calls <= opts_.warmup_iters) return run_eagerly(tensors);  // warmup: the real step, eagerly
-  Variant& v = variant_for(e, tensors);
+  Variant& v = *variant_for(e, tensors, /*captured_only=*/false);
   last_variant_ = v.id;
   if (!v.graph) {
     if (opts_.max_captures >= 0 && captures_since_reset_ >= static_cast<size_t>(opts_.max_captures)) {
@@ -371,15 +409,27 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
       throw;
     }
   }
-  if (lru_.empty() || lru_.front().first != full || lru_.front().second != v.pattern) {
-    // Moved to the front only when another graph ran last: the pattern holds a few bytes
-    // per parameter, and copying it per call is O(parameters).
-    auto id = std::make_pair(full, v.pattern);
-    lru_.remove(id);
-    lru_.push_front(std::move(id));
-  }
-  return replay(e, v, tensors);
+  return replay_chosen(e, v, full, tensors);
 }
+
+// Note [A step's plain call]: everything operator() does for a call that replays, and
+// nothing for one that would not (no key made, no call counted, no front-end function
+// asked what the step trains): operator() then decides that call as for any other.
+std::optional<std::vector<at::Tensor>> GraphedStep::replay_if_captured(const std::vector<at::Tensor>& tensors,
+                                                                       const std::string& key) {
+  check_arguments(tensors);
+  const std::string full = full_key(key, tensors);
+  auto it = entries_.find(full);
+  if (it == entries_.end()) return std::nullopt;
+  Entry& e = *it->second;
+  if (e.calls < opts_.warmup_iters || !e.known) return std::nullopt;  // this call would be a warmup call
+  Variant* v = variant_for(e, tensors, /*captured_only=*/true);
+  if (v == nullptr) return std::nullopt;
+  called(e, full);
+  return replay_chosen(e, *v, full, tensors);
+}
+
+void GraphedStep::set_plain_call(std::optional<PlainCall> call) { plain_ = std::move(call); }
 
 namespace {
 
@@ -455,16 +505,17 @@ void GraphedStep::erase_variant(Entry& e, const std::string& pattern) {
 // with the state epoch: a call whose epoch, state tensors and variant state are those of
 // the last full check, and whose gradients exist where they did, selects the same variant
 // without reading the rest. Any difference takes the full check, which decides as before.
-GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::vector<at::Tensor>& tensors) {
+GraphedStep::Variant* GraphedStep::variant_for(Entry& e, const std::vector<at::Tensor>& tensors, bool captured_only) {
   const uint64_t epoch = state_epoch();  // read first: a change while reading is seen next time
   std::string state = opts_.variant_state ? opts_.variant_state() : std::string();
   Entry::Chosen& c = e.chosen;
   if (watched_ && c.variant && c.variant->graph && c.epoch == epoch &&
       c.state_tensors_version == state_tensors_version_ && c.state == state) {
     gradients_present(e.params, tensors, grads_now_);
-    if (grads_now_ == c.grads) return *c.variant;
+    if (grads_now_ == c.grads) return c.variant;
   }
   if (!e.known) {
+    if (captured_only) return nullptr;
     e.params = opts_.params ? opts_.params() : NamedTensors{};
     e.buffers = opts_.buffers ? opts_.buffers() : std::vector<at::Tensor>{};
     e.modules = opts_.modules ? opts_.modules() : std::vector<ModuleSpec>{};
@@ -473,6 +524,7 @@ GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::vector<at::T
   std::string pattern = pattern_of(e.params, e.buffers, tensors, state, state_tensors_);
   auto it = e.variants.find(pattern);
   if (it == e.variants.end() || !it->second->graph) {
+    if (captured_only) return nullptr;  // operator() asks again, as for any call that captures
     // About to capture: what the step trains may have grown since (a parameter unfrozen).
     e.params = opts_.params ? opts_.params() : NamedTensors{};
     e.buffers = opts_.buffers ? opts_.buffers() : std::vector<at::Tensor>{};
@@ -490,7 +542,7 @@ GraphedStep::Variant& GraphedStep::variant_for(Entry& e, const std::vector<at::T
   c.state_tensors_version = state_tensors_version_;
   c.state = std::move(state);
   gradients_present(e.params, tensors, c.grads);
-  return *it->second;
+  return it->second.get();
 }
 
 std::string GraphedStep::describe_call(const std::string& key, const Entry& e, const std::vector<at::Tensor>& tensors) const {

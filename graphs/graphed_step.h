@@ -46,6 +46,7 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -97,6 +98,11 @@ struct GraphedStepStats {
   int64_t pool_peak_allocated_bytes = 0;
 };
 
+// What a step's key holds besides its arguments (docs/graphed-step.md, "The key"): grad
+// mode, autocast state (its dtypes too) and fp8 state, in words; `autocast_on` (optional):
+// whether autocast is on (the front end then refuses the autocast weight cache).
+std::string step_ambient(bool* autocast_on = nullptr);
+
 class GraphedStep {
  public:
   GraphedStep(StepFn step, GraphedStepOptions options);
@@ -108,6 +114,27 @@ class GraphedStep {
   // identifies the graph (non-tensor arguments, by value). Returns the step's outputs,
   // fresh tensors the caller owns.
   std::vector<at::Tensor> operator()(const std::vector<at::Tensor>& tensors, const std::string& key = "");
+  // The same call when its key and variant already have a graph: replays it and returns
+  // the outputs. Otherwise nullopt, having run, counted and asked nothing (Note [A step's
+  // plain call]): operator() then decides the call.
+  std::optional<std::vector<at::Tensor>> replay_if_captured(const std::vector<at::Tensor>& tensors,
+                                                            const std::string& key = "");
+  // Note [A step's plain call] (contract C10): a front end that builds the key in its own
+  // language records here the key of a call whose arguments were `num_tensors` distinct
+  // plain tensors and nothing else, under the ambient state `ambient` (step_ambient()) and
+  // the state epoch `epoch` it saw; `refused`: the objects it refuses as arguments (what
+  // the step trains), by the front end's identity. A later call of that form, with the
+  // same ambient state and epoch, has the same key: the front end's binding replays it
+  // through replay_if_captured() without building the key again. Cleared by reset().
+  struct PlainCall {
+    size_t num_tensors = 0;
+    std::string ambient;
+    uint64_t epoch = 0;
+    std::string key;
+    std::vector<uintptr_t> refused;
+  };
+  void set_plain_call(std::optional<PlainCall> call);
+  const std::optional<PlainCall>& plain_call() const { return plain_; }
   // Runs the step eagerly for this call, as a warmup call does (Python: after a capture
   // was abandoned because the optimizer would create its state inside it).
   std::vector<at::Tensor> run_eagerly(const std::vector<at::Tensor>& tensors);
@@ -145,7 +172,14 @@ class GraphedStep {
  private:
   struct Entry;
   struct Variant;
-  Variant& variant_for(Entry& e, const std::vector<at::Tensor>& tensors);
+  // The call's variant; `captured_only`: nullptr where it has no graph yet (or finding it
+  // would ask the front end what the step trains), instead of making one.
+  Variant* variant_for(Entry& e, const std::vector<at::Tensor>& tensors, bool captured_only);
+  void check_arguments(const std::vector<at::Tensor>& tensors) const;
+  static std::string full_key(const std::string& key, const std::vector<at::Tensor>& tensors);
+  void called(Entry& e, const std::string& full);  // a call of the key counted, most recent first
+  std::vector<at::Tensor> replay_chosen(Entry& e, Variant& v, const std::string& full,
+                                        const std::vector<at::Tensor>& tensors);
   void erase_variant(Entry& e, const std::string& pattern);
   std::vector<at::Tensor> capture(Entry& e, Variant& v, const std::string& key, const std::vector<at::Tensor>& tensors);
   std::vector<at::Tensor> replay(Entry& e, Variant& v, const std::vector<at::Tensor>& tensors);
@@ -177,6 +211,7 @@ class GraphedStep {
   std::string last_key_;      // the previous call's key
   std::string name_ = "step";
   std::string last_variant_;
+  std::optional<PlainCall> plain_;
   uint64_t variants_made_ = 0;
   c10::Device device_ = c10::Device(c10::kCPU);
   bool device_known_ = false;

@@ -627,6 +627,13 @@ class GraphedStep:
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if not kwargs:
+            # Note [A step's plain call] (graphs/graphed_step.h, contract C10): distinct plain
+            # tensor arguments as in the last such call, nothing it depends on changed: the
+            # core replays its graph without the key being built again here.
+            outs = self._native.replay_plain(args)
+            if outs is not None:
+                return self._returned(outs)
         # Grad mode, autocast and fp8 state, which a graph bakes in (docs/graphed-step.md,
         # "The key"), read by the core in one call.
         ambient, autocast_on = _C.graphs.step_ambient()
@@ -665,9 +672,20 @@ class GraphedStep:
         # the graph's static inputs (_run_flat).
         self._current = (rebuild, key, tensors, args, kwargs)
         try:
-            return self._call(tensors, key)
+            out = self._call(tensors, key)
         finally:
             self._current = None  # the caller's arguments are not kept past the call
+        if not kwargs and where == list(range(len(args))) and all(type(a) is torch.Tensor for a in args):
+            # Arguments in the form replay_plain() sees (distinct plain tensors): the next
+            # such call has this key while the ambient state and the state epoch stay. What
+            # _unique_arguments refuses, by identity (a Parameter fails replay_plain's type check).
+            trained = self._trained()
+            refused = [id(t) for t in itertools.chain(self._touched.values(), (p for _, p in self._given or ()))
+                       if type(t) is torch.Tensor and id(t) in trained]
+            self._native.set_plain_call(len(args), ambient, self._version, key, refused)
+        else:
+            self._native.clear_plain_call()
+        return out
 
     def _call(self, tensors: List[torch.Tensor], key: str):
         try:
@@ -677,7 +695,7 @@ class GraphedStep:
             limit = 2 * (len(self._touched) + len(self._modules)) + 16
             for attempt in itertools.count():
                 try:
-                    out = iter(self._native(tensors, key))
+                    out = self._native(tensors, key)
                     break
                 except _FoundMore:
                     if attempt >= limit:
@@ -688,7 +706,12 @@ class GraphedStep:
             # call runs eagerly, as a warmup call, and a later one captures.
             if self._warmup_iters < 1:
                 raise
-            out = iter(self._native.run_eagerly(tensors))
+            out = self._native.run_eagerly(tensors)
+        return self._returned(out)
+
+    def _returned(self, outs: List[torch.Tensor]):
+        """The step's return value from the outputs the core gave this call."""
+        out = iter(outs)
         if self._ran_python or _C.graphs.registration_version() != self._version:
             # The module tree as this call left it (a capture or eager call may have
             # found modules, or built some): the next call compares against it.
@@ -843,14 +866,18 @@ class GraphedStep:
                       f"optimizer_state({name}) {w.state_text}"]
         return "|".join(parts)
 
+    def _trained(self) -> set:
+        """The ids of what the step trains (refused as arguments), cached."""
+        if self._trained_ids is None:
+            self._trained_ids = set(self._touched) | ({id(p) for _, p in self._given} if self._given else set())
+        return self._trained_ids
+
     def _unique_arguments(self, found: List[torch.Tensor]):
         """The distinct tensor arguments, and for each argument its index among them. The
         same tensor twice is one static input; two tensors sharing memory, or a tensor the
         step trains passed as an argument, cannot be copied into static inputs faithfully
         and are refused."""
-        trained = self._trained_ids
-        if trained is None:
-            trained = self._trained_ids = set(self._touched) | ({id(p) for _, p in self._given} if self._given else set())
+        trained = self._trained()
         unique, where, index, memory = [], [], {}, {}
         for i, t in enumerate(found):
             if id(t) in index:

@@ -1,0 +1,282 @@
+"""``@graphed_step``'s plain call (Note [A step's plain call], graphs/graphed_step.h; contract
+C10): a call whose arguments are distinct plain tensors, like the last such call, under the
+same ambient state and state epoch, is replayed by the core without the front end building
+its key. Each test reaches the steady state (warmup calls, capture, replays through the
+plain path), changes one thing between two calls, and checks the graphed step against the
+same step run eagerly on a copy, bitwise (FP32 on the host graph), or the typed refusal
+the general path gives; then a few calls more, through the plain path again where it applies.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dwgraph
+from dwgraph import step as step_module
+
+
+def _make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, twin)]
+
+    def body_of(m, opt):
+        def body(x, y):
+            loss = (m(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return body
+
+    eager = body_of(model, opts[0])
+    graphed = dwgraph.graphed_step(body_of(twin, opts[1]))
+    return (model, opts[0], eager), (twin, opts[1], graphed)
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - compared by type below
+        return e
+
+
+def _same(a, b):
+    if isinstance(a, Exception) or isinstance(b, Exception):
+        return type(a) is type(b)
+    return torch.equal(a, b)
+
+
+def _check_models(e, g):
+    for p, q in zip(e[0].parameters(), g[0].parameters()):
+        assert torch.equal(p, q)
+
+
+class _KeyBuilds:
+    """Counts the front end's key builds (its general path)."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        real = step_module._flatten
+
+        def counting(obj, tensors, path):
+            if path in ("args", "kwargs"):
+                self.n += 1
+            return real(obj, tensors, path)
+
+        monkeypatch.setattr(step_module, "_flatten", counting)
+
+
+def _steady(e, g, x, y, steps=6):
+    for _ in range(steps):
+        assert _same(e[2](x, y), g[2](x, y))
+    assert g[2].num_captures == 1
+
+
+def test_steady_calls_build_no_key(monkeypatch):
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    builds = _KeyBuilds(monkeypatch)
+    for _ in range(4):
+        x, y = torch.randn(3, 4), torch.randn(3, 4)  # new tensors each step, as a data loader gives
+        assert _same(e[2](x, y), g[2](x, y))
+    assert builds.n == 0
+    assert g[2].stats()["replays"] >= 5
+    _check_models(e, g)
+
+
+def _trained_plain_tensor_step():
+    torch.manual_seed(0)
+    w = [torch.randn(4, requires_grad=True) for _ in range(2)]
+    opts = [torch.optim.SGD([t], lr=0.1) for t in w]
+
+    def body_of(t, opt):
+        def body(x):
+            (t * x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return body
+
+    return w, dwgraph.graphed_step(body_of(w[1], opts[1]))
+
+
+def test_a_trained_plain_tensor_as_argument_is_refused_after_plain_replays():
+    w, step = _trained_plain_tensor_step()
+    for _ in range(6):
+        step(torch.randn(4))
+    assert step.num_captures == 1
+    before = w[1].detach().clone()
+    with pytest.raises(dwgraph.ArgumentError, match="trains"):
+        step(w[1])
+    assert torch.equal(w[1], before)  # refused before anything ran
+    step(torch.randn(4))  # the plain path still replays
+    assert step.num_captures == 1
+
+
+# Each change: (what it does to both copies between two calls, the arguments of the next call).
+def _change_param_argument(e, g, x, y):
+    return (x, g[0][0].weight), (x, e[0][0].weight)
+
+
+def _change_same_tensor_twice(e, g, x, y):
+    return (x, x), (x, x)
+
+
+def _change_views_of_one_storage(e, g, x, y):
+    both = torch.randn(2, 3, 4)
+    return (both[0], both[1]), (both[0], both[1])
+
+
+def _change_shape(e, g, x, y):
+    x2, y2 = torch.randn(5, 4), torch.randn(5, 4)
+    return (x2, y2), (x2, y2)
+
+
+def _change_requires_grad(e, g, x, y):
+    x2 = x.clone().requires_grad_()
+    return (x2, y), (x2.detach().clone().requires_grad_(), y)
+
+
+def _change_dtype(e, g, x, y):
+    return (x.double(), y), (x.double(), y)
+
+
+def _change_forward_hook(e, g, x, y):
+    for m in (e[0], g[0]):
+        m[1].register_forward_hook(lambda mod, inp, out: out * 0.5)
+    return (x, y), (x, y)
+
+
+def _change_eval(e, g, x, y):
+    e[0].eval()
+    g[0].eval()
+    return (x, y), (x, y)
+
+
+def _change_parameter_replaced(e, g, x, y):
+    torch.manual_seed(1)
+    w = torch.randn(4, 4)
+    for m, opt in ((e[0], e[1]), (g[0], g[1])):
+        m[2].weight = torch.nn.Parameter(w.clone())
+        opt.param_groups[0]["params"][2] = m[2].weight
+    return (x, y), (x, y)
+
+
+def _change_submodule_replaced(e, g, x, y):
+    for m in (e[0], g[0]):
+        m[1] = torch.nn.Sigmoid()  # no parameters, no optimizer change: only the tree says it
+    return (x, y), (x, y)
+
+
+def _change_parameter_replaced_outside_the_optimizer(e, g, x, y):
+    torch.manual_seed(1)
+    w = torch.randn(4, 4)
+    for m in (e[0], g[0]):
+        m[0].weight = torch.nn.Parameter(w.clone())  # gets a .grad, which no optimizer steps
+    return (x, y), (x, y)
+
+
+def _change_lr(e, g, x, y):
+    for opt in (e[1], g[1]):
+        opt.param_groups[0]["lr"] = 0.05
+    return (x, y), (x, y)
+
+
+def _change_grad_exists(e, g, x, y):
+    for m in (e[0], g[0]):
+        m[0].bias.grad = torch.ones(4)
+    return (x, y), (x, y)
+
+
+def _change_frozen(e, g, x, y):
+    for m in (e[0], g[0]):
+        m[0].weight.requires_grad_(False)
+    return (x, y), (x, y)
+
+
+def _change_reset(e, g, x, y):
+    g[2].reset()
+    return (x, y), (x, y)
+
+
+CHANGES = {
+    "parameter_argument": _change_param_argument,
+    "same_tensor_twice": _change_same_tensor_twice,
+    "views_of_one_storage": _change_views_of_one_storage,
+    "shape": _change_shape,
+    "requires_grad": _change_requires_grad,
+    "dtype": _change_dtype,
+    "forward_hook": _change_forward_hook,
+    "eval": _change_eval,
+    "parameter_replaced": _change_parameter_replaced,
+    "parameter_replaced_outside_the_optimizer": _change_parameter_replaced_outside_the_optimizer,
+    "submodule_replaced": _change_submodule_replaced,
+    "lr": _change_lr,
+    "grad_exists": _change_grad_exists,
+    "frozen": _change_frozen,
+    "reset": _change_reset,
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_change_between_plain_calls_matches_eager(change):
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    g_args, e_args = CHANGES[change](e, g, x, y)
+    got = _outcome(g[2], *g_args)
+    if change in ("parameter_argument", "views_of_one_storage"):
+        # A parameter as an argument, two arguments sharing memory: refused before anything
+        # ran (eager runs them), exactly as on a first call.
+        assert isinstance(got, dwgraph.ArgumentError), got
+    else:
+        assert _same(_outcome(e[2], *e_args), got)
+    _check_models(e, g)
+    # A few calls more, the changed state kept (the same arguments as before the change).
+    for _ in range(5):
+        assert _same(e[2](x, y), g[2](x, y))
+    _check_models(e, g)
+
+
+@pytest.mark.parametrize("how", ["no_grad", "autocast_without_cache", "autocast_with_cache"])
+def test_the_ambient_state_changed_between_plain_calls(how):
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    ctx = {
+        "no_grad": torch.no_grad,
+        "autocast_without_cache": lambda: torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
+        "autocast_with_cache": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    }[how]
+    with ctx():
+        got = _outcome(g[2], x, y)
+    if how == "autocast_with_cache":
+        # The autocast weight cache would outlive the capture: refused, before anything ran.
+        assert isinstance(got, dwgraph.ArgumentError), got
+    else:
+        with ctx():
+            expected = _outcome(e[2], x, y)
+        assert _same(expected, got), (expected, got)
+    _check_models(e, g)
+    for _ in range(5):
+        assert _same(e[2](x, y), g[2](x, y))
+    _check_models(e, g)
+
+
+def test_keyword_arguments_after_plain_calls_take_the_general_path(monkeypatch):
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    builds = _KeyBuilds(monkeypatch)
+    assert _same(e[2](x, y=y), g[2](x, y=y))
+    assert builds.n == 2  # args and kwargs, through the general path
+    for _ in range(5):
+        assert _same(e[2](x, y), g[2](x, y))
+    _check_models(e, g)
