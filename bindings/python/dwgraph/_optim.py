@@ -399,6 +399,15 @@ class OptimizerWatch:
             values_changed = self._values_words(opt) != self.values_text or self.hyper != hyper
         return False, values_changed, False
 
+    def unchanged(self, opt) -> bool:
+        """Whether nothing groups_changed() and state_changed() look at moved since the last
+        call: the common call, in one check (a False answer: ask them)."""
+        pg = opt.param_groups
+        state = opt.state
+        return (pg is self.groups_list and not self.volatile and state is self.state_obj and
+                type(state) is WatchedState and state.version == self.state_version and
+                _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params))
+
     def take_numbers(self, opt) -> bool:
         """Whether only numbers a routed replay reads moved since the last call (a schedule's
         learning rate), each of the same type and, where torch branches on it, zero or not

@@ -590,6 +590,8 @@ class GraphedStep:
         # The last variant state text and its parts, returned as they are when no part moved.
         self._opt_pushed: Optional[tuple] = None
         self._opt_text = ""
+        self._opt_refs: Optional[tuple] = None  # the optimizers' references at the last call
+        self._opt_entries: list = []  # (reference, watch) of each, in that order
         self._state_of: tuple = (None, None)  # (modules digest, optimizers text) of _state_text
         self._state_text = ""
         self._trained_ids: Optional[set] = None  # what _unique_arguments refuses, cached
@@ -711,7 +713,6 @@ class GraphedStep:
 
     def _returned(self, outs: List[torch.Tensor]):
         """The step's return value from the outputs the core gave this call."""
-        out = iter(outs)
         if self._ran_python or _C.graphs.registration_version() != self._version:
             # The module tree as this call left it (a capture or eager call may have
             # found modules, or built some): the next call compares against it.
@@ -719,15 +720,18 @@ class GraphedStep:
             self._ran_python = False
         self._hyper_before: Dict[int, tuple] = {}  # this call: each optimizer's values when first seen
         variant = self._native.last_variant
-        if variant and variant in self._out_specs:
-            spec, is_tensor = self._out_specs[variant]
-        else:  # an eager call, or the capture that just recorded it
-            spec, is_tensor = self._last_spec
+        shape = self._out_specs.get(variant) if variant else None
+        if shape is None:  # an eager call, or the capture that just recorded it
+            shape = self._last_spec
             if variant:
-                self._out_specs[variant] = self._last_spec
+                self._out_specs[variant] = shape
                 if len(self._out_specs) > 2 * self._native_max_graphs:  # those of released graphs
                     live = set(self._native.live_variants)
                     self._out_specs = {k: v for k, v in self._out_specs.items() if k in live}
+        spec, is_tensor, one_tensor = shape
+        if one_tensor:  # the step returned one tensor (a loss): no tree to rebuild
+            return outs[0]
+        out = iter(outs)
         return pytree.tree_unflatten([next(out) if t else None for t in is_tensor], spec)
 
     def _module_tree(self):
@@ -788,7 +792,23 @@ class GraphedStep:
     def _optimizer_state(self) -> str:
         # The dict's own references (WeakValueDictionary.items() pays an iteration guard
         # per call); a snapshot, as a removal may run while this reads.
-        optimizers = [o for o in map(_call_ref, list(self._optimizers.data.values())) if o is not None]
+        refs = tuple(self._optimizers.data.values())
+        if refs == self._opt_refs:
+            # The optimizers of the last call, in its order: its text while none moved.
+            for ref, w in self._opt_entries:
+                o = ref()
+                if o is None or not w.unchanged(o):
+                    break
+            else:
+                return self._opt_text
+        text = self._optimizer_state_full(refs)
+        live = [(r, r()) for r in refs]
+        self._opt_refs = refs
+        self._opt_entries = [(r, self._opt_watches[o]) for r, o in live if o is not None]
+        return text
+
+    def _optimizer_state_full(self, refs: tuple) -> str:
+        optimizers = [o for o in map(_call_ref, refs) if o is not None]
         tokens = []
         pushed = []
         moved = changed = False
@@ -1021,7 +1041,7 @@ class GraphedStep:
                     f"dwgraph.graphed_step: the step must return tensors (or None), got a {type(leaf).__name__}; "
                     "a graph would return the value of its capture forever. Return the tensor, not its .item()")
         is_tensor = [isinstance(leaf, torch.Tensor) for leaf in out_leaves]
-        self._last_spec = (out_spec, is_tensor)
+        self._last_spec = (out_spec, is_tensor, out_spec.is_leaf() and is_tensor == [True])
         return [leaf for leaf in out_leaves if leaf is not None]
 
     # -- what the native step asks -------------------------------------------------------
