@@ -408,6 +408,14 @@ class OptimizerWatch:
                 type(state) is WatchedState and state.version == self.state_version and
                 _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params))
 
+    def numbers_moved(self, opt) -> bool:
+        """Whether only numbers a routed replay reads moved since the last call (a schedule's
+        learning rate) and nothing else groups_changed() and state_changed() look at; then
+        take_numbers() has taken them, for the caller to refill the buffer."""
+        state = opt.state
+        return (opt.param_groups is self.groups_list and state is self.state_obj and type(state) is WatchedState and
+                state.version == self.state_version and self.take_numbers(opt))
+
     def take_numbers(self, opt) -> bool:
         """Whether only numbers a routed replay reads moved since the last call (a schedule's
         learning rate), each of the same type and, where torch branches on it, zero or not

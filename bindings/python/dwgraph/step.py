@@ -794,17 +794,25 @@ class GraphedStep:
         # per call); a snapshot, as a removal may run while this reads.
         refs = tuple(self._optimizers.data.values())
         if refs == self._opt_refs:
-            # The optimizers of the last call, in its order: its text while none moved.
+            # The optimizers of the last call, in its order: its text while none moved but
+            # the numbers a replay reads (_optimizer_state_full's answer, in one check each).
             for ref, w in self._opt_entries:
                 o = ref()
-                if o is None or not w.unchanged(o):
+                if o is None:
                     break
+                if w.unchanged(o):
+                    continue
+                if w.numbers_moved(o):
+                    self._fill_hyper(o, w)
+                    continue
+                break
             else:
                 return self._opt_text
         text = self._optimizer_state_full(refs)
-        live = [(r, r()) for r in refs]
-        self._opt_refs = refs
-        self._opt_entries = [(r, self._opt_watches[o]) for r, o in live if o is not None]
+        if refs != self._opt_refs:
+            live = [(r, r()) for r in refs]
+            self._opt_refs = refs
+            self._opt_entries = [(r, self._opt_watches[o]) for r, o in live if o is not None]
         return text
 
     def _optimizer_state_full(self, refs: tuple) -> str:
