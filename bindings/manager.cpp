@@ -118,6 +118,7 @@ void init_manager(py::module_& parent) {
   m.def("bump_state_epoch", &bump_state_epoch);
   m.def("bump_registration_epoch", &bump_registration_epoch);
   m.def("bump_tensor_hook_epoch", &bump_tensor_hook_epoch);
+  m.def("tensor_hook_epoch", &tensor_hook_epoch);
   m.def("registration_version", &state_epoch);  // graphed_step's older name for the same epoch
   // What a graphed step's key holds besides its arguments (docs/graphed-step.md, "The key"):
   // grad mode, autocast state (its dtypes too, ops/autocast.h) and fp8 state, read in one
@@ -373,7 +374,8 @@ void init_manager(py::module_& parent) {
       .def("run_eagerly", &GraphedStep::run_eagerly, py::arg("tensors"), py::call_guard<py::gil_scoped_release>())
       // Note [A step's plain call] (graphs/graphed_step.h): the front end's common path
       // (contract C10). A call whose arguments are distinct plain tensors, as many as in the
-      // recorded plain call, none the step trains, none sharing memory, under the recorded
+      // recorded plain call, none the step trains or sharing its memory, none sharing memory
+      // with another, under the recorded
       // ambient state and state epoch, has the recorded key: replayed here when its graph
       // exists. None otherwise (the front end's general path decides the call).
       .def(
@@ -395,7 +397,11 @@ void init_manager(py::module_& parent) {
               if (t.layout() != at::kStrided) return py::none();
               if (t.numel() > 0) {
                 const void* m = t.storage().data();
-                if (std::find(memory.begin(), memory.end(), m) != memory.end()) return py::none();
+                if (std::find(memory.begin(), memory.end(), m) != memory.end() ||
+                    std::binary_search(plain->refused_memory.begin(), plain->refused_memory.end(),
+                                       reinterpret_cast<uintptr_t>(m))) {
+                  return py::none();
+                }
                 memory.push_back(m);
               }
               for (const auto& u : tensors) {
@@ -403,10 +409,12 @@ void init_manager(py::module_& parent) {
               }
               tensors.push_back(t);
             }
+            // A copy: with the GIL released another thread's call may record another key.
+            const std::string key = plain->key;
             std::optional<std::vector<at::Tensor>> outs;
             {
               const py::gil_scoped_release no_gil;
-              outs = self.replay_if_captured(tensors, plain->key);
+              outs = self.replay_if_captured(tensors, key);
             }
             if (!outs) return py::none();
             return py::cast(std::move(*outs));
@@ -415,7 +423,7 @@ void init_manager(py::module_& parent) {
       .def(
           "set_plain_call",
           [](GraphedStep& self, size_t num_tensors, std::string ambient, uint64_t epoch, std::string key,
-             std::vector<uintptr_t> refused) {
+             std::vector<uintptr_t> refused, std::vector<uintptr_t> refused_memory) {
             GraphedStep::PlainCall c;
             c.num_tensors = num_tensors;
             c.ambient = std::move(ambient);
@@ -423,9 +431,12 @@ void init_manager(py::module_& parent) {
             c.key = std::move(key);
             std::sort(refused.begin(), refused.end());
             c.refused = std::move(refused);
+            std::sort(refused_memory.begin(), refused_memory.end());
+            c.refused_memory = std::move(refused_memory);
             self.set_plain_call(std::move(c));
           },
-          py::arg("num_tensors"), py::arg("ambient"), py::arg("epoch"), py::arg("key"), py::arg("refused"))
+          py::arg("num_tensors"), py::arg("ambient"), py::arg("epoch"), py::arg("key"), py::arg("refused"),
+          py::arg("refused_memory"))
       .def("clear_plain_call", [](GraphedStep& self) { self.set_plain_call(std::nullopt); })
       .def_property_readonly("num_graphs", &GraphedStep::num_graphs)
       .def_property_readonly("num_captures", &GraphedStep::num_captures)

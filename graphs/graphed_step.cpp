@@ -9,6 +9,7 @@
 #include "ops/fp8.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/ops/empty_like.h>
 
 #include <algorithm>
@@ -56,6 +57,7 @@ std::string field_in_words(const std::string& name) {
       {"kwargs", "keyword arguments"},
       {"aliases", "which tensor arguments are the same tensor"},
       {"grad", "grad mode"},
+      {"inference", "inference mode"},
       {"tensors", "tensor arguments"},
       {"training", "training flags"},
       {"grad_dtype", "parameters' grad_dtype"},
@@ -323,6 +325,9 @@ std::string step_ambient(bool* autocast_on) {
   text += autocast.describe();
   text += "|fp8 ";
   text += ops::Fp8State::current().describe();
+  // Grad mode reads 1 under inference_mode() with enable_grad() inside, where eager
+  // autograd refuses what a graph of the same key would replay.
+  if (c10::InferenceMode::is_enabled()) text += "|inference 1";
   if (autocast_on != nullptr) *autocast_on = autocast.cpu || autocast.cuda;
   return text;
 }
@@ -333,6 +338,13 @@ void GraphedStep::check_arguments(const std::vector<at::Tensor>& tensors) const 
     if (!t.defined()) continue;
     DWGRAPH_CHECK_ARG(!device_known_ || t.device() == device_, kApi, ": tensor argument ", i, " is on ", t.device(),
                       " but the step runs on ", device_, " (its parameters' device); move it there first");
+    // A static input is a normal tensor: eager autograd cannot save an inference tensor for
+    // backward, the graph's copy of it can.
+    DWGRAPH_CHECK_ARG(!t.is_inference() || c10::InferenceMode::is_enabled(), kApi, ": tensor argument ", i,
+                      " is an inference tensor (made under torch.inference_mode()) in a call outside inference "
+                      "mode; the graph would copy it into a normal static input, which autograd may save where "
+                      "eager autograd refuses to save the inference tensor. Pass a normal tensor (clone it "
+                      "outside inference mode)");
     DWGRAPH_CHECK_ARG(!t.requires_grad() || t.is_leaf(), kApi, ": tensor argument ", i,
                       " requires grad and has autograd history (it is not a leaf); a graphed step cannot "
                       "backpropagate into the caller's graph. Detach it, or compute it inside the step");
@@ -414,7 +426,8 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
 
 // Note [A step's plain call]: everything operator() does for a call that replays, and
 // nothing for one that would not (no key made, no call counted, no front-end function
-// asked what the step trains): operator() then decides that call as for any other.
+// asked what the step trains; the variant state may have been asked, and is asked again
+// by operator(), which then decides that call as for any other).
 std::optional<std::vector<at::Tensor>> GraphedStep::replay_if_captured(const std::vector<at::Tensor>& tensors,
                                                                        const std::string& key) {
   check_arguments(tensors);

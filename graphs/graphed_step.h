@@ -99,7 +99,7 @@ struct GraphedStepStats {
 };
 
 // What a step's key holds besides its arguments (docs/graphed-step.md, "The key"): grad
-// mode, autocast state (its dtypes too) and fp8 state, in words; `autocast_on` (optional):
+// mode, autocast state (its dtypes too), fp8 state and inference mode, in words; `autocast_on` (optional):
 // whether autocast is on (the front end then refuses the autocast weight cache).
 std::string step_ambient(bool* autocast_on = nullptr);
 
@@ -115,8 +115,8 @@ class GraphedStep {
   // fresh tensors the caller owns.
   std::vector<at::Tensor> operator()(const std::vector<at::Tensor>& tensors, const std::string& key = "");
   // The same call when its key and variant already have a graph: replays it and returns
-  // the outputs. Otherwise nullopt, having run, counted and asked nothing (Note [A step's
-  // plain call]): operator() then decides the call.
+  // the outputs. Otherwise nullopt, having run and counted nothing and asked the front end
+  // at most the variant state (Note [A step's plain call]): operator() then decides the call.
   std::optional<std::vector<at::Tensor>> replay_if_captured(const std::vector<at::Tensor>& tensors,
                                                             const std::string& key = "");
   // Note [A step's plain call] (contract C10): a front end that builds the key in its own
@@ -125,13 +125,16 @@ class GraphedStep {
   // the state epoch `epoch` it saw; `refused`: the objects it refuses as arguments (what
   // the step trains), by the front end's identity. A later call of that form, with the
   // same ambient state and epoch, has the same key: the front end's binding replays it
-  // through replay_if_captured() without building the key again. Cleared by reset().
+  // through replay_if_captured() without building the key again. `refused_memory`: the
+  // storage addresses of what the step trains (an argument viewing one is refused).
+  // Cleared by reset().
   struct PlainCall {
     size_t num_tensors = 0;
     std::string ambient;
     uint64_t epoch = 0;
     std::string key;
     std::vector<uintptr_t> refused;
+    std::vector<uintptr_t> refused_memory;
   };
   void set_plain_call(std::optional<PlainCall> call);
   const std::optional<PlainCall>& plain_call() const { return plain_; }

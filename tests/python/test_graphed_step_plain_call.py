@@ -280,3 +280,89 @@ def test_keyword_arguments_after_plain_calls_take_the_general_path(monkeypatch):
     for _ in range(5):
         assert _same(e[2](x, y), g[2](x, y))
     _check_models(e, g)
+
+
+@pytest.mark.parametrize("how", ["detach", "view"])
+def test_a_view_of_a_trained_tensor_as_argument_is_refused(how):
+    # Eagerly the argument shares the trained tensor's memory and sees the optimizer's
+    # update; a graph would read its static copy.
+    w, step = _trained_plain_tensor_step()
+    for _ in range(6):
+        step(torch.randn(4))
+    alias = w[1].detach() if how == "detach" else w[1].detach()[:2]
+    before = w[1].detach().clone()
+    with pytest.raises(dwgraph.ArgumentError, match="shares memory with a tensor the step trains"):
+        step(alias)
+    assert torch.equal(w[1], before)
+    step(torch.randn(4))  # the plain path still replays
+    assert step.num_captures == 1
+
+
+def test_a_trained_tensor_found_by_a_call_that_raised_is_refused_at_the_next_plain_call():
+    # The general call that finds a new trained tensor raises after finding it: the plain
+    # call recorded before it must not let that tensor through.
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    opt = torch.optim.SGD([w1, w2], lr=0.1)
+
+    def body(x, also=False):
+        loss = (w1 * x).sum() + ((w2 * x).sum() if also else 0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return 1.0 if also else loss  # a number: refused after the step ran
+
+    step = dwgraph.graphed_step(body)
+    for _ in range(6):
+        step(torch.randn(4))
+    with pytest.raises(dwgraph.ArgumentError):
+        step(torch.randn(4), also=True)
+    with pytest.raises(dwgraph.ArgumentError, match="trains"):
+        step(w2)
+
+
+def test_an_inference_tensor_argument_is_refused_outside_inference_mode():
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    with torch.inference_mode():
+        xi = torch.randn(3, 4)
+    with pytest.raises(dwgraph.ArgumentError, match="inference tensor"):
+        g[2](xi, y)
+    assert isinstance(_outcome(e[2], xi, y), RuntimeError)  # eager cannot save it for backward
+    _check_models(e, g)
+    for _ in range(3):
+        assert _same(e[2](x, y), g[2](x, y))
+    _check_models(e, g)
+
+
+def test_inference_mode_with_grad_enabled_inside_is_in_the_key():
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    with torch.inference_mode(), torch.enable_grad():
+        expected, got = _outcome(e[2], x, y), _outcome(g[2], x, y)
+    assert isinstance(expected, RuntimeError) and _same(expected, got), (expected, got)
+    _check_models(e, g)
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_parameter_hook_added_and_removed_after_capture_matches_eager(kind):
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+
+    def scale(t):
+        if kind == "register_hook":
+            return t * 3
+        t.grad.mul_(3)
+
+    handles = [getattr(m[0].bias, kind)(scale) for m in (e[0], g[0])]
+    for _ in range(5):
+        assert _same(e[2](x, y), g[2](x, y))
+        _check_models(e, g)
+    for h in handles:
+        h.remove()
+    for _ in range(5):
+        assert _same(e[2](x, y), g[2](x, y))
+        _check_models(e, g)

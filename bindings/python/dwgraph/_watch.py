@@ -219,6 +219,20 @@ def _on_leaf_hooks(fn):
     return wrapper
 
 
+def _after_removal(fn):
+    bump = _C.graphs.bump_tensor_hook_epoch
+
+    @functools.wraps(fn)
+    def remove(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            bump()
+
+    remove._dwgraph_watch = True
+    return remove
+
+
 # Single tensors watched (captured buffers and main_grads): id -> weak reference whose
 # callback stops the watch when the tensor dies.
 _watched_tensors: "dict[int, weakref.ref]" = {}
@@ -361,6 +375,12 @@ def install() -> None:
             fn = getattr(torch.Tensor, name, None)
             if fn is not None and not getattr(fn, "_dwgraph_watch", False):
                 setattr(torch.Tensor, name, _on_leaf_hooks(fn))
+        # A hook removed through its handle (a tensor's or a module's: the handle does not
+        # say whose) moves the tensor hook epoch too: a graphed step captured with a
+        # parameter's hook must not replay it after its removal.
+        remove = torch.utils.hooks.RemovableHandle.remove
+        if not getattr(remove, "_dwgraph_watch", False):
+            torch.utils.hooks.RemovableHandle.remove = _after_removal(remove)
         _global_hooks_watched = all(_replace_if_safe(vars(module_mod), n) for n in _GLOBAL_HOOK_DICTS
                                     if n in vars(module_mod))
         _install_rng_watch()

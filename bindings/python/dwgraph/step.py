@@ -595,6 +595,7 @@ class GraphedStep:
         self._state_of: tuple = (None, None)  # (modules digest, optimizers text) of _state_text
         self._state_text = ""
         self._trained_ids: Optional[set] = None  # what _unique_arguments refuses, cached
+        self._trained_memory_of: tuple = (None, set())  # (stamp, their storages), _trained_memory()
         # Note [A step's checks paid when state changes] (graphs/graphed_step.h): whether
         # every parameter, buffer, main_grad and optimizer state tensor the graphs depend on
         # is watched (a change of its memory or requires_grad moves the state epoch), per
@@ -636,6 +637,9 @@ class GraphedStep:
             outs = self._native.replay_plain(args)
             if outs is not None:
                 return self._returned(outs)
+        # Recorded again only when this call completes: what it finds (a tensor the step
+        # trains) must not be missed by a plain call after it raised.
+        self._native.clear_plain_call()
         # Grad mode, autocast and fp8 state, which a graph bakes in (docs/graphed-step.md,
         # "The key"), read by the core in one call.
         ambient, autocast_on = _C.graphs.step_ambient()
@@ -684,9 +688,8 @@ class GraphedStep:
             trained = self._trained()
             refused = [id(t) for t in itertools.chain(self._touched.values(), (p for _, p in self._given or ()))
                        if type(t) is torch.Tensor and id(t) in trained]
-            self._native.set_plain_call(len(args), ambient, self._version, key, refused)
-        else:
-            self._native.clear_plain_call()
+            self._native.set_plain_call(len(args), ambient, self._version, key, refused,
+                                        sorted(self._trained_memory()))
         return out
 
     def _call(self, tensors: List[torch.Tensor], key: str):
@@ -765,13 +768,27 @@ class GraphedStep:
         hooks = ",".join(str(id(h)) for m in modules for kind in _spec.HOOK_KINDS for h in getattr(m, kind).values())
         return f"training {modes}|grad_dtype {grad_dtypes}|hooks {hooks}"
 
+    def _tensor_hook_words(self) -> str:
+        """The tensor hooks (register_hook, register_post_accumulate_grad_hook) of what the
+        step trains: a capture runs them, so hooks added or removed select another graph,
+        captured with them (dwgraph._watch moves the tensor hook epoch on both)."""
+        tensors = itertools.chain(self._touched.values(), (p for _, p in self._given or ()))
+        ids = []
+        for t in tensors:
+            for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+                hooks = getattr(t, name, None)
+                if hooks:
+                    ids += [str(id(h)) for h in hooks.values()]
+        return "|tensor hooks " + ",".join(ids)
+
     def _variant_state(self) -> str:
         """Asked by the core at every call after the warmup calls: O(1) in the modules and
         parameters when nothing changed, O(groups) per optimizer (plus one pointer compare per
         parameter of its groups, at C speed)."""
-        stamp = (_C.graphs.state_epoch(), self._modules_added, len(self._all_modules))
+        stamp = (_C.graphs.state_epoch(), self._modules_added, len(self._all_modules), _C.graphs.tensor_hook_epoch(),
+                 len(self._touched))
         if stamp != self._modules_stamp:
-            words = self._module_words(self._all_modules.values())
+            words = self._module_words(self._all_modules.values()) + self._tensor_hook_words()
             if _state_watch.global_hooks_watched():
                 words += "|global hooks " + ",".join(str(id(h)) for _, h in _spec.user_global_hooks())
             self._modules_text, self._modules_digest, self._modules_stamp = words, _digest(words), stamp
@@ -900,6 +917,19 @@ class GraphedStep:
             self._trained_ids = set(self._touched) | ({id(p) for _, p in self._given} if self._given else set())
         return self._trained_ids
 
+    def _trained_memory(self) -> set:
+        """Where the memory of what the step trains is (storage addresses), refused for
+        arguments: recomputed when the state epoch moved (`.data = ...` and `set_()` on a
+        watched tensor move it) or what the step trains grew."""
+        trained = self._trained()
+        stamp = (_C.graphs.state_epoch(), id(trained), len(trained))
+        if self._trained_memory_of[0] != stamp:
+            tensors = itertools.chain(self._touched.values(), (p for _, p in self._given or ()))
+            memory = {t.untyped_storage().data_ptr() for t in tensors
+                      if id(t) in trained and t.layout == torch.strided and t.numel() > 0}
+            self._trained_memory_of = (stamp, memory)
+        return self._trained_memory_of[1]
+
     def _unique_arguments(self, found: List[torch.Tensor]):
         """The distinct tensor arguments, and for each argument its index among them. The
         same tensor twice is one static input; two tensors sharing memory, or a tensor the
@@ -918,6 +948,12 @@ class GraphedStep:
                     "modules or closures, not arguments")
             if t.numel() > 0 and t.layout == torch.strided:
                 storage = t.untyped_storage().data_ptr()
+                if storage in self._trained_memory():
+                    raise ArgumentError(
+                        f"dwgraph.graphed_step: tensor argument {i} shares memory with a tensor the step trains (a "
+                        "view or .detach() of it); a graphed step copies its arguments into static inputs, so the "
+                        "step would read a copy the training does not change. Reach it through modules or "
+                        "closures, not arguments")
                 if storage in memory:
                     raise ArgumentError(
                         f"dwgraph.graphed_step: tensor arguments {memory[storage]} and {i} share memory; a graphed "
