@@ -924,9 +924,13 @@ class GraphedStep:
         trained = self._trained()
         stamp = (_C.graphs.state_epoch(), id(trained), len(trained))
         if self._trained_memory_of[0] != stamp:
-            tensors = itertools.chain(self._touched.values(), (p for _, p in self._given or ()))
-            memory = {t.untyped_storage().data_ptr() for t in tensors
-                      if id(t) in trained and t.layout == torch.strided and t.numel() > 0}
+            memory = set()
+            for t in itertools.chain(self._touched.values(), (p for _, p in self._given or ())):
+                if id(t) in trained and t.layout == torch.strided and t.numel() > 0:
+                    try:
+                        memory.add(t.untyped_storage().data_ptr())
+                    except RuntimeError:  # a wrapper subclass (DTensor): no memory of its own to view
+                        pass
             self._trained_memory_of = (stamp, memory)
         return self._trained_memory_of[1]
 
