@@ -213,6 +213,10 @@ def _on_leaf_hooks(fn):
         out = fn(self, *args, **kwargs)
         if self.grad_fn is None and not compiling():
             bump()
+            try:
+                out._dwgraph_leaf_hook = True  # its remove() moves the epoch too (_after_removal)
+            except AttributeError:  # a handle type without attributes: its removal is not seen
+                pass
         return out
 
     wrapper._dwgraph_watch = True
@@ -220,10 +224,14 @@ def _on_leaf_hooks(fn):
 
 
 def _after_removal(fn):
+    """RemovableHandle.remove: a leaf's tensor hook removed (a handle _on_leaf_hooks marked)
+    moves the tensor hook epoch; any other handle's removal costs one attribute read."""
     bump = _C.graphs.bump_tensor_hook_epoch
 
     @functools.wraps(fn)
     def remove(self, *args, **kwargs):
+        if not getattr(self, "_dwgraph_leaf_hook", False):
+            return fn(self, *args, **kwargs)
         try:
             return fn(self, *args, **kwargs)
         finally:
@@ -375,9 +383,8 @@ def install() -> None:
             fn = getattr(torch.Tensor, name, None)
             if fn is not None and not getattr(fn, "_dwgraph_watch", False):
                 setattr(torch.Tensor, name, _on_leaf_hooks(fn))
-        # A hook removed through its handle (a tensor's or a module's: the handle does not
-        # say whose) moves the tensor hook epoch too: a graphed step captured with a
-        # parameter's hook must not replay it after its removal.
+        # A leaf's tensor hook removed through its handle moves the tensor hook epoch too: a
+        # graphed step captured with a parameter's hook must not replay it after its removal.
         remove = torch.utils.hooks.RemovableHandle.remove
         if not getattr(remove, "_dwgraph_watch", False):
             torch.utils.hooks.RemovableHandle.remove = _after_removal(remove)
