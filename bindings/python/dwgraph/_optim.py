@@ -359,6 +359,9 @@ class OptimizerWatch:
         self.volatile = False  # a group holds a mutable value (a list): compared by its text every call
         self.group_tensors: List[torch.Tensor] = []  # tensor values of the groups (a tensor lr)
         self.hyper: List[float] = []  # routed: the buffer's values, in slot order
+        # Routed: the step's hyperparameter buffers, one per number of values (a graph
+        # captured with another layout keeps reading its own).
+        self.hyper_buffers: Dict[int, torch.Tensor] = {}
         self.state_obj = None
         self.state_version = -1
         self.state_text = ""

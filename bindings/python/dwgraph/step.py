@@ -585,7 +585,6 @@ class GraphedStep:
         self._opt_watches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._opt_serials: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._serials = itertools.count(1)
-        self._hyper_buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._state_pushed: tuple = ()
         # The last variant state text and its parts, returned as they are when no part moved.
         self._opt_pushed: Optional[tuple] = None
@@ -881,9 +880,7 @@ class GraphedStep:
         """Note [Hyperparameters a replay reads]: the values the routed optimizer's captured
         step reads, written into its buffer (one per number of values: a graph captured
         with another layout keeps reading its own)."""
-        buffers = self._hyper_buffers.get(opt)
-        if buffers is None:
-            buffers = self._hyper_buffers[opt] = {}
+        buffers = w.hyper_buffers  # the watch is the optimizer's own, for this step
         buf = buffers.get(len(w.hyper))
         if buf is None:
             buf = buffers[len(w.hyper)] = torch.zeros(len(w.hyper), dtype=torch.float64)
@@ -895,7 +892,7 @@ class GraphedStep:
         w = self._opt_watches.get(opt)
         if w is None or not w.routed:
             return None
-        return _optim.Route(opt, w.family, self._hyper_buffers[opt][len(w.hyper)])
+        return _optim.Route(opt, w.family, w.hyper_buffers[len(w.hyper)])
 
     def _describe_state(self) -> str:
         """The variant state in words (the log's "what changed"; asked at capture only)."""
