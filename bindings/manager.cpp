@@ -107,6 +107,33 @@ py::dict stats_dict(const GraphedStats& s) {
   return d;
 }
 
+// The byte range [start, end) of a strided tensor's elements (numel > 0).
+std::pair<uintptr_t, uintptr_t> extent(const at::Tensor& t) {
+  int64_t span = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) span += (t.size(d) - 1) * std::abs(t.stride(d));
+  const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {start, start + static_cast<uintptr_t>((span + 1) * static_cast<int64_t>(t.element_size()))};
+}
+
+// Whether `e` overlaps one of the disjoint ranges sorted by start.
+bool overlaps(const std::pair<uintptr_t, uintptr_t>& e, const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges) {
+  auto it = std::lower_bound(ranges.begin(), ranges.end(), std::make_pair(e.second, uintptr_t{0}));
+  return it != ranges.begin() && std::prev(it)->second > e.first;
+}
+
+// Whether attribute `name` of `obj` is a non-empty container (a tensor's hook dicts).
+bool has_items(const py::handle& obj, const char* name) {
+  PyObject* v = PyObject_GetAttrString(obj.ptr(), name);
+  if (v == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const int truth = v == Py_None ? 0 : PyObject_IsTrue(v);
+  Py_DECREF(v);
+  if (truth < 0) PyErr_Clear();
+  return truth != 0;
+}
+
 }  // namespace
 
 void init_manager(py::module_& parent) {
@@ -398,11 +425,15 @@ void init_manager(py::module_& parent) {
               if (t.numel() > 0) {
                 const void* m = t.storage().data();
                 if (std::find(memory.begin(), memory.end(), m) != memory.end() ||
-                    std::binary_search(plain->refused_memory.begin(), plain->refused_memory.end(),
-                                       reinterpret_cast<uintptr_t>(m))) {
+                    overlaps(extent(t), plain->refused_memory)) {
                   return py::none();
                 }
                 memory.push_back(m);
+              }
+              // A leaf argument with tensor hooks: the general path refuses it (a static
+              // input has none).
+              if (t.requires_grad() && (has_items(a, "_backward_hooks") || has_items(a, "_post_accumulate_grad_hooks"))) {
+                return py::none();
               }
               for (const auto& u : tensors) {
                 if (u.is_same(t)) return py::none();
@@ -423,7 +454,7 @@ void init_manager(py::module_& parent) {
       .def(
           "set_plain_call",
           [](GraphedStep& self, size_t num_tensors, std::string ambient, uint64_t epoch, std::string key,
-             std::vector<uintptr_t> refused, std::vector<uintptr_t> refused_memory) {
+             std::vector<uintptr_t> refused, std::vector<std::pair<uintptr_t, uintptr_t>> refused_memory) {
             GraphedStep::PlainCall c;
             c.num_tensors = num_tensors;
             c.ambient = std::move(ambient);
@@ -431,7 +462,7 @@ void init_manager(py::module_& parent) {
             c.key = std::move(key);
             std::sort(refused.begin(), refused.end());
             c.refused = std::move(refused);
-            std::sort(refused_memory.begin(), refused_memory.end());
+            std::sort(refused_memory.begin(), refused_memory.end());  // disjoint ranges, from the front end
             c.refused_memory = std::move(refused_memory);
             self.set_plain_call(std::move(c));
           },

@@ -340,11 +340,12 @@ void GraphedStep::check_arguments(const std::vector<at::Tensor>& tensors) const 
                       " but the step runs on ", device_, " (its parameters' device); move it there first");
     // A static input is a normal tensor: eager autograd cannot save an inference tensor for
     // backward, the graph's copy of it can.
-    DWGRAPH_CHECK_ARG(!t.is_inference() || c10::InferenceMode::is_enabled(), kApi, ": tensor argument ", i,
-                      " is an inference tensor (made under torch.inference_mode()) in a call outside inference "
-                      "mode; the graph would copy it into a normal static input, which autograd may save where "
-                      "eager autograd refuses to save the inference tensor. Pass a normal tensor (clone it "
-                      "outside inference mode)");
+    DWGRAPH_CHECK_ARG(!t.is_inference() || c10::InferenceMode::is_enabled() || !at::GradMode::is_enabled(), kApi,
+                      ": tensor argument ", i,
+                      " is an inference tensor (made under torch.inference_mode()) in a call with grad enabled "
+                      "outside inference mode; the graph would copy it into a normal static input, which autograd "
+                      "may save where eager autograd refuses to save the inference tensor. Pass a normal tensor "
+                      "(clone it outside inference mode)");
     DWGRAPH_CHECK_ARG(!t.requires_grad() || t.is_leaf(), kApi, ": tensor argument ", i,
                       " requires grad and has autograd history (it is not a leaf); a graphed step cannot "
                       "backpropagate into the caller's graph. Detach it, or compute it inside the step");

@@ -125,8 +125,10 @@ class GraphedStep {
   // the state epoch `epoch` it saw; `refused`: the objects it refuses as arguments (what
   // the step trains), by the front end's identity. A later call of that form, with the
   // same ambient state and epoch, has the same key: the front end's binding replays it
-  // through replay_if_captured() without building the key again. `refused_memory`: the
-  // storage addresses of what the step trains (an argument viewing one is refused).
+  // through replay_if_captured() without building the key again. `refused_memory`: where
+  // the memory the step updates is (what it trains, its modules' buffers, its optimizers'
+  // state), disjoint byte ranges [start, end) sorted by start; an argument overlapping one
+  // is refused.
   // Cleared by reset().
   struct PlainCall {
     size_t num_tensors = 0;
@@ -134,7 +136,7 @@ class GraphedStep {
     uint64_t epoch = 0;
     std::string key;
     std::vector<uintptr_t> refused;
-    std::vector<uintptr_t> refused_memory;
+    std::vector<std::pair<uintptr_t, uintptr_t>> refused_memory;
   };
   void set_plain_call(std::optional<PlainCall> call);
   const std::optional<PlainCall>& plain_call() const { return plain_; }

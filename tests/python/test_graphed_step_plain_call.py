@@ -291,7 +291,7 @@ def test_a_view_of_a_trained_tensor_as_argument_is_refused(how):
         step(torch.randn(4))
     alias = w[1].detach() if how == "detach" else w[1].detach()[:2]
     before = w[1].detach().clone()
-    with pytest.raises(dwgraph.ArgumentError, match="shares memory with a tensor the step trains"):
+    with pytest.raises(dwgraph.ArgumentError, match="shares memory with what the step updates"):
         step(alias)
     assert torch.equal(w[1], before)
     step(torch.randn(4))  # the plain path still replays
@@ -364,5 +364,111 @@ def test_a_parameter_hook_added_and_removed_after_capture_matches_eager(kind):
     for h in handles:
         h.remove()
     for _ in range(5):
+        assert _same(e[2](x, y), g[2](x, y))
+        _check_models(e, g)
+
+
+@pytest.mark.parametrize("what", ["momentum_buffer", "momentum_slice", "from_numpy_slice"])
+def test_state_the_step_updates_as_argument_is_refused(what):
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    w = g[0][0].weight
+    arg = {
+        "momentum_buffer": lambda: g[1].state[w]["momentum_buffer"],
+        "momentum_slice": lambda: g[1].state[w]["momentum_buffer"][1:],
+        "from_numpy_slice": lambda: torch.from_numpy(w.detach().numpy()[1:]),  # another storage, same memory
+    }[what]()
+    with pytest.raises(dwgraph.ArgumentError, match="shares memory with what the step updates"):
+        g[2](arg[:3, :4] if arg.dim() == 2 else arg, y)
+    _check_models(e, g)
+
+
+def test_a_module_buffer_as_argument_is_refused():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x, y):
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    step = dwgraph.graphed_step(body)
+    for _ in range(6):
+        step(torch.randn(3, 4), torch.randn(3, 4))
+    with pytest.raises(dwgraph.ArgumentError, match="shares memory with what the step updates"):
+        step(torch.randn(3, 4), model[1].running_mean.expand(3, 4))
+
+
+def test_an_unused_slice_of_a_flat_parameter_buffer_is_accepted():
+    # Parameters viewing one flat buffer: a part of it no parameter uses is not what the
+    # step updates.
+    torch.manual_seed(0)
+    flat = torch.zeros(40)
+    w = torch.nn.Parameter(flat[:16].view(4, 4))
+    w.data.copy_(torch.randn(4, 4))
+    opt = torch.optim.SGD([w], lr=0.1)
+
+    def body(x):
+        (x @ w).square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step = dwgraph.graphed_step(body)
+    for _ in range(6):
+        step(torch.randn(3, 4))
+    step(flat[20:32].view(3, 4))  # no ArgumentError
+    assert step.num_captures == 1
+
+
+def test_an_argument_with_tensor_hooks_is_refused():
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    xh = x.clone().requires_grad_()
+    xh.register_hook(lambda t: t * 3)
+    with pytest.raises(dwgraph.ArgumentError, match="tensor hooks"):
+        g[2](xh, y)
+    _check_models(e, g)
+
+
+def test_inference_tensor_arguments_with_grad_disabled_match_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+
+    @dwgraph.graphed_step
+    def evaluate(x):
+        return model(x).square().mean()
+
+    with torch.inference_mode():
+        xs = [torch.randn(3, 4) for _ in range(6)]
+    with torch.no_grad():
+        for x in xs:
+            assert torch.equal(evaluate(x), model(x).square().mean())
+    assert evaluate.num_captures == 1
+
+
+def test_a_hook_replaced_by_another_at_the_same_address_selects_another_graph():
+    # Removing a hook and registering a new closure often reuses the freed function's
+    # address: the variant tells them apart by handle id.
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+
+    def make(scale):
+        return lambda t: t * scale
+
+    handles = [m[0].bias.register_hook(make(2.0)) for m in (e[0], g[0])]
+    for scale in (3.0, 0.5, 4.0):
+        for _ in range(2):
+            assert _same(e[2](x, y), g[2](x, y))
+            _check_models(e, g)
+        for h in handles:
+            h.remove()
+        handles = [m[0].bias.register_hook(make(scale)) for m in (e[0], g[0])]
+    for _ in range(2):
         assert _same(e[2](x, y), g[2](x, y))
         _check_models(e, g)

@@ -206,11 +206,17 @@ def first_hook(module: torch.nn.Module, include_self: bool):
     return None
 
 
-def user_global_hooks():
-    """(kind, hook) of every global module hook (register_module_*_hook) that is not
-    dwgraph's own (graphed_step's per-call pre-hook, a no-op on other threads)."""
-    return [(kind, h) for kind in _GLOBAL_HOOKS for h in (getattr(torch.nn.modules.module, kind, None) or {}).values()
+def user_global_hook_items():
+    """(kind, handle id, hook) of every global module hook (register_module_*_hook) that is
+    not dwgraph's own (graphed_step's per-call pre-hook, a no-op on other threads)."""
+    return [(kind, k, h) for kind in _GLOBAL_HOOKS
+            for k, h in (getattr(torch.nn.modules.module, kind, None) or {}).items()
             if not getattr(h, "_dwgraph_internal", False)]
+
+
+def user_global_hooks():
+    """(kind, hook) of every global module hook that is not dwgraph's own."""
+    return [(kind, h) for kind, _, h in user_global_hook_items()]
 
 
 def user_global_hook_kind():

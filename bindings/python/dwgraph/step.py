@@ -23,6 +23,7 @@ step touches and turns arguments into tensors and a key. See docs/graphed-step.m
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import copy
@@ -519,6 +520,27 @@ def _refuse_changed_arguments(caller, rebuilt, given: List[torch.Tensor], static
 _MISSING = object()
 
 
+def _extent(t: torch.Tensor):
+    """The byte range [start, end) of `t`'s elements, or None (no elements, not strided, or
+    no memory of its own: a DTensor)."""
+    if t.layout != torch.strided or t.numel() == 0:
+        return None
+    try:
+        start = t.data_ptr()
+    except RuntimeError:
+        return None
+    span = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return start, start + (span + 1) * t.element_size()
+
+
+def _overlaps(extent, ranges: List[tuple]) -> bool:
+    """Whether `extent` overlaps one of the disjoint sorted `ranges`."""
+    if extent is None or not ranges:
+        return False
+    i = bisect.bisect_left(ranges, (extent[1],)) - 1  # the last range starting before extent ends
+    return i >= 0 and ranges[i][1] > extent[0]
+
+
 def _call_ref(ref):
     return ref()
 
@@ -594,7 +616,9 @@ class GraphedStep:
         self._state_of: tuple = (None, None)  # (modules digest, optimizers text) of _state_text
         self._state_text = ""
         self._trained_ids: Optional[set] = None  # what _unique_arguments refuses, cached
-        self._trained_memory_of: tuple = (None, set())  # (stamp, their storages), _trained_memory()
+        self._updated_memory_of: tuple = (None, [])  # (stamp, byte ranges), _updated_memory()
+        self._state_tensors: List[torch.Tensor] = []  # the optimizers' state tensors, as last pushed
+        self._state_serial = 0  # moved when they are pushed again
         # Note [A step's checks paid when state changes] (graphs/graphed_step.h): whether
         # every parameter, buffer, main_grad and optimizer state tensor the graphs depend on
         # is watched (a change of its memory or requires_grad moves the state epoch), per
@@ -687,8 +711,7 @@ class GraphedStep:
             trained = self._trained()
             refused = [id(t) for t in itertools.chain(self._touched.values(), (p for _, p in self._given or ()))
                        if type(t) is torch.Tensor and id(t) in trained]
-            self._native.set_plain_call(len(args), ambient, self._version, key, refused,
-                                        sorted(self._trained_memory()))
+            self._native.set_plain_call(len(args), ambient, self._version, key, refused, self._updated_memory())
         return out
 
     def _call(self, tensors: List[torch.Tensor], key: str):
@@ -764,7 +787,9 @@ class GraphedStep:
                                for m in modules for p in m.parameters(recurse=False))
         # Module hooks are Python the captured kernels may depend on (a hook that changes
         # an output): hooks added or removed select another graph, captured with them.
-        hooks = ",".join(str(id(h)) for m in modules for kind in _spec.HOOK_KINDS for h in getattr(m, kind).values())
+        # By handle id (the dict's key, never reused) and function: a hook removed and another
+        # registered may get the freed function's address.
+        hooks = ",".join(f"{k}:{id(h)}" for m in modules for kind in _spec.HOOK_KINDS for k, h in getattr(m, kind).items())
         return f"training {modes}|grad_dtype {grad_dtypes}|hooks {hooks}"
 
     def _tensor_hook_words(self) -> str:
@@ -777,7 +802,7 @@ class GraphedStep:
             for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
                 hooks = getattr(t, name, None)
                 if hooks:
-                    ids += [str(id(h)) for h in hooks.values()]
+                    ids += [f"{k}:{id(h)}" for k, h in hooks.items()]  # by handle id, as _module_words
         return "|tensor hooks " + ",".join(ids)
 
     def _variant_state(self) -> str:
@@ -789,13 +814,13 @@ class GraphedStep:
         if stamp != self._modules_stamp:
             words = self._module_words(self._all_modules.values()) + self._tensor_hook_words()
             if _state_watch.global_hooks_watched():
-                words += "|global hooks " + ",".join(str(id(h)) for _, h in _spec.user_global_hooks())
+                words += "|global hooks " + ",".join(f"{k}:{id(h)}" for _, k, h in _spec.user_global_hook_items())
             self._modules_text, self._modules_digest, self._modules_stamp = words, _digest(words), stamp
         if self._unwatched or not _state_watch.global_hooks_watched():
             # An unwatched part, recomputed at every call: nothing to reuse.
             words = self._module_words(self._unwatched.values()) if self._unwatched else ""
             if not _state_watch.global_hooks_watched():
-                words += "|global hooks " + ",".join(str(id(h)) for _, h in _spec.user_global_hooks())
+                words += "|global hooks " + ",".join(f"{k}:{id(h)}" for _, k, h in _spec.user_global_hook_items())
             self._unwatched_words = words
             self._state_of = (None, None)
             return f"modules {self._modules_digest}|unwatched {_digest(words)}|{self._optimizer_state()}"
@@ -873,6 +898,9 @@ class GraphedStep:
             self._native.set_state_tensors(state_tensors)
             self._note_watched("state", state_tensors)
             self._state_pushed = pushed
+            self._state_tensors = state_tensors
+            self._state_serial += 1
+            self._native.clear_plain_call()  # its refused memory holds the old state tensors
         self._opt_text = "optimizers " + ",".join(f"{serial}:{w.digest}:{w.state_digest}" for serial, w in tokens)
         return self._opt_text
 
@@ -914,22 +942,26 @@ class GraphedStep:
             self._trained_ids = set(self._touched) | ({id(p) for _, p in self._given} if self._given else set())
         return self._trained_ids
 
-    def _trained_memory(self) -> set:
-        """Where the memory of what the step trains is (storage addresses), refused for
-        arguments: recomputed when the state epoch moved (`.data = ...` and `set_()` on a
-        watched tensor move it) or what the step trains grew."""
+    def _updated_memory(self) -> List[tuple]:
+        """Where the memory the step updates is, as disjoint sorted byte ranges [start, end):
+        what it trains, its modules' buffers and its optimizers' state tensors. An argument
+        overlapping one is refused: eagerly it sees the update, a static copy does not.
+        Recomputed when the state epoch moved (`.data = ...` and `set_()` on a watched tensor
+        move it), what the step trains grew, or the optimizers' state tensors moved."""
         trained = self._trained()
-        stamp = (_C.graphs.state_epoch(), id(trained), len(trained))
-        if self._trained_memory_of[0] != stamp:
-            memory = set()
-            for t in itertools.chain(self._touched.values(), (p for _, p in self._given or ())):
-                if id(t) in trained and t.layout == torch.strided and t.numel() > 0:
-                    try:
-                        memory.add(t.untyped_storage().data_ptr())
-                    except RuntimeError:  # a wrapper subclass (DTensor): no memory of its own to view
-                        pass
-            self._trained_memory_of = (stamp, memory)
-        return self._trained_memory_of[1]
+        stamp = (_C.graphs.state_epoch(), id(trained), len(trained), self._state_serial, len(self._all_modules))
+        if self._updated_memory_of[0] != stamp:
+            tensors = itertools.chain(self._touched.values(), (p for _, p in self._given or ()), self._state_tensors,
+                                      (b for m in list(self._all_modules.values()) for b in m.buffers(recurse=False)))
+            ranges = sorted(r for r in map(_extent, tensors) if r is not None)
+            merged: List[list] = []
+            for a, b in ranges:
+                if merged and a <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], b)
+                else:
+                    merged.append([a, b])
+            self._updated_memory_of = (stamp, [tuple(r) for r in merged])
+        return self._updated_memory_of[1]
 
     def _unique_arguments(self, found: List[torch.Tensor]):
         """The distinct tensor arguments, and for each argument its index among them. The
@@ -942,6 +974,12 @@ class GraphedStep:
             if id(t) in index:
                 where.append(index[id(t)])
                 continue
+            if t.requires_grad and (t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)):
+                raise ArgumentError(
+                    f"dwgraph.graphed_step: tensor argument {i} has tensor hooks (register_hook or "
+                    "register_post_accumulate_grad_hook); a graphed step copies its arguments into static inputs, "
+                    "which do not have them, so its gradient would skip them. Register the hook inside the step "
+                    "on what it computes, or apply it to the .grad after the call")
             if isinstance(t, torch.nn.Parameter) or id(t) in trained:
                 raise ArgumentError(
                     f"dwgraph.graphed_step: tensor argument {i} is a tensor the step trains; a graphed step copies "
@@ -949,12 +987,12 @@ class GraphedStep:
                     "modules or closures, not arguments")
             if t.numel() > 0 and t.layout == torch.strided:
                 storage = t.untyped_storage().data_ptr()
-                if storage in self._trained_memory():
+                if _overlaps(_extent(t), self._updated_memory()):
                     raise ArgumentError(
-                        f"dwgraph.graphed_step: tensor argument {i} shares memory with a tensor the step trains (a "
-                        "view or .detach() of it); a graphed step copies its arguments into static inputs, so the "
-                        "step would read a copy the training does not change. Reach it through modules or "
-                        "closures, not arguments")
+                        f"dwgraph.graphed_step: tensor argument {i} shares memory with what the step updates (a "
+                        "tensor it trains, a module buffer or an optimizer's state, or a view of one); a graphed "
+                        "step copies its arguments into static inputs, so the step would read a copy the update "
+                        "does not change. Reach it through modules or closures, not arguments")
                 if storage in memory:
                     raise ArgumentError(
                         f"dwgraph.graphed_step: tensor arguments {memory[storage]} and {i} share memory; a graphed "
