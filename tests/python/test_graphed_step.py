@@ -998,3 +998,32 @@ def test_the_tensor_tuple_fast_path_gives_the_general_key_and_rebuild(n, repeat)
     mixed = (xs[0], torch.nn.Parameter(torch.randn(2)))
     general_mixed = step_module._flatten_node(mixed, step_module._CONTAINERS[tuple], [], "args")[0]
     assert step_module._flatten(mixed, [], "args")[0] == general_mixed
+
+
+def test_calls_past_max_captures_run_eagerly_as_the_undecorated_step():
+    # Past the limit a call that would capture runs eagerly, after the core asked what the
+    # step trains: the front end must run it as an eager call (it once took it for a
+    # capture and refused a step that changes its own learning rate, which eager runs).
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 4)
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def body(x):
+            loss = m(x).square().mean()
+            loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+            o.param_groups[0]["lr"] *= 0.5
+            return loss
+
+        return m, body
+
+    (me, eager), (mg, body) = make(), make()
+    step = dwgraph.graphed_step(body, max_captures=0)
+    x = torch.randn(3, 4)
+    for _ in range(6):
+        assert torch.equal(eager(x), step(x))
+    assert step.num_captures == 0 and step.stats()["capture_limited_calls"] == 3
+    for p, q in zip(me.parameters(), mg.parameters()):
+        assert torch.equal(p, q)

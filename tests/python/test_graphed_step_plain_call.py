@@ -472,3 +472,4 @@ def test_a_hook_replaced_by_another_at_the_same_address_selects_another_graph():
     for _ in range(2):
         assert _same(e[2](x, y), g[2](x, y))
         _check_models(e, g)
+

@@ -1010,6 +1010,10 @@ class GraphedStep:
         # A capture follows the core asking what the step trains (_params); any other call
         # is eager. Taken here, so a failed capture leaves no stale "capturing" behind.
         handed, self._handed = self._handed, None
+        if handed is not None and not _C.graphs.capturing():
+            # The core asked what the step trains for a capture, then ran the call eagerly
+            # instead (past max_captures): an eager call, on the caller's own arguments.
+            handed = None
         if handed is None:
             # Eager: the caller's own objects, as the undecorated function gets them (the
             # core passes the caller's tensors themselves).
