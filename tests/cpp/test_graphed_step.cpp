@@ -89,3 +89,66 @@ TEST_CASE("GraphedStep (C++): graphed training equals eager, bitwise", "[graphed
   step.reset();
   CHECK(step.num_graphs() == 0);
 }
+
+// Note [A step's plain call]: replay_if_captured() replays only where the call's key and
+// variant have a graph, and otherwise runs, counts and makes nothing, so that operator()
+// then decides the call exactly as without it.
+TEST_CASE("GraphedStep (C++): replay_if_captured replays captured calls only", "[graphed_step][cpu]") {
+  at::manual_seed(43);
+  Net eager, graphed;
+  {
+    const at::NoGradGuard no_grad;
+    auto dst = graphed.params(), src = eager.params();
+    for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(src[i]);
+  }
+  dwgraph::GraphedStepOptions opts;
+  opts.warmup_iters = 2;
+  int asked = 0;  // what the step trains, asked before a capture
+  opts.params = [&] {
+    ++asked;
+    const auto p = graphed.params();
+    return dwgraph::graphs::NamedTensors{{"a.weight", p[0]}, {"a.bias", p[1]}, {"w", p[2]}, {"b", p[3]}};
+  };
+  int runs = 0;
+  dwgraph::GraphedStep step(
+      [&](const std::vector<at::Tensor>& t) {
+        ++runs;
+        return std::vector<at::Tensor>{graphed.step(t[0], t[1])};
+      },
+      opts);
+  auto train = [&](const at::Tensor& x, const at::Tensor& y, bool fast) {
+    const auto le = eager.step(x, y);
+    std::optional<std::vector<at::Tensor>> got;
+    if (fast) got = step.replay_if_captured({x, y}, "k");
+    const auto lg = got ? (*got)[0] : step({x, y}, "k")[0];
+    CHECK(at::equal(le, lg));
+    sgd(eager.params());
+    sgd(graphed.params());
+    return got.has_value();
+  };
+  const auto x = at::randn({4, 8}), y = at::randn({4, 4});
+  // Unknown key, then warmup calls: nothing replayed, nothing counted or run.
+  for (int i = 0; i < 2; ++i) {
+    CHECK_FALSE(step.replay_if_captured({x, y}, "k").has_value());
+    CHECK(runs == i);
+    CHECK_FALSE(train(x, y, false));
+  }
+  CHECK(step.stats().eager_calls == 2);
+  // The next call would capture: still nothing, and nothing asked.
+  CHECK_FALSE(step.replay_if_captured({x, y}, "k").has_value());
+  CHECK(asked == 0);
+  CHECK(step.num_captures() == 0);
+  CHECK_FALSE(train(x, y, false));  // captures
+  CHECK(step.num_captures() == 1);
+  for (int i = 0; i < 3; ++i) CHECK(train(at::randn({4, 8}), at::randn({4, 4}), true));
+  CHECK(step.stats().replays == 4);
+  // Another shape is another key; another gradient pattern another variant: both declined.
+  CHECK_FALSE(step.replay_if_captured({at::randn({6, 8}), at::randn({6, 4})}, "k").has_value());
+  graphed.w.requires_grad_(false);
+  eager.w.requires_grad_(false);
+  CHECK_FALSE(step.replay_if_captured({x, y}, "k").has_value());
+  CHECK(step.num_captures() == 1);
+  CHECK(runs == 3);  // two warmup calls and the capture
+  const auto pe = eager.params(), pg = graphed.params();
+  for (size_t k = 0; k < pe.size(); ++k) CHECK(at::equal(pe[k], pg[k]));
+}
