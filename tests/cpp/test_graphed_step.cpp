@@ -23,6 +23,12 @@ struct Net {
     b = at::zeros({4}).requires_grad_();
   }
   std::vector<at::Tensor> params() const { return {a->weight, a->bias, w, b}; }
+  dwgraph::graphs::NamedTensors named() const { return {{"a.weight", a->weight}, {"a.bias", a->bias}, {"w", w}, {"b", b}}; }
+  void copy_from(const Net& other) const {
+    const at::NoGradGuard no_grad;
+    const auto dst = params(), src = other.params();
+    for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(src[i]);
+  }
   // forward, backward, backward_dw: returns the loss.
   at::Tensor step(const at::Tensor& x, const at::Tensor& y) const {
     const auto loss = (at::linear(at::relu(a->forward(x)), w, b) - y).pow(2).mean();
@@ -45,16 +51,11 @@ void sgd(const std::vector<at::Tensor>& params) {
 TEST_CASE("GraphedStep (C++): graphed training equals eager, bitwise", "[graphed_step][cpu]") {
   at::manual_seed(41);
   Net eager, graphed;
-  {
-    const at::NoGradGuard no_grad;
-    auto dst = graphed.params(), src = eager.params();
-    for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(src[i]);
-  }
+  graphed.copy_from(eager);
   dwgraph::GraphedStepOptions opts;
   opts.warmup_iters = 2;
   opts.params = [&] {
-    const auto p = graphed.params();
-    return dwgraph::graphs::NamedTensors{{"a.weight", p[0]}, {"a.bias", p[1]}, {"w", p[2]}, {"b", p[3]}};
+    return graphed.named();
   };
   dwgraph::GraphedStep step(
       [&](const std::vector<at::Tensor>& t) { return std::vector<at::Tensor>{graphed.step(t[0], t[1])}; }, opts);
@@ -96,18 +97,13 @@ TEST_CASE("GraphedStep (C++): graphed training equals eager, bitwise", "[graphed
 TEST_CASE("GraphedStep (C++): replay_if_captured replays captured calls only", "[graphed_step][cpu]") {
   at::manual_seed(43);
   Net eager, graphed;
-  {
-    const at::NoGradGuard no_grad;
-    auto dst = graphed.params(), src = eager.params();
-    for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(src[i]);
-  }
+  graphed.copy_from(eager);
   dwgraph::GraphedStepOptions opts;
   opts.warmup_iters = 2;
   int asked = 0;  // what the step trains, asked before a capture
   opts.params = [&] {
     ++asked;
-    const auto p = graphed.params();
-    return dwgraph::graphs::NamedTensors{{"a.weight", p[0]}, {"a.bias", p[1]}, {"w", p[2]}, {"b", p[3]}};
+    return graphed.named();
   };
   int runs = 0;
   dwgraph::GraphedStep step(
