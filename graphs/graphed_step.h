@@ -126,9 +126,8 @@ class GraphedStep {
   // the step trains), by the front end's identity. A later call of that form, with the
   // same ambient state and epoch, has the same key: the front end's binding replays it
   // through replay_if_captured() without building the key again. `refused_memory`: where
-  // the memory the step updates is (what it trains, its modules' buffers, its optimizers'
-  // state), disjoint byte ranges [start, end) sorted by start; an argument overlapping one
-  // is refused.
+  // the memory the step updates is (what it trains, its optimizers' state), disjoint byte
+  // ranges [start, end) sorted by start; an argument overlapping one is refused.
   // Cleared by reset().
   struct PlainCall {
     size_t num_tensors = 0;

@@ -384,23 +384,60 @@ def test_state_the_step_updates_as_argument_is_refused(what):
     _check_models(e, g)
 
 
-def test_a_module_buffer_as_argument_is_refused():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def test_a_slice_of_a_buffer_the_step_only_reads_is_accepted():
+    # A lookup table held as a module buffer, batches sliced from it: not what the step
+    # updates (refused for a few commits of 2026-12-05, which refused every buffer).
+    e, g = _make()
+    for m in (e[0], g[0]):
+        m.register_buffer("table", torch.arange(48, dtype=torch.float32).view(12, 4) / 48)
+    y = torch.randn(3, 4)
+    for i in range(8):
+        xe, xg = e[0].table[i:i + 3], g[0].table[i:i + 3]
+        assert _same(e[2](xe, y), g[2](xg, y))
+    assert g[2].num_captures == 1
+    _check_models(e, g)
 
-    def body(x, y):
-        loss = (model(x) - y).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
 
-    step = dwgraph.graphed_step(body)
-    for _ in range(6):
-        step(torch.randn(3, 4), torch.randn(3, 4))
+@pytest.mark.parametrize("change", ["load_state_dict", "assigned"])
+def test_optimizer_state_moved_then_passed_as_argument_is_refused_at_once(change):
+    # The general path's first call after the state tensors moved compares the arguments
+    # with the state as it is now, not as the last call pushed it.
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    w = g[0][0].weight
+    if change == "load_state_dict":
+        g[1].load_state_dict(copy.deepcopy(g[1].state_dict()))
+    else:
+        g[1].state[w]["momentum_buffer"] = g[1].state[w]["momentum_buffer"].clone()
     with pytest.raises(dwgraph.ArgumentError, match="shares memory with what the step updates"):
-        step(torch.randn(3, 4), model[1].running_mean.expand(3, 4))
+        g[2](x=g[1].state[w]["momentum_buffer"][:3], y=y)  # keyword arguments: the general path
+
+
+def test_a_tensor_learning_rate_passed_as_argument_is_accepted():
+    # A param group's tensor value is read by the step, not updated by it.
+    torch.manual_seed(0)
+    lr = torch.tensor(0.01)
+    models = [torch.nn.Linear(4, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.Adam(m.parameters(), lr=lr, fused=True) for m in models]
+
+    def body_of(m, opt):
+        def body(x, scale):
+            loss = (m(x) * scale).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return body
+
+    eager, step = body_of(models[0], opts[0]), dwgraph.graphed_step(body_of(models[1], opts[1]))
+    for _ in range(7):
+        x = torch.randn(3, 4)
+        assert torch.equal(eager(x, lr), step(x, lr))
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
 
 
 def test_an_unused_slice_of_a_flat_parameter_buffer_is_accepted():

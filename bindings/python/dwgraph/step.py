@@ -617,8 +617,6 @@ class GraphedStep:
         self._state_text = ""
         self._trained_ids: Optional[set] = None  # what _unique_arguments refuses, cached
         self._updated_memory_of: tuple = (None, [])  # (stamp, byte ranges), _updated_memory()
-        self._state_tensors: List[torch.Tensor] = []  # the optimizers' state tensors, as last pushed
-        self._state_serial = 0  # moved when they are pushed again
         # Note [A step's checks paid when state changes] (graphs/graphed_step.h): whether
         # every parameter, buffer, main_grad and optimizer state tensor the graphs depend on
         # is watched (a change of its memory or requires_grad moves the state epoch), per
@@ -898,8 +896,6 @@ class GraphedStep:
             self._native.set_state_tensors(state_tensors)
             self._note_watched("state", state_tensors)
             self._state_pushed = pushed
-            self._state_tensors = state_tensors
-            self._state_serial += 1
             self._native.clear_plain_call()  # its refused memory holds the old state tensors
         self._opt_text = "optimizers " + ",".join(f"{serial}:{w.digest}:{w.state_digest}" for serial, w in tokens)
         return self._opt_text
@@ -944,15 +940,20 @@ class GraphedStep:
 
     def _updated_memory(self) -> List[tuple]:
         """Where the memory the step updates is, as disjoint sorted byte ranges [start, end):
-        what it trains, its modules' buffers and its optimizers' state tensors. An argument
-        overlapping one is refused: eagerly it sees the update, a static copy does not.
-        Recomputed when the state epoch moved (`.data = ...` and `set_()` on a watched tensor
-        move it), what the step trains grew, or the optimizers' state tensors moved."""
+        what it trains and its optimizers' state tensors. An argument overlapping one is
+        refused: eagerly it sees the update, a static copy does not. Recomputed when the
+        state epoch moved (`.data = ...` and `set_()` on a watched tensor move it), what the
+        step trains grew, or an optimizer's state moved (its watching dict's version; a
+        state not yet watched, at every call)."""
         trained = self._trained()
-        stamp = (_C.graphs.state_epoch(), id(trained), len(trained), self._state_serial, len(self._all_modules))
+        optimizers = [o for o in map(_call_ref, tuple(self._optimizers.data.values())) if o is not None]
+        states = tuple((id(o.state), o.state.version if type(o.state) is _optim.WatchedState else object())
+                       for o in optimizers)
+        stamp = (_C.graphs.state_epoch(), id(trained), len(trained), states)
         if self._updated_memory_of[0] != stamp:
-            tensors = itertools.chain(self._touched.values(), (p for _, p in self._given or ()), self._state_tensors,
-                                      (b for m in list(self._all_modules.values()) for b in m.buffers(recurse=False)))
+            state_tensors = (v for o in optimizers for st in list(o.state.values()) if isinstance(st, dict)
+                             for v in st.values() if isinstance(v, torch.Tensor))
+            tensors = itertools.chain(self._touched.values(), (p for _, p in self._given or ()), state_tensors)
             ranges = sorted(r for r in map(_extent, tensors) if r is not None)
             merged: List[list] = []
             for a, b in ranges:
@@ -990,7 +991,7 @@ class GraphedStep:
                 if _overlaps(_extent(t), self._updated_memory()):
                     raise ArgumentError(
                         f"dwgraph.graphed_step: tensor argument {i} shares memory with what the step updates (a "
-                        "tensor it trains, a module buffer or an optimizer's state, or a view of one); a graphed "
+                        "tensor it trains or an optimizer's state tensor, or a view of one); a graphed "
                         "step copies its arguments into static inputs, so the step would read a copy the update "
                         "does not change. Reach it through modules or closures, not arguments")
                 if storage in memory:
