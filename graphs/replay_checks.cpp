@@ -5,6 +5,7 @@
 #include "graphs/state_epoch.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty_strided.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/core/grad_mode.h>
 
@@ -187,9 +188,39 @@ void CapturedMainGrads::check(const std::string& where) const {
   }
 }
 
+namespace {
+
+// A copy of `t` in its own layout, so that the kernels captured on the static input are
+// those eager code runs on the argument: clone() keeps the strides of a dense tensor only,
+// and one with gaps (t[:, ::2], a column slice) gets its strides over storage of its own.
+// A layout whose elements overlap (expanded) cannot be written into: a dense copy, which
+// the caller's same layout then cannot match (StaticInputs::check says so).
+bool elements_apart(const at::Tensor& t) {
+  // Dimensions by stride: each stride must pass the reach of the smaller ones.
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions with size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // the largest offset the smaller dimensions give
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return false;
+    reach += (size - 1) * stride;
+  }
+  return true;
+}
+
+at::Tensor layout_copy(const at::Tensor& t) {
+  if (t.layout() != at::kStrided || t.is_non_overlapping_and_dense() || !elements_apart(t)) return t.clone();
+  return at::empty_strided(t.sizes(), t.strides(), t.options()).copy_(t);
+}
+
+}  // namespace
+
 StaticInputs::StaticInputs(const std::vector<at::Tensor>& samples) {
+  const at::NoGradGuard no_grad;
   for (const auto& t : samples) {
-    tensors_.push_back(t.defined() ? t.detach().clone().requires_grad_(t.requires_grad()) : at::Tensor());
+    tensors_.push_back(t.defined() ? layout_copy(t.detach()).requires_grad_(t.requires_grad()) : at::Tensor());
     requires_grad_.push_back(t.defined() && t.requires_grad());
   }
 }
@@ -199,7 +230,7 @@ void StaticInputs::move_into(GraphPool& pool) {
   const at::NoGradGuard no_grad;
   const auto scope = pool.allocation_scope();
   for (size_t i = 0; i < tensors_.size(); ++i) {
-    if (tensors_[i].defined()) tensors_[i] = tensors_[i].clone().requires_grad_(requires_grad_[i]);
+    if (tensors_[i].defined()) tensors_[i] = layout_copy(tensors_[i].detach()).requires_grad_(requires_grad_[i]);
   }
 }
 

@@ -427,6 +427,27 @@ def test_an_argument_in_another_layout_is_refused(layout):
     assert torch.equal(g(call.contiguous()), eager(call.contiguous()))
 
 
+def test_a_sample_with_gaps_in_memory_replays_in_its_layout():
+    # A column slice as the sample and as every call: the static input keeps its strides,
+    # so the graphs run the kernels eager runs on that layout.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(H, H)
+    eager = copy.deepcopy(model)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, 2 * H)[:, ::2].requires_grad_(),))
+    for _ in range(3):
+        base = torch.randn(B, 2 * H)
+        xe, xg = base.clone()[:, ::2].requires_grad_(), base.clone()[:, ::2].requires_grad_()
+        ye, yg = eager(xe), g(xg)
+        assert torch.equal(ye, yg)
+        dy = torch.randn_like(ye)
+        ye.backward(dy)
+        yg.backward(dy)
+        assert torch.equal(xe.grad, xg.grad)
+        for p, q in zip(eager.parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad)
+            p.grad = q.grad = None
+
+
 class _KeepsItsHidden(torch.nn.Module):
     """Returns the hidden activation that its second deferred Linear saves for its
     weight gradient, so the caller holds a tensor the backward-dw graph reads."""
