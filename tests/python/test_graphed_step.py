@@ -1028,30 +1028,3 @@ def test_calls_past_max_captures_run_eagerly_as_the_undecorated_step():
     for p, q in zip(me.parameters(), mg.parameters()):
         assert torch.equal(p, q)
 
-
-def test_arguments_with_gaps_in_memory_are_captured_in_their_layout():
-    # A column slice (strides with gaps) as every call's argument: the static input keeps
-    # the layout, so the step captures and replays the kernels eager runs on it (it was
-    # refused at every call after the warmup, its static copy being contiguous).
-    torch.manual_seed(0)
-    models = [torch.nn.Linear(4, 4) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-
-    def body_of(m, opt):
-        def body(x):
-            loss = m(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-
-        return body
-
-    eager, step = body_of(models[0], opts[0]), dwgraph.graphed_step(body_of(models[1], opts[1]))
-    for _ in range(7):
-        x = torch.randn(3, 8)[:, ::2]
-        assert torch.equal(eager(x), step(x))
-    assert step.num_captures == 1
-    for p, q in zip(models[0].parameters(), models[1].parameters()):
-        assert torch.equal(p, q)

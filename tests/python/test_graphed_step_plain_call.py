@@ -414,16 +414,15 @@ def test_optimizer_state_moved_then_passed_as_argument_is_refused_at_once(change
         g[2](x=g[1].state[w]["momentum_buffer"][:3], y=y)  # keyword arguments: the general path
 
 
-def test_a_tensor_learning_rate_passed_as_argument_is_accepted():
-    # A param group's tensor value is read by the step, not updated by it.
+def _twin_linear_steps(make_opt):
+    """Two equal Linear(4, 4), each with its optimizer from `make_opt`: the step
+    `body(x, scale)` on the first run eagerly, on the second graphed."""
     torch.manual_seed(0)
-    lr = torch.tensor(0.01)
     models = [torch.nn.Linear(4, 4) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    opts = [torch.optim.Adam(m.parameters(), lr=lr, fused=True) for m in models]
 
     def body_of(m, opt):
-        def body(x, scale):
+        def body(x, scale=1.0):
             loss = (m(x) * scale).square().mean()
             loss.backward()
             opt.step()
@@ -432,10 +431,30 @@ def test_a_tensor_learning_rate_passed_as_argument_is_accepted():
 
         return body
 
-    eager, step = body_of(models[0], opts[0]), dwgraph.graphed_step(body_of(models[1], opts[1]))
+    eager, graphed = (body_of(m, make_opt(m)) for m in models)
+    return models, eager, dwgraph.graphed_step(graphed)
+
+
+def test_a_tensor_learning_rate_passed_as_argument_is_accepted():
+    # A param group's tensor value is read by the step, not updated by it.
+    lr = torch.tensor(0.01)
+    models, eager, step = _twin_linear_steps(lambda m: torch.optim.Adam(m.parameters(), lr=lr, fused=True))
     for _ in range(7):
         x = torch.randn(3, 4)
         assert torch.equal(eager(x, lr), step(x, lr))
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+
+
+def test_arguments_with_gaps_in_memory_are_captured_in_their_layout():
+    # A column slice (strides with gaps) as every call's argument: the static input keeps
+    # the layout, so the step captures and replays the kernels eager runs on it (it was
+    # refused at every call after the warmup, its static copy being dense).
+    models, eager, step = _twin_linear_steps(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    for _ in range(7):
+        x = torch.randn(3, 8)[:, ::2]
+        assert torch.equal(eager(x), step(x))
+    assert step.num_captures == 1
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(p, q)
 
