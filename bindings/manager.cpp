@@ -9,6 +9,7 @@
 #include "graphs/graphed_step.h"
 #include "graphs/manager.h"
 #include "graphs/recorder.h"
+#include "graphs/replay_checks.h"
 #include "graphs/phase_timing.h"
 #include "graphs/state_epoch.h"
 
@@ -105,14 +106,6 @@ py::dict stats_dict(const GraphedStats& s) {
   }
   d["graphs"] = graphs;
   return d;
-}
-
-// The byte range [start, end) of a strided tensor's elements (numel > 0).
-std::pair<uintptr_t, uintptr_t> extent(const at::Tensor& t) {
-  int64_t span = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) span += (t.size(d) - 1) * std::abs(t.stride(d));
-  const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
-  return {start, start + static_cast<uintptr_t>((span + 1) * static_cast<int64_t>(t.element_size()))};
 }
 
 // Whether `e` overlaps one of the disjoint ranges sorted by start.
@@ -425,7 +418,7 @@ void init_manager(py::module_& parent) {
               if (t.numel() > 0) {
                 const void* m = t.storage().data();
                 if (std::find(memory.begin(), memory.end(), m) != memory.end() ||
-                    overlaps(extent(t), plain->refused_memory)) {
+                    overlaps(graphs::byte_span(t), plain->refused_memory)) {
                   return py::none();
                 }
                 memory.push_back(m);

@@ -256,8 +256,8 @@ void PooledWrite::add(const std::shared_ptr<GraphPool>& p, std::string name, con
   std::vector<MemoryAccess> writes;
   for (const auto& t : buffers) {
     if (!t.defined() || t.numel() == 0) continue;
-    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-    writes.push_back(MemoryAccess{begin, begin + t.nbytes(), MemoryAccess::Kind::kWrite});
+    const auto [begin, end] = byte_span(t);  // a static input with gaps: the copy writes its whole reach
+    writes.push_back(MemoryAccess{begin, end, MemoryAccess::Kind::kWrite});
   }
   remove();
   if (writes.empty()) return;
@@ -1129,7 +1129,10 @@ GraphedStats GraphManager::stats() const {
   auto distinct = [&](const std::vector<at::Tensor>& v) {
     int64_t n = 0;
     for (const auto& t : v) {
-      if (t.defined() && seen_static.insert(t.storage().data()).second) n += static_cast<int64_t>(t.nbytes());
+      if (t.defined() && t.numel() > 0 && seen_static.insert(t.storage().data()).second) {
+        const auto [begin, end] = byte_span(t);  // a static input with gaps holds its whole reach
+        n += static_cast<int64_t>(end - begin);
+      }
     }
     return n;
   };

@@ -25,7 +25,8 @@ bool same_layout(const at::Tensor& a, const at::Tensor& b) {
   return true;
 }
 
-// [begin, end) of the bytes `t` can reach in its storage.
+}  // namespace
+
 std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
   const auto begin = reinterpret_cast<uintptr_t>(t.storage().data()) +
                      static_cast<uintptr_t>(t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize()));
@@ -33,8 +34,6 @@ std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
   for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
   return {begin, begin + static_cast<uintptr_t>((last + 1) * static_cast<int64_t>(t.dtype().itemsize()))};
 }
-
-}  // namespace
 
 void check_distinct_memory(const std::vector<at::Tensor>& tensors, const std::vector<size_t>& among,
                            const std::string& where, const char* what) {
@@ -194,7 +193,8 @@ namespace {
 // those eager code runs on the argument: clone() keeps the strides of a dense tensor only,
 // and one with gaps (t[:, ::2], a column slice) gets its strides over storage of its own.
 // A layout whose elements overlap (expanded) cannot be written into: a dense copy, which
-// the caller's same layout then cannot match (StaticInputs::check says so).
+// the caller's same layout then cannot match (StaticInputs::check says so). Static inputs
+// moved into a pool (move_into) are dense.
 bool elements_apart(const at::Tensor& t) {
   // Dimensions by stride: each stride must pass the reach of the smaller ones.
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions with size > 1
@@ -230,7 +230,9 @@ void StaticInputs::move_into(GraphPool& pool) {
   const at::NoGradGuard no_grad;
   const auto scope = pool.allocation_scope();
   for (size_t i = 0; i < tensors_.size(); ++i) {
-    if (tensors_[i].defined()) tensors_[i] = layout_copy(tensors_[i].detach()).requires_grad_(requires_grad_[i]);
+    // Dense: the pool's replay order accounts for its blocks by what the kernels touch, which
+    // a layout with gaps would under-count (a review found a copy into one passing the check).
+    if (tensors_[i].defined()) tensors_[i] = tensors_[i].clone().requires_grad_(requires_grad_[i]);
   }
 }
 

@@ -16,6 +16,10 @@
 
 namespace dwgraph::graphs {
 
+// [begin, end) of the bytes a strided tensor's elements reach (numel > 0): its data to its
+// last element, gaps included (a column slice reaches past its own nbytes()).
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t);
+
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // What a callable's graphs captured of its parameters (or buffers). Its owner decides
