@@ -54,9 +54,7 @@ TEST_CASE("GraphedStep (C++): graphed training equals eager, bitwise", "[graphed
   graphed.copy_from(eager);
   dwgraph::GraphedStepOptions opts;
   opts.warmup_iters = 2;
-  opts.params = [&] {
-    return graphed.named();
-  };
+  opts.params = [&] { return graphed.named(); };
   dwgraph::GraphedStep step(
       [&](const std::vector<at::Tensor>& t) { return std::vector<at::Tensor>{graphed.step(t[0], t[1])}; }, opts);
   for (int i = 0; i < 8; ++i) {

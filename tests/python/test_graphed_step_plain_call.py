@@ -72,6 +72,16 @@ class _KeyBuilds:
         monkeypatch.setattr(step_module, "_flatten", counting)
 
 
+def _keep_matching(e, g, x, y, calls=5, check_each=False):
+    """`calls` more calls of both with the same arguments, equal each time; the models equal
+    after each call or at the end."""
+    for _ in range(calls):
+        assert _same(e[2](x, y), g[2](x, y))
+        if check_each:
+            _check_models(e, g)
+    _check_models(e, g)
+
+
 def _steady(e, g, x, y, steps=6):
     for _ in range(steps):
         assert _same(e[2](x, y), g[2](x, y))
@@ -240,9 +250,7 @@ def test_a_change_between_plain_calls_matches_eager(change):
         assert _same(_outcome(e[2], *e_args), got)
     _check_models(e, g)
     # A few calls more, the changed state kept (the same arguments as before the change).
-    for _ in range(5):
-        assert _same(e[2](x, y), g[2](x, y))
-    _check_models(e, g)
+    _keep_matching(e, g, x, y)
 
 
 @pytest.mark.parametrize("how", ["no_grad", "autocast_without_cache", "autocast_with_cache"])
@@ -265,9 +273,7 @@ def test_the_ambient_state_changed_between_plain_calls(how):
             expected = _outcome(e[2], x, y)
         assert _same(expected, got), (expected, got)
     _check_models(e, g)
-    for _ in range(5):
-        assert _same(e[2](x, y), g[2](x, y))
-    _check_models(e, g)
+    _keep_matching(e, g, x, y)
 
 
 def test_keyword_arguments_after_plain_calls_take_the_general_path(monkeypatch):
@@ -277,9 +283,7 @@ def test_keyword_arguments_after_plain_calls_take_the_general_path(monkeypatch):
     builds = _KeyBuilds(monkeypatch)
     assert _same(e[2](x, y=y), g[2](x, y=y))
     assert builds.n == 2  # args and kwargs, through the general path
-    for _ in range(5):
-        assert _same(e[2](x, y), g[2](x, y))
-    _check_models(e, g)
+    _keep_matching(e, g, x, y)
 
 
 @pytest.mark.parametrize("how", ["detach", "view"])
@@ -331,9 +335,7 @@ def test_an_inference_tensor_argument_is_refused_outside_inference_mode():
         g[2](xi, y)
     assert isinstance(_outcome(e[2], xi, y), RuntimeError)  # eager cannot save it for backward
     _check_models(e, g)
-    for _ in range(3):
-        assert _same(e[2](x, y), g[2](x, y))
-    _check_models(e, g)
+    _keep_matching(e, g, x, y, calls=3)
 
 
 def test_inference_mode_with_grad_enabled_inside_is_in_the_key():
@@ -358,14 +360,10 @@ def test_a_parameter_hook_added_and_removed_after_capture_matches_eager(kind):
         t.grad.mul_(3)
 
     handles = [getattr(m[0].bias, kind)(scale) for m in (e[0], g[0])]
-    for _ in range(5):
-        assert _same(e[2](x, y), g[2](x, y))
-        _check_models(e, g)
+    _keep_matching(e, g, x, y, check_each=True)
     for h in handles:
         h.remove()
-    for _ in range(5):
-        assert _same(e[2](x, y), g[2](x, y))
-        _check_models(e, g)
+    _keep_matching(e, g, x, y, check_each=True)
 
 
 @pytest.mark.parametrize("what", ["momentum_buffer", "momentum_slice", "from_numpy_slice"])
@@ -519,13 +517,9 @@ def test_a_hook_replaced_by_another_at_the_same_address_selects_another_graph():
 
     handles = [m[0].bias.register_hook(make(2.0)) for m in (e[0], g[0])]
     for scale in (3.0, 0.5, 4.0):
-        for _ in range(2):
-            assert _same(e[2](x, y), g[2](x, y))
-            _check_models(e, g)
+        _keep_matching(e, g, x, y, calls=2, check_each=True)
         for h in handles:
             h.remove()
         handles = [m[0].bias.register_hook(make(scale)) for m in (e[0], g[0])]
-    for _ in range(2):
-        assert _same(e[2](x, y), g[2](x, y))
-        _check_models(e, g)
+    _keep_matching(e, g, x, y, calls=2, check_each=True)
 

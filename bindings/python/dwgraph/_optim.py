@@ -406,18 +406,14 @@ class OptimizerWatch:
         """Whether nothing groups_changed() and state_changed() look at moved since the last
         call: the common call, in one check (a False answer: ask them)."""
         pg = opt.param_groups
-        state = opt.state
-        return (pg is self.groups_list and not self.volatile and state is self.state_obj and
-                type(state) is WatchedState and state.version == self.state_version and
+        return (pg is self.groups_list and not self.volatile and not self.state_changed(opt) and
                 _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params))
 
     def numbers_moved(self, opt) -> bool:
         """Whether only numbers a routed replay reads moved since the last call (a schedule's
         learning rate) and nothing else groups_changed() and state_changed() look at; then
         take_numbers() has taken them, for the caller to refill the buffer."""
-        state = opt.state
-        return (opt.param_groups is self.groups_list and state is self.state_obj and type(state) is WatchedState and
-                state.version == self.state_version and self.take_numbers(opt))
+        return opt.param_groups is self.groups_list and not self.state_changed(opt) and self.take_numbers(opt)
 
     def take_numbers(self, opt) -> bool:
         """Whether only numbers a routed replay reads moved since the last call (a schedule's

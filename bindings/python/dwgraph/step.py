@@ -707,8 +707,7 @@ class GraphedStep:
             # such call has this key while the ambient state and the state epoch stay. What
             # _unique_arguments refuses, by identity (a Parameter fails replay_plain's type check).
             trained = self._trained()
-            refused = [id(t) for t in itertools.chain(self._touched.values(), (p for _, p in self._given or ()))
-                       if type(t) is torch.Tensor and id(t) in trained]
+            refused = [id(t) for t in self._trained_tensors() if type(t) is torch.Tensor and id(t) in trained]
             self._native.set_plain_call(len(args), ambient, self._version, key, refused, self._updated_memory())
         return out
 
@@ -794,9 +793,8 @@ class GraphedStep:
         """The tensor hooks (register_hook, register_post_accumulate_grad_hook) of what the
         step trains: a capture runs them, so hooks added or removed select another graph,
         captured with them (dwgraph._watch moves the tensor hook epoch on both)."""
-        tensors = itertools.chain(self._touched.values(), (p for _, p in self._given or ()))
         ids = []
-        for t in tensors:
+        for t in self._trained_tensors():
             for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
                 hooks = getattr(t, name, None)
                 if hooks:
@@ -932,6 +930,10 @@ class GraphedStep:
                       f"optimizer_state({name}) {w.state_text}"]
         return "|".join(parts)
 
+    def _trained_tensors(self):
+        """What the step trains: the tensors its calls found, then those given as params=."""
+        return itertools.chain(self._touched.values(), (p for _, p in self._given or ()))
+
     def _trained(self) -> set:
         """The ids of what the step trains (refused as arguments), cached."""
         if self._trained_ids is None:
@@ -953,7 +955,7 @@ class GraphedStep:
         if self._updated_memory_of[0] != stamp:
             state_tensors = (v for o in optimizers for st in list(o.state.values()) if isinstance(st, dict)
                              for v in st.values() if isinstance(v, torch.Tensor))
-            tensors = itertools.chain(self._touched.values(), (p for _, p in self._given or ()), state_tensors)
+            tensors = itertools.chain(self._trained_tensors(), state_tensors)
             ranges = sorted(r for r in map(_extent, tensors) if r is not None)
             merged: List[list] = []
             for a, b in ranges:
