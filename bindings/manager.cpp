@@ -148,21 +148,6 @@ void init_manager(py::module_& parent) {
     std::string text = graphs::step_ambient(&autocast_on);
     return py::make_tuple(std::move(text), autocast_on);
   });
-  // Note [Hyperparameters a replay reads] (dwgraph/_optim.py): a routed optimizer's numbers
-  // written into its buffer in place when only they changed (a schedule's learning rate):
-  // no host tensor per call. Bumps the version as copy_ would.
-  m.def(
-      "fill_hyper",
-      [](const at::Tensor& buffer, const std::vector<double>& values) {
-        DWGRAPH_CHECK_ARG(buffer.device().is_cpu() && buffer.scalar_type() == at::kDouble && buffer.is_contiguous(),
-                          "fill_hyper: buffer must be a contiguous float64 CPU tensor, got ", buffer.scalar_type(),
-                          " on ", buffer.device());
-        DWGRAPH_CHECK_ARG(buffer.numel() == static_cast<int64_t>(values.size()), "fill_hyper: buffer holds ",
-                          buffer.numel(), " values, got ", values.size());
-        std::copy(values.begin(), values.end(), buffer.data_ptr<double>());
-        if (!buffer.is_inference()) buffer.unsafeGetTensorImpl()->bump_version();
-      },
-      py::arg("buffer"), py::arg("values"));
   // True while the calling thread (or, on CUDA, its current stream) is inside a capture.
   m.def("capturing", [] { return graphs::detail::this_thread_records(); });
   m.def("note_reseed", &graphs::detail::note_reseed);

@@ -24,13 +24,21 @@
 // refused the same way; setattr() and super() are not.
 #include "bindings/bindings.h"
 
+#include "common/check.h"
 #include "graphs/state_epoch.h"
 
 #include <Python.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
+#include <ATen/ATen.h>
+
+#include <algorithm>
 #include <array>
+#include <cstring>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -168,10 +176,12 @@ bool install_on_tensor() {
   return installed;
 }
 
-// same_groups / moved_values (below): `read` null: every value by identity; else values
-// under a key in `read` may differ, each appended to `moved` as (i, key, now, seen).
+// same_groups / take_numbers (below): `read` null: every value by identity; else values
+// under a key in `read` may differ, each given to `on_moved(i, key, now, seen)`, which
+// returns whether the comparison goes on.
+template <typename OnMoved>
 bool compare_groups(const py::handle& groups, const py::list& seen, const py::list& keys, const py::list& values,
-                    const py::list& params, PyObject* read, py::list* moved) {
+                    const py::list& params, PyObject* read, OnMoved&& on_moved) {
   static PyObject* const params_name = PyUnicode_InternFromString("params");
   PyObject* pg = groups.ptr();
   if (!PyList_CheckExact(pg)) return false;
@@ -202,8 +212,7 @@ bool compare_groups(const py::handle& groups, const py::list& seen, const py::li
       const int in_read = PySet_Contains(read, k);  // str keys: no Python code runs
       if (in_read < 0) PyErr_Clear();
       if (in_read != 1) return false;
-      moved->append(py::make_tuple(i, py::reinterpret_borrow<py::object>(k), py::reinterpret_borrow<py::object>(v),
-                                   py::reinterpret_borrow<py::object>(before)));
+      if (!on_moved(i, k, v, before)) return false;
     }
     // The same list object may hold other parameters now (changed in place).
     PyObject* now = PyDict_GetItem(g, params_name);  // borrowed; no error for str keys
@@ -215,6 +224,81 @@ bool compare_groups(const py::handle& groups, const py::list& seen, const py::li
     }
   }
   return true;
+}
+
+// Note [Hyperparameters a replay reads] (dwgraph/_optim.py): a value the ops read as the
+// eager step's Python arithmetic computes with it: exactly an int that fits int64 (the ops
+// hold it as one), a float, or numpy's float64 (IEEE double arithmetic, as float's). Not a
+// subclass (its own arithmetic, a __neg__, is not what a replay computes); not bool.
+bool is_number(PyObject* v) {
+  if (PyLong_CheckExact(v)) {
+    int overflow = 0;
+    PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (PyErr_Occurred()) PyErr_Clear();
+    return overflow == 0;
+  }
+  return PyFloat_CheckExact(v) || std::strcmp(Py_TYPE(v)->tp_name, "numpy.float64") == 0;
+}
+
+// A number as a double (the replay's buffer); false (no error set) where it cannot be one.
+bool as_double(PyObject* v, double* out) {
+  const double d = PyFloat_AsDouble(v);  // int, float and float64 (a float subclass)
+  if (d == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  *out = d;
+  return true;
+}
+
+// `group[name]`, the betas' items under "beta1"/"beta2" (borrowed; null when absent).
+PyObject* read_value(PyObject* group, PyObject* name) {
+  static PyObject* const beta1 = PyUnicode_InternFromString("beta1");
+  static PyObject* const beta2 = PyUnicode_InternFromString("beta2");
+  static PyObject* const betas = PyUnicode_InternFromString("betas");
+  if (name == beta1 || name == beta2) {
+    PyObject* b = PyDict_GetItem(group, betas);
+    if (b == nullptr || !PyTuple_CheckExact(b) || PyTuple_GET_SIZE(b) != 2) return nullptr;
+    return PyTuple_GET_ITEM(b, name == beta1 ? 0 : 1);
+  }
+  return PyDict_GetItem(group, name);
+}
+
+// Whether `now` replaced `seen` under `key` only as a number the replay reads: both
+// numbers of one type and, under a key torch branches on (in `branches`), zero or not
+// alike; the betas as a pair of such numbers.
+bool moved_as_number(PyObject* key, PyObject* now, PyObject* seen, PyObject* branches) {
+  static PyObject* const betas = PyUnicode_InternFromString("betas");
+  if (key == betas || PyUnicode_Compare(key, betas) == 0) {
+    if (!PyTuple_CheckExact(now) || !PyTuple_CheckExact(seen) || PyTuple_GET_SIZE(now) != 2 ||
+        PyTuple_GET_SIZE(seen) != 2) {
+      return false;
+    }
+    for (Py_ssize_t i = 0; i < 2; ++i) {
+      PyObject* a = PyTuple_GET_ITEM(now, i);
+      if (!is_number(a) || Py_TYPE(a) != Py_TYPE(PyTuple_GET_ITEM(seen, i))) return false;
+    }
+    return true;
+  }
+  if (!is_number(now) || Py_TYPE(now) != Py_TYPE(seen)) return false;
+  const int branch = PySet_Contains(branches, key);  // str keys: no Python code runs
+  if (branch < 0) {
+    PyErr_Clear();
+    return false;
+  }
+  if (branch == 0) return true;
+  double a = 0, b = 0;
+  return as_double(now, &a) && as_double(seen, &b) && (a == 0) == (b == 0);
+}
+
+void fill_buffer(const at::Tensor& buffer, const double* values, size_t n) {
+  DWGRAPH_CHECK_ARG(buffer.device().is_cpu() && buffer.scalar_type() == at::kDouble && buffer.is_contiguous(),
+                    "fill_hyper: buffer must be a contiguous float64 CPU tensor, got ", buffer.scalar_type(), " on ",
+                    buffer.device());
+  DWGRAPH_CHECK_ARG(buffer.numel() == static_cast<int64_t>(n), "fill_hyper: buffer holds ", buffer.numel(),
+                    " values, got ", n);
+  std::copy(values, values + n, buffer.data_ptr<double>());
+  if (!buffer.is_inference()) buffer.unsafeGetTensorImpl()->bump_version();  // as copy_ would
 }
 
 }  // namespace
@@ -280,22 +364,69 @@ void init_watch(py::module_& parent) {
   m.def(
       "same_groups",
       [](const py::handle& groups, const py::list& seen, const py::list& keys, const py::list& values,
-         const py::list& params) { return compare_groups(groups, seen, keys, values, params, nullptr, nullptr); },
+         const py::list& params) { return compare_groups(groups, seen, keys, values, params, nullptr,
+                                                   [](Py_ssize_t, PyObject*, PyObject*, PyObject*) { return false; }); },
       py::arg("groups"), py::arg("seen"), py::arg("keys"), py::arg("values"), py::arg("params"));
-  // Note [Hyperparameters a replay reads] (dwgraph/_optim.py): the same comparison where
-  // values under the keys in `read` (a set of str) may be other objects: None when anything
-  // else differs, else a list of (group index, key, value now, value seen) for each that
-  // does (empty: nothing moved). The caller decides whether those moved only as numbers.
+  m.def("is_number", [](const py::handle& v) { return is_number(v.ptr()); }, py::arg("value"));
+  // Note [Hyperparameters a replay reads] (dwgraph/_optim.py): writes a routed optimizer's
+  // numbers into its buffer in place (no host tensor per call); bumps its version.
   m.def(
-      "moved_values",
-      [](const py::handle& groups, const py::list& seen, const py::list& keys, const py::list& values,
-         const py::list& params, const py::handle& read) -> py::object {
-        if (!PyAnySet_Check(read.ptr())) return py::none();
-        py::list moved;
-        if (!compare_groups(groups, seen, keys, values, params, read.ptr(), &moved)) return py::none();
-        return std::move(moved);
+      "fill_hyper",
+      [](const at::Tensor& buffer, const std::vector<double>& values) {
+        fill_buffer(buffer, values.data(), values.size());
       },
-      py::arg("groups"), py::arg("seen"), py::arg("keys"), py::arg("values"), py::arg("params"), py::arg("read"));
+      py::arg("buffer"), py::arg("values"));
+  // The same comparison as same_groups where values under the keys in `read` (a set of str)
+  // may be other objects, each only as a number the replay reads (moved_as_number). Then it
+  // takes them: `hyper` (a list of floats, one per group and name in `names`), the buffer
+  // and the seen values (`values`: lists, `tuples`: the same as tuples) are updated, and
+  // True is returned. Anything else (something else changed, or nothing did): False, and
+  // nothing is written. Runs no Python code.
+  m.def(
+      "take_numbers",
+      [](const py::handle& groups, const py::list& seen, const py::list& keys, const py::list& values,
+         const py::list& tuples, const py::list& params, const py::handle& read, const py::handle& branches,
+         const py::tuple& names, const py::list& hyper, const at::Tensor& buffer) {
+        if (!PyAnySet_Check(read.ptr()) || !PyAnySet_Check(branches.ptr())) return false;
+        std::vector<Py_ssize_t> moved;
+        const bool same = compare_groups(groups, seen, keys, values, params, read.ptr(),
+                                         [&](Py_ssize_t i, PyObject* k, PyObject* now, PyObject* before) {
+                                           if (!moved_as_number(k, now, before, branches.ptr())) return false;
+                                           if (moved.empty() || moved.back() != i) moved.push_back(i);
+                                           return true;
+                                         });
+        if (!same || moved.empty()) return false;
+        PyObject* pg = groups.ptr();
+        const Py_ssize_t n = PyList_GET_SIZE(pg), per = PyTuple_GET_SIZE(names.ptr());
+        if (PyList_GET_SIZE(hyper.ptr()) != n * per || PyList_GET_SIZE(tuples.ptr()) != n) return false;
+        std::vector<double> now(static_cast<size_t>(n * per));
+        for (Py_ssize_t i = 0; i < n; ++i) {
+          for (Py_ssize_t j = 0; j < per; ++j) {
+            PyObject* v = read_value(PyList_GET_ITEM(pg, i), PyTuple_GET_ITEM(names.ptr(), j));
+            if (v == nullptr || !as_double(v, &now[i * per + j])) return false;  // first: nothing taken
+          }
+        }
+        fill_buffer(buffer, now.data(), now.size());
+        for (Py_ssize_t i = 0; i < n * per; ++i) {
+          PyObject* f = PyFloat_FromDouble(now[i]);
+          if (f == nullptr) throw py::error_already_set();
+          PyList_SetItem(hyper.ptr(), i, f);  // steals f
+        }
+        for (Py_ssize_t i : moved) {
+          PyObject* vs = PyDict_Values(PyList_GET_ITEM(pg, i));
+          if (vs == nullptr) throw py::error_already_set();
+          PyObject* t = PyList_AsTuple(vs);
+          if (t == nullptr) {
+            Py_DECREF(vs);
+            throw py::error_already_set();
+          }
+          PyList_SetItem(values.ptr(), i, vs);  // steal
+          PyList_SetItem(tuples.ptr(), i, t);
+        }
+        return true;
+      },
+      py::arg("groups"), py::arg("seen"), py::arg("keys"), py::arg("values"), py::arg("tuples"), py::arg("params"),
+      py::arg("read"), py::arg("branches"), py::arg("names"), py::arg("hyper"), py::arg("buffer"));
 }
 
 }  // namespace dwgraph::bindings

@@ -59,7 +59,7 @@ __all__ = ["WatchedState", "OptimizerWatch", "routing", "active", "family_of"]
 _SGD_VALUES = ("lr", "momentum", "dampening", "weight_decay")
 _ADAM_VALUES = ("lr", "beta1", "beta2", "eps", "weight_decay")
 # Where torch's code branches on a value: part of the key (zero or not).
-_BRANCHES = {"sgd": ("momentum", "weight_decay"), "adam": ("weight_decay",)}
+_BRANCHES = {"sgd": frozenset(("momentum", "weight_decay")), "adam": frozenset(("weight_decay",))}
 _VALUES = {"sgd": _SGD_VALUES, "adam": _ADAM_VALUES}
 # Group keys the values are read from (the rest of a group is in the key by value).
 _READ_FROM = {"sgd": frozenset(_SGD_VALUES), "adam": frozenset(("lr", "betas", "eps", "weight_decay"))}
@@ -116,15 +116,9 @@ def _read(group: dict, name: str):
     return group[name]
 
 
-def _is_number(v) -> bool:
-    """A value the ops read as the eager step's Python arithmetic would compute with it:
-    exactly an int that fits int64 (the ops hold it as one), a float, or numpy's float64
-    (IEEE double arithmetic, as float's). Not a subclass: its own arithmetic (a __neg__)
-    is not what a replay computes; not bool."""
-    t = type(v)
-    if t is int:
-        return -(1 << 63) <= v < (1 << 63)
-    return t is float or (t.__name__ == "float64" and t.__module__ == "numpy")
+# A value the ops read as the eager step's Python arithmetic computes with it (an int that
+# fits int64, a float, numpy's float64; not a subclass, not bool): decided by the core.
+_is_number = _C.graphs.is_number
 
 
 def _params_routable(opt) -> bool:
@@ -371,8 +365,8 @@ class OptimizerWatch:
     # Groups ---------------------------------------------------------------------------------
     def groups_changed(self, opt) -> Tuple[bool, bool, bool]:
         """(structure changed, values changed, numbers taken) since the last call; numbers
-        taken: only numbers a routed replay reads moved (take_numbers), and nothing else
-        changed, the caller refills the buffer."""
+        taken: only numbers a routed replay reads moved (take_numbers, which refilled the
+        buffer), and nothing else changed."""
         pg = opt.param_groups
         if pg is not self.groups_list or len(pg) != len(self.groups):
             return True, True, False
@@ -402,46 +396,40 @@ class OptimizerWatch:
             values_changed = self._values_words(opt) != self.values_text or self.hyper != hyper
         return False, values_changed, False
 
-    def unchanged(self, opt) -> bool:
+    def steady(self, opt) -> bool:
         """Whether nothing groups_changed() and state_changed() look at moved since the last
-        call: the common call, in one check (a False answer: ask them)."""
+        call, but numbers a routed replay reads (a schedule's learning rate), which
+        take_numbers() has then taken and written into the buffer: the common call, in one
+        check (a False answer: ask them)."""
         pg = opt.param_groups
-        return (pg is self.groups_list and not self.volatile and not self.state_changed(opt) and
-                _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params))
-
-    def numbers_moved(self, opt) -> bool:
-        """Whether only numbers a routed replay reads moved since the last call (a schedule's
-        learning rate) and nothing else groups_changed() and state_changed() look at; then
-        take_numbers() has taken them, for the caller to refill the buffer."""
-        return opt.param_groups is self.groups_list and not self.state_changed(opt) and self.take_numbers(opt)
+        if pg is not self.groups_list or self.volatile or self.state_changed(opt):
+            return False
+        return _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params) or \
+            self.take_numbers(opt)
 
     def take_numbers(self, opt) -> bool:
         """Whether only numbers a routed replay reads moved since the last call (a schedule's
         learning rate), each of the same type and, where torch branches on it, zero or not
         as before, the groups otherwise the same objects: then nothing that selects a graph
-        changed (the groups' words would be the same). Takes them in (self.values,
-        self.hyper) for the caller to refill the buffer; otherwise changes nothing."""
+        changed (the groups' words would be the same). Takes them (self.values,
+        self.value_list, self.hyper) and writes them into the replay's buffer, in one call
+        into the core; otherwise changes nothing."""
         if not self.routed or self.volatile or getattr(opt, "grad_scale", None) is not None or \
                 getattr(opt, "found_inf", None) is not None:
             return False
         fam = self.family
-        pg = opt.param_groups
-        moved = _C.graphs.moved_values(pg, self.groups, self.keys, self.value_list, self.params, _READ_FROM[fam])
-        if not moved:  # None: something else changed (or an empty list: nothing did)
-            return False
-        branches = _BRANCHES[fam]
-        for _, k, v, w in moved:
-            if k == "betas":
-                if not (type(v) is tuple and type(w) is tuple and len(v) == len(w) == 2 and
-                        all(_is_number(x) and type(x) is type(y) for x, y in zip(v, w))):
-                    return False
-            elif not (_is_number(v) and type(v) is type(w) and (k not in branches or (v == 0) == (w == 0))):
-                return False
-        self.hyper = [float(_read(g, n)) for g in pg for n in _VALUES[fam]]  # first: nothing taken if it raises
-        for i in {i for i, _, _, _ in moved}:
-            self.value_list[i] = list(pg[i].values())
-            self.values[i] = tuple(self.value_list[i])
-        return True
+        return _C.graphs.take_numbers(opt.param_groups, self.groups, self.keys, self.value_list, self.values,
+                                      self.params, _READ_FROM[fam], _BRANCHES[fam], _VALUES[fam], self.hyper,
+                                      self.hyper_buffer())
+
+    def hyper_buffer(self) -> torch.Tensor:
+        """Note [Hyperparameters a replay reads]: the buffer the routed step's replay reads
+        (one per number of values: a graph captured with another layout keeps reading its
+        own)."""
+        buf = self.hyper_buffers.get(len(self.hyper))
+        if buf is None:
+            buf = self.hyper_buffers[len(self.hyper)] = torch.zeros(len(self.hyper), dtype=torch.float64)
+        return buf
 
     def refresh_groups(self, opt, structure: bool) -> None:
         pg = opt.param_groups

@@ -835,14 +835,8 @@ class GraphedStep:
             # the numbers a replay reads (_optimizer_state_full's answer, in one check each).
             for ref, w in self._opt_entries:
                 o = ref()
-                if o is None:
+                if o is None or not w.steady(o):
                     break
-                if w.unchanged(o):
-                    continue
-                if w.numbers_moved(o):
-                    self._fill_hyper(o, w)
-                    continue
-                break
             else:
                 return self._opt_text
         text = self._optimizer_state_full(refs)
@@ -864,9 +858,8 @@ class GraphedStep:
                 self._opt_serials[o] = next(self._serials)
                 structure = values = state = True
             else:
-                structure, values, numbers = w.groups_changed(o)
-                if numbers:  # only numbers the replay reads moved: the same graph, its buffer refilled
-                    self._fill_hyper(o, w)
+                # (Only numbers the replay reads moved: the same graph, its buffer refilled.)
+                structure, values, _numbers = w.groups_changed(o)
                 state = structure or w.state_changed(o)
             if structure or values:
                 tensors = w.group_tensors
@@ -900,13 +893,8 @@ class GraphedStep:
 
     def _fill_hyper(self, opt, w) -> None:
         """Note [Hyperparameters a replay reads]: the values the routed optimizer's captured
-        step reads, written into its buffer (one per number of values: a graph captured
-        with another layout keeps reading its own)."""
-        buffers = w.hyper_buffers  # the watch is the optimizer's own, for this step
-        buf = buffers.get(len(w.hyper))
-        if buf is None:
-            buf = buffers[len(w.hyper)] = torch.zeros(len(w.hyper), dtype=torch.float64)
-        _C.graphs.fill_hyper(buf, w.hyper)
+        step reads, written into its buffer."""
+        _C.graphs.fill_hyper(w.hyper_buffer(), w.hyper)
 
     def _route_for(self, opt):
         """Inside a capture: the route of `opt`'s step, or None (torch's own code, its values
@@ -914,7 +902,7 @@ class GraphedStep:
         w = self._opt_watches.get(opt)
         if w is None or not w.routed:
             return None
-        return _optim.Route(opt, w.family, w.hyper_buffers[len(w.hyper)])
+        return _optim.Route(opt, w.family, w.hyper_buffer())
 
     def _describe_state(self) -> str:
         """The variant state in words (the log's "what changed"; asked at capture only)."""
