@@ -32,7 +32,7 @@ whose changes move its own version; ``load_state_dict`` replaces it, which its i
 shows. The text of the variant state is built again only for what changed; where only
 numbers a routed replay reads moved (a schedule's learning rate: same types, zero where
 torch branches on it as before), nothing of it is: the buffer is refilled in place
-(``OptimizerWatch.take_numbers``) and the same graph replays.
+(``OptimizerWatch.take_numbers``, one call into the core) and the same graph replays.
 """
 
 from __future__ import annotations
