@@ -226,29 +226,67 @@ bool compare_groups(const py::handle& groups, const py::list& seen, const py::li
   return true;
 }
 
+// numpy.float64 (a float subclass), once numpy is imported: the type itself, not its name
+// (a user's class may be called anything). Null while numpy is not imported: then no value
+// can be one.
+PyTypeObject* numpy_float64() {
+  static PyObject* cached = nullptr;  // held for the process, as numpy is
+  if (cached != nullptr) return reinterpret_cast<PyTypeObject*>(cached);
+  PyObject* np = PyDict_GetItemString(PyImport_GetModuleDict(), "numpy");  // borrowed
+  if (np == nullptr || !PyModule_Check(np)) return nullptr;
+  PyObject* t = PyDict_GetItemString(PyModule_GetDict(np), "float64");  // borrowed: no module __getattr__ runs
+  if (t == nullptr || !PyType_Check(t) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(t), &PyFloat_Type)) {
+    return nullptr;
+  }
+  Py_INCREF(t);
+  cached = t;
+  return reinterpret_cast<PyTypeObject*>(t);
+}
+
 // Note [Hyperparameters a replay reads] (dwgraph/_optim.py): a value the ops read as the
-// eager step's Python arithmetic computes with it: exactly an int that fits int64 (the ops
-// hold it as one), a float, or numpy's float64 (IEEE double arithmetic, as float's). Not a
-// subclass (its own arithmetic, a __neg__, is not what a replay computes); not bool.
+// eager step's Python arithmetic computes with it: exactly an int that a double holds
+// exactly (|v| <= 2**53: the replay's buffer is float64), a float, or numpy's float64 (IEEE
+// double arithmetic, as float's). Not a subclass (its own arithmetic, a __neg__, is not
+// what a replay computes); not bool.
 bool is_number(PyObject* v) {
   if (PyLong_CheckExact(v)) {
     int overflow = 0;
-    PyLong_AsLongLongAndOverflow(v, &overflow);
+    const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
     if (PyErr_Occurred()) PyErr_Clear();
-    return overflow == 0;
+    constexpr long long kExact = 1LL << 53;
+    return overflow == 0 && x >= -kExact && x <= kExact;
   }
-  return PyFloat_CheckExact(v) || std::strcmp(Py_TYPE(v)->tp_name, "numpy.float64") == 0;
+  if (PyFloat_CheckExact(v)) return true;
+  PyTypeObject* const f64 = numpy_float64();
+  return f64 != nullptr && Py_TYPE(v) == f64;
 }
 
-// A number as a double (the replay's buffer); false (no error set) where it cannot be one.
+// A number (is_number) as a double; runs no Python code (no __float__: the types are
+// exact). False where `v` is not one.
 bool as_double(PyObject* v, double* out) {
-  const double d = PyFloat_AsDouble(v);  // int, float and float64 (a float subclass)
-  if (d == -1.0 && PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
+  if (PyFloat_Check(v) && is_number(v)) {
+    *out = PyFloat_AS_DOUBLE(v);
+    return true;
   }
-  *out = d;
-  return true;
+  if (PyLong_CheckExact(v) && is_number(v)) {
+    *out = PyLong_AsDouble(v);  // exact: |v| <= 2**53
+    return true;
+  }
+  return false;
+}
+
+// A value a routed replay reads in place of torch's Python arithmetic: a number, and Adam's
+// betas in the range torch's constructor allows, [0, 1). Beyond it torch's step computes in
+// Python what the replay computes with tensors, differently: beta1 = 1 divides by zero
+// (ZeroDivisionError), a negative 1 - beta2**step under a square root is a complex number.
+bool routable(PyObject* name, PyObject* v) {
+  static PyObject* const beta1 = PyUnicode_InternFromString("beta1");
+  static PyObject* const beta2 = PyUnicode_InternFromString("beta2");
+  double d = 0;
+  if (!as_double(v, &d)) return false;
+  const bool beta = name == beta1 || name == beta2 ||
+                    (PyUnicode_Check(name) && (PyUnicode_Compare(name, beta1) == 0 || PyUnicode_Compare(name, beta2) == 0));
+  return !beta || (d >= 0 && d < 1);
 }
 
 // `group[name]`, the betas' items under "beta1"/"beta2" (borrowed; null when absent).
@@ -367,7 +405,9 @@ void init_watch(py::module_& parent) {
          const py::list& params) { return compare_groups(groups, seen, keys, values, params, nullptr,
                                                    [](Py_ssize_t, PyObject*, PyObject*, PyObject*) { return false; }); },
       py::arg("groups"), py::arg("seen"), py::arg("keys"), py::arg("values"), py::arg("params"));
-  m.def("is_number", [](const py::handle& v) { return is_number(v.ptr()); }, py::arg("value"));
+  m.def(
+      "routable", [](const py::handle& name, const py::handle& v) { return routable(name.ptr(), v.ptr()); },
+      py::arg("name"), py::arg("value"));
   // Note [Hyperparameters a replay reads] (dwgraph/_optim.py): writes a routed optimizer's
   // numbers into its buffer in place (no host tensor per call); bumps its version.
   m.def(
@@ -402,8 +442,10 @@ void init_watch(py::module_& parent) {
         std::vector<double> now(static_cast<size_t>(n * per));
         for (Py_ssize_t i = 0; i < n; ++i) {
           for (Py_ssize_t j = 0; j < per; ++j) {
-            PyObject* v = read_value(PyList_GET_ITEM(pg, i), PyTuple_GET_ITEM(names.ptr(), j));
-            if (v == nullptr || !as_double(v, &now[i * per + j])) return false;  // first: nothing taken
+            PyObject* name = PyTuple_GET_ITEM(names.ptr(), j);
+            PyObject* v = read_value(PyList_GET_ITEM(pg, i), name);
+            // First, so that nothing is taken where one is not routable.
+            if (v == nullptr || !routable(name, v) || !as_double(v, &now[i * per + j])) return false;
           }
         }
         fill_buffer(buffer, now.data(), now.size());

@@ -453,3 +453,92 @@ def test_values_eager_refuses_are_refused_alike(name):
     with pytest.raises(error) as e_graphed:
         step(x)
     assert type(e_graphed.value) is type(e_eager.value), (e_graphed.value, e_eager.value)
+
+
+def test_the_cores_rule_for_values_a_replay_reads():
+    """_C.graphs.routable: what a routed replay reads from its float64 buffer in place of
+    torch's Python arithmetic."""
+    routable = dwgraph._C.graphs.routable
+    for v in (0.1, 3, -0.0, np.float64(0.1), 2 ** 53, -(2 ** 53)):
+        assert routable("lr", v), v
+    # A float64 buffer would round these; bool, float32 and float subclasses compute otherwise.
+    for v in (2 ** 53 + 1, -(2 ** 63), 2 ** 70, True, np.float32(0.1), np.int64(1), FloatSub(0.1), "0.1", None):
+        assert not routable("lr", v), v
+    assert not routable("lr", type("numpy.float64", (float,), {})(0.1))  # named as numpy's type, not it
+    assert not routable("lr", type("numpy.float64", (int,), {})(1))
+    # Adam's betas in torch's own range [0, 1) only.
+    for name in ("beta1", "beta2"):
+        assert routable(name, 0.0) and routable(name, 0.999) and routable(name, 0)
+        for v in (1, 1.0, -0.1, 1.5, float("nan")):
+            assert not routable(name, v), (name, v)
+
+
+_SPOOFED_FLOAT64 = type("numpy.float64", (float,), {"__neg__": lambda self: -2.0 * float(self)})
+
+
+@pytest.mark.parametrize("impl", ["single", "foreach"])
+def test_a_class_named_like_numpys_float64_runs_torchs_code(impl):
+    """A float subclass called "numpy.float64" with its own __neg__ (eager's -lr is not
+    -float(lr)): torch's code is captured, as for any subclass, also when its values move."""
+    eager, graphed, opt_e, opt_g, _ = twins(Small, lambda ps: torch.optim.SGD(ps, lr=_SPOOFED_FLOAT64(0.05),
+                                                                             momentum=0.9, **IMPLS[impl]))
+    step = dwgraph.graphed_step(lambda x: small_body(graphed, opt_g, x), warmup_iters=1)
+    _check(step, eager, graphed, opt_e, opt_g, 3, "replays")
+    assert "read at replay" not in step.summary(), step.summary()
+    for lr in (_SPOOFED_FLOAT64(0.04), _SPOOFED_FLOAT64(0.03), 0.03):
+        for o in (opt_e, opt_g):
+            o.param_groups[0]["lr"] = lr
+        _check(step, eager, graphed, opt_e, opt_g, 2, f"lr {lr!r}")
+
+
+def test_taking_the_moved_numbers_runs_no_python_code():
+    """An int subclass called "numpy.float64" whose __float__ empties the optimizer's groups:
+    the core's check of the moved values reads exact types only, so none of the value's own
+    code runs while it holds the groups (the first C++ version converted it and crashed)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=False)
+    armed = [False]
+
+    def as_float(self):
+        if armed[0]:
+            armed[0] = False
+            opt.param_groups.clear()
+        return float(int(self))
+
+    number = type("numpy.float64", (int,), {"__float__": as_float})
+    opt.param_groups[0]["lr"] = number(0)
+
+    def body(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = dwgraph.graphed_step(body, warmup_iters=1)
+    for _ in range(3):
+        step(torch.randn(2, 4))
+    opt.param_groups[0]["lr"] = number(1)
+    armed[0] = True
+    step(torch.randn(2, 4))
+    assert len(opt.param_groups) == 1
+    assert "read at replay" not in step.summary(), step.summary()
+
+
+def test_a_beta_outside_torchs_range_is_refused_and_writes_nothing():
+    """betas = (1, 1) set after capture: eagerly AdamW's step divides by zero in Python
+    (ZeroDivisionError, after its weight decay); a replay reading them would compute with
+    tensors and write non-finite values. The graphed step captures torch's code instead,
+    which is refused before anything is written."""
+    eager, graphed, opt_e, opt_g, step = _stepped_twins(lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.5, 0.9)))
+    for o in (opt_e, opt_g):
+        o.param_groups[0]["betas"] = (1, 1)
+    before = {n: p.detach().clone() for n, p in graphed.named_parameters()}
+    x = torch.randn(B, H)
+    with pytest.raises(ZeroDivisionError):
+        small_body(eager, opt_e, x)
+    with pytest.raises(dwgraph.GraphStateError, match=r"betas in \[0, 1\)"):
+        step(x)
+    for n, p in graphed.named_parameters():
+        assert torch.equal(p, before[n]), n

@@ -116,9 +116,10 @@ def _read(group: dict, name: str):
     return group[name]
 
 
-# A value the ops read as the eager step's Python arithmetic computes with it (an int that
-# fits int64, a float, numpy's float64; not a subclass, not bool): decided by the core.
-_is_number = _C.graphs.is_number
+# A value the ops read as the eager step's Python arithmetic computes with it (an int a
+# double holds exactly, a float, numpy's float64; not a subclass, not bool; Adam's betas in
+# [0, 1), where torch's Python arithmetic computes as the replay does): decided by the core.
+_routable = _C.graphs.routable
 
 
 def _params_routable(opt) -> bool:
@@ -144,7 +145,7 @@ def _values_routable(opt, fam: Optional[str]) -> bool:
         try:
             if fam == "adam" and len(g["betas"]) != 2:  # torch refuses other lengths; the ops read two
                 return False
-            if not all(_is_number(_read(g, n)) for n in _VALUES[fam]):
+            if not all(_routable(n, _read(g, n)) for n in _VALUES[fam]):
                 return False
         except (KeyError, TypeError, IndexError):
             return False

@@ -1054,7 +1054,8 @@ class GraphedStep:
                 raise GraphStateError(
                     f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step cannot be captured ({e}): it "
                     "reads tensor values on the host. A graphed step reads the hyperparameters and step counts of "
-                    "torch.optim.SGD, Adam and AdamW on the CPU at replay (Python-number hyperparameters); for "
+                    "torch.optim.SGD, Adam and AdamW on the CPU at replay (Python-number hyperparameters, Adam's "
+                    "betas in [0, 1) as torch's constructor requires); for "
                     "another optimizer pass fused=True where torch has a fused implementation (the CPU too), "
                     "capturable=True on CUDA (with a tensor lr, which it reads at replay), or step the optimizer "
                     "after the graphed step returns") from e
