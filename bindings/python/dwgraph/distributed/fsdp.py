@@ -251,7 +251,7 @@ class FullyShardReducer:
                 # In the dtype FSDP reduces this parameter's gradient in (grad_dtype: FP32 under a
                 # mixed-precision policy with a BF16 parameter); main_grad is zeroed below.
                 g = mg.to(getattr(p, "grad_dtype", None) or p.dtype, copy=True)
-                p.grad = g if p.grad is None else p.grad.add_(g)
+                _C.nn.accumulate_grad(p, g, "dwgraph.distributed.FullyShardReducer.finish()")  # the one hand-off rule
                 mg.zero_()
         for h in self._holders:
             h.set_requires_gradient_sync(True, recurse=False)

@@ -111,7 +111,5 @@ class ShardedWeight(DistributedWeight):
         if main_grad is not None:
             main_grad.add_(shard)
             self.grad_added_to_main_grad = True
-        elif self.grad is None:
-            self.grad = shard
         else:
-            self.grad.add_(shard)
+            _C.nn.accumulate_grad(self, shard, "dwgraph.distributed: a sharded weight's reduce-scatter")  # the one hand-off rule
