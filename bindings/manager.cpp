@@ -385,7 +385,7 @@ void init_manager(py::module_& parent) {
       // exists. None otherwise (the front end's general path decides the call).
       .def(
           "replay_plain",
-          [](GraphedStep& self, const py::tuple& args) -> py::object {
+          [](GraphedStep& self, const py::tuple& args, const py::object& probe) -> py::object {
             const auto& plain = self.plain_call();
             if (!plain || args.size() != plain->num_tensors || state_epoch() != plain->epoch) return py::none();
             bool autocast_on = false;
@@ -420,15 +420,38 @@ void init_manager(py::module_& parent) {
             }
             // A copy: with the GIL released another thread's call may record another key.
             const std::string key = plain->key;
+            // Note [A step's plain call]: the front end's probe, (tensor hook epoch, variant
+            // state text, [(optimizer ref, watch ref)]): while the hook epoch stands and each
+            // optimizer is steady (its schedule's numbers taken), the variant state is that
+            // text, and the core need not ask the front end for it.
+            std::optional<std::string> state;
+            PyObject* p = probe.ptr();
+            if (PyTuple_CheckExact(p) && PyTuple_GET_SIZE(p) == 3 && PyList_CheckExact(PyTuple_GET_ITEM(p, 2)) &&
+                PyUnicode_CheckExact(PyTuple_GET_ITEM(p, 1)) &&
+                py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(p, 0)).cast<uint64_t>() == tensor_hook_epoch()) {
+              const py::list entries = py::reinterpret_borrow<py::list>(PyTuple_GET_ITEM(p, 2));
+              bool steady = true;
+              for (Py_ssize_t i = 0; steady && i < PyList_GET_SIZE(entries.ptr()); ++i) {
+                PyObject* refs = PyList_GET_ITEM(entries.ptr(), i);
+                steady = PyTuple_CheckExact(refs) && PyTuple_GET_SIZE(refs) == 2 &&
+                         PyWeakref_CheckRef(PyTuple_GET_ITEM(refs, 0)) && PyWeakref_CheckRef(PyTuple_GET_ITEM(refs, 1));
+                if (!steady) break;
+                // Held while asked: the optimizer's own code (a param_groups property) may run.
+                const auto opt = py::reinterpret_borrow<py::object>(PyWeakref_GetObject(PyTuple_GET_ITEM(refs, 0)));
+                const auto watch = py::reinterpret_borrow<py::object>(PyWeakref_GetObject(PyTuple_GET_ITEM(refs, 1)));
+                steady = !opt.is_none() && !watch.is_none() && optimizer_steady(opt, watch);
+              }
+              if (steady) state = py::reinterpret_borrow<py::str>(PyTuple_GET_ITEM(p, 1)).cast<std::string>();
+            }
             std::optional<std::vector<at::Tensor>> outs;
             {
               const py::gil_scoped_release no_gil;
-              outs = self.replay_if_captured(tensors, key);
+              outs = self.replay_if_captured(tensors, key, state ? &*state : nullptr);
             }
             if (!outs) return py::none();
             return py::cast(std::move(*outs));
           },
-          py::arg("args"))
+          py::arg("args"), py::arg("probe") = py::none())
       .def(
           "set_plain_call",
           [](GraphedStep& self, size_t num_tensors, std::string ambient, uint64_t epoch, std::string key,

@@ -339,7 +339,144 @@ void fill_buffer(const at::Tensor& buffer, const double* values, size_t n) {
   if (!buffer.is_inference()) buffer.unsafeGetTensorImpl()->bump_version();  // as copy_ would
 }
 
+// The same comparison as same_groups where values under the keys in `read` (a set of str)
+// may be other objects, each only as a number the replay reads (moved_as_number). Then it
+// takes them: `hyper` (a list of floats, one per group and name in `names`), the buffer and
+// the seen values (`values`: lists, `tuples`: the same as tuples) are updated, and true is
+// returned. Anything else (something else changed, or nothing did, or a value is not
+// routable): false, and nothing is written. Runs no Python code while it holds the groups.
+bool take_numbers(const py::handle& groups, const py::handle& seen, const py::handle& keys, const py::handle& values,
+                  const py::handle& tuples, const py::handle& params, const py::handle& read,
+                  const py::handle& branches, const py::handle& names, const py::handle& hyper,
+                  const at::Tensor& buffer) {
+  for (const auto& l : {seen, keys, values, tuples, params, hyper}) {
+    if (!PyList_CheckExact(l.ptr())) return false;
+  }
+  if (!PyAnySet_Check(read.ptr()) || !PyAnySet_Check(branches.ptr()) || !PyTuple_CheckExact(names.ptr())) return false;
+  std::vector<Py_ssize_t> moved;
+  const bool same = compare_groups(groups, py::reinterpret_borrow<py::list>(seen), py::reinterpret_borrow<py::list>(keys),
+                                   py::reinterpret_borrow<py::list>(values), py::reinterpret_borrow<py::list>(params),
+                                   read.ptr(), [&](Py_ssize_t i, PyObject* k, PyObject* now, PyObject* before) {
+                                     if (!moved_as_number(k, now, before, branches.ptr())) return false;
+                                     if (moved.empty() || moved.back() != i) moved.push_back(i);
+                                     return true;
+                                   });
+  if (!same || moved.empty()) return false;
+  PyObject* pg = groups.ptr();
+  const Py_ssize_t n = PyList_GET_SIZE(pg), per = PyTuple_GET_SIZE(names.ptr());
+  if (PyList_GET_SIZE(hyper.ptr()) != n * per || PyList_GET_SIZE(tuples.ptr()) != n) return false;
+  std::vector<double> now(static_cast<size_t>(n * per));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    for (Py_ssize_t j = 0; j < per; ++j) {
+      PyObject* name = PyTuple_GET_ITEM(names.ptr(), j);
+      PyObject* v = read_value(PyList_GET_ITEM(pg, i), name);
+      // First, so that nothing is taken where one is not routable.
+      if (v == nullptr || !routable(name, v) || !as_double(v, &now[i * per + j])) return false;
+    }
+  }
+  fill_buffer(buffer, now.data(), now.size());
+  for (Py_ssize_t i = 0; i < n * per; ++i) {
+    PyObject* f = PyFloat_FromDouble(now[i]);
+    if (f == nullptr) throw py::error_already_set();
+    PyList_SetItem(hyper.ptr(), i, f);  // steals f
+  }
+  for (Py_ssize_t i : moved) {
+    PyObject* vs = PyDict_Values(PyList_GET_ITEM(pg, i));
+    if (vs == nullptr) throw py::error_already_set();
+    PyObject* t = PyList_AsTuple(vs);
+    if (t == nullptr) {
+      Py_DECREF(vs);
+      throw py::error_already_set();
+    }
+    PyList_SetItem(values.ptr(), i, vs);  // steal
+    PyList_SetItem(tuples.ptr(), i, t);
+  }
+  return true;
+}
+
+// An attribute of `o` (a new reference), or a null object where it is missing. `name` is
+// a string literal: its interned str is made once per call site's literal (a lookup by a
+// str with its hash cached, not a new str per read).
+py::object attr(const py::handle& o, const char* name) {
+  static std::unordered_map<const char*, PyObject*> interned;  // under the GIL
+  PyObject*& key = interned[name];
+  if (key == nullptr) key = PyUnicode_InternFromString(name);
+  PyObject* v = nullptr;
+  // Missing is the common case for some (a GradScaler's attributes): no AttributeError made.
+#if PY_VERSION_HEX >= 0x030D0000
+  const int found = PyObject_GetOptionalAttr(o.ptr(), key, &v);
+#else
+  const int found = _PyObject_LookupAttr(o.ptr(), key, &v);
+#endif
+  if (found <= 0) {
+    if (found < 0) PyErr_Clear();
+    return py::object();
+  }
+  return py::reinterpret_steal<py::object>(v);
+}
+
+bool truthy(const py::object& v) {
+  if (!v) return false;
+  const int r = PyObject_IsTrue(v.ptr());
+  if (r < 0) throw py::error_already_set();
+  return r == 1;
+}
+
+// OptimizerWatch.take_numbers (dwgraph/_optim.py): a routed optimizer (no GradScaler state
+// on it, no mutable group value) whose groups moved only in numbers its replay reads:
+// takes them (take_numbers above) into the watch and its buffer.
+bool take_numbers_of(const py::handle& opt, const py::handle& w) {
+  if (!truthy(attr(w, "routed")) || truthy(attr(w, "volatile"))) return false;
+  for (const char* scaler : {"grad_scale", "found_inf"}) {
+    const py::object v = attr(opt, scaler);
+    if (v && !v.is_none()) return false;
+  }
+  const py::object hyper = attr(w, "hyper");
+  const py::object buffers = attr(w, "hyper_buffers");
+  if (!hyper || !PyList_CheckExact(hyper.ptr()) || !buffers || !PyDict_CheckExact(buffers.ptr())) return false;
+  const py::int_ count(PyList_GET_SIZE(hyper.ptr()));
+  py::object buffer = py::reinterpret_borrow<py::object>(PyDict_GetItem(buffers.ptr(), count.ptr()));
+  if (!buffer) buffer = w.attr("hyper_buffer")();  // made once per layout
+  const py::object groups = attr(opt, "param_groups");
+  if (!groups) return false;
+  return take_numbers(groups, attr(w, "groups"), attr(w, "keys"), attr(w, "value_list"), attr(w, "values"),
+                      attr(w, "params"), attr(w, "read_from"), attr(w, "branches"), attr(w, "value_names"), hyper,
+                      py::cast<at::Tensor>(buffer));
+}
+
 }  // namespace
+
+// OptimizerWatch.steady (bindings.h).
+bool optimizer_steady(const py::handle& opt, const py::handle& w) {
+  const py::object groups = attr(opt, "param_groups");
+  const py::object seen = attr(w, "groups_list");
+  if (!groups || !seen || !groups.is(seen) || truthy(attr(w, "volatile"))) return false;
+  const py::object state = attr(opt, "state");
+  const py::object state_obj = attr(w, "state_obj");
+  if (!state || !state_obj || !state.is(state_obj)) return false;
+  // -1: not a watching dict when last looked at, so asked again at every call.
+  const py::object seen_version = attr(w, "state_version");
+  const py::object version = attr(state, "version");
+  if (!seen_version || !version || !PyLong_CheckExact(seen_version.ptr()) || !PyLong_CheckExact(version.ptr())) {
+    return false;
+  }
+  const long long v = PyLong_AsLongLong(seen_version.ptr());
+  if (v == -1 || v != PyLong_AsLongLong(version.ptr())) {
+    if (PyErr_Occurred()) PyErr_Clear();
+    return false;
+  }
+  const py::object keys = attr(w, "keys"), values = attr(w, "value_list"), params = attr(w, "params"),
+                   seen_groups = attr(w, "groups");
+  for (const auto* l : {&keys, &values, &params, &seen_groups}) {
+    if (!*l || !PyList_CheckExact(l->ptr())) return false;
+  }
+  if (compare_groups(groups, py::reinterpret_borrow<py::list>(seen_groups), py::reinterpret_borrow<py::list>(keys),
+                     py::reinterpret_borrow<py::list>(values), py::reinterpret_borrow<py::list>(params), nullptr,
+                     [](Py_ssize_t, PyObject*, PyObject*, PyObject*) { return false; })) {
+    return true;
+  }
+  return take_numbers_of(opt, w);
+}
 
 void init_watch(py::module_& parent) {
   auto m = parent.attr("graphs").cast<py::module_>();
@@ -416,59 +553,14 @@ void init_watch(py::module_& parent) {
         fill_buffer(buffer, values.data(), values.size());
       },
       py::arg("buffer"), py::arg("values"));
-  // The same comparison as same_groups where values under the keys in `read` (a set of str)
-  // may be other objects, each only as a number the replay reads (moved_as_number). Then it
-  // takes them: `hyper` (a list of floats, one per group and name in `names`), the buffer
-  // and the seen values (`values`: lists, `tuples`: the same as tuples) are updated, and
-  // True is returned. Anything else (something else changed, or nothing did): False, and
-  // nothing is written. Runs no Python code.
+  // Note [What selects a graph, watched] (dwgraph/_optim.py): OptimizerWatch.take_numbers
+  // and .steady, decided here for the front end and for the step's plain call alike.
   m.def(
-      "take_numbers",
-      [](const py::handle& groups, const py::list& seen, const py::list& keys, const py::list& values,
-         const py::list& tuples, const py::list& params, const py::handle& read, const py::handle& branches,
-         const py::tuple& names, const py::list& hyper, const at::Tensor& buffer) {
-        if (!PyAnySet_Check(read.ptr()) || !PyAnySet_Check(branches.ptr())) return false;
-        std::vector<Py_ssize_t> moved;
-        const bool same = compare_groups(groups, seen, keys, values, params, read.ptr(),
-                                         [&](Py_ssize_t i, PyObject* k, PyObject* now, PyObject* before) {
-                                           if (!moved_as_number(k, now, before, branches.ptr())) return false;
-                                           if (moved.empty() || moved.back() != i) moved.push_back(i);
-                                           return true;
-                                         });
-        if (!same || moved.empty()) return false;
-        PyObject* pg = groups.ptr();
-        const Py_ssize_t n = PyList_GET_SIZE(pg), per = PyTuple_GET_SIZE(names.ptr());
-        if (PyList_GET_SIZE(hyper.ptr()) != n * per || PyList_GET_SIZE(tuples.ptr()) != n) return false;
-        std::vector<double> now(static_cast<size_t>(n * per));
-        for (Py_ssize_t i = 0; i < n; ++i) {
-          for (Py_ssize_t j = 0; j < per; ++j) {
-            PyObject* name = PyTuple_GET_ITEM(names.ptr(), j);
-            PyObject* v = read_value(PyList_GET_ITEM(pg, i), name);
-            // First, so that nothing is taken where one is not routable.
-            if (v == nullptr || !routable(name, v) || !as_double(v, &now[i * per + j])) return false;
-          }
-        }
-        fill_buffer(buffer, now.data(), now.size());
-        for (Py_ssize_t i = 0; i < n * per; ++i) {
-          PyObject* f = PyFloat_FromDouble(now[i]);
-          if (f == nullptr) throw py::error_already_set();
-          PyList_SetItem(hyper.ptr(), i, f);  // steals f
-        }
-        for (Py_ssize_t i : moved) {
-          PyObject* vs = PyDict_Values(PyList_GET_ITEM(pg, i));
-          if (vs == nullptr) throw py::error_already_set();
-          PyObject* t = PyList_AsTuple(vs);
-          if (t == nullptr) {
-            Py_DECREF(vs);
-            throw py::error_already_set();
-          }
-          PyList_SetItem(values.ptr(), i, vs);  // steal
-          PyList_SetItem(tuples.ptr(), i, t);
-        }
-        return true;
-      },
-      py::arg("groups"), py::arg("seen"), py::arg("keys"), py::arg("values"), py::arg("tuples"), py::arg("params"),
-      py::arg("read"), py::arg("branches"), py::arg("names"), py::arg("hyper"), py::arg("buffer"));
+      "take_numbers_of", [](const py::handle& opt, const py::handle& watch) { return take_numbers_of(opt, watch); },
+      py::arg("optimizer"), py::arg("watch"));
+  m.def(
+      "optimizer_steady", [](const py::handle& opt, const py::handle& watch) { return optimizer_steady(opt, watch); },
+      py::arg("optimizer"), py::arg("watch"));
 }
 
 }  // namespace dwgraph::bindings

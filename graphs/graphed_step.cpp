@@ -428,16 +428,19 @@ std::vector<at::Tensor> GraphedStep::operator()(const std::vector<at::Tensor>& t
 // Note [A step's plain call]: everything operator() does for a call that replays, and
 // nothing for one that would not (no key made, no call counted, no front-end function
 // asked what the step trains; the variant state may have been asked, and is asked again
-// by operator(), which then decides that call as for any other).
+// by operator(), which then decides that call as for any other). `state`: the variant
+// state as the front end knows it without being asked (its binding's probe: nothing it
+// reads moved since its last answer), used in place of options' variant_state.
 std::optional<std::vector<at::Tensor>> GraphedStep::replay_if_captured(const std::vector<at::Tensor>& tensors,
-                                                                       const std::string& key) {
+                                                                       const std::string& key,
+                                                                       const std::string* state) {
   check_arguments(tensors);
   const std::string full = full_key(key, tensors);
   auto it = entries_.find(full);
   if (it == entries_.end()) return std::nullopt;
   Entry& e = *it->second;
   if (e.calls < opts_.warmup_iters || !e.known) return std::nullopt;  // this call would be a warmup call
-  Variant* v = variant_for(e, tensors, /*captured_only=*/true);
+  Variant* v = variant_for(e, tensors, /*captured_only=*/true, state);
   if (v == nullptr) return std::nullopt;
   called(e, full);
   return replay_chosen(e, *v, full, tensors);
@@ -524,9 +527,11 @@ void GraphedStep::erase_variant(Entry& e, const std::string& pattern) {
 // with the state epoch: a call whose epoch, state tensors and variant state are those of
 // the last full check, and whose gradients exist where they did, selects the same variant
 // without reading the rest. Any difference takes the full check, which decides as before.
-GraphedStep::Variant* GraphedStep::variant_for(Entry& e, const std::vector<at::Tensor>& tensors, bool captured_only) {
+GraphedStep::Variant* GraphedStep::variant_for(Entry& e, const std::vector<at::Tensor>& tensors, bool captured_only,
+                                               const std::string* known_state) {
   const uint64_t epoch = state_epoch();  // read first: a change while reading is seen next time
-  std::string state = opts_.variant_state ? opts_.variant_state() : std::string();
+  std::string state = known_state != nullptr ? *known_state
+                                             : (opts_.variant_state ? opts_.variant_state() : std::string());
   Entry::Chosen& c = e.chosen;
   if (watched_ && c.variant && c.variant->graph && c.epoch == epoch &&
       c.state_tensors_version == state_tensors_version_ && c.state == state) {

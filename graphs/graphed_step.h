@@ -117,8 +117,11 @@ class GraphedStep {
   // The same call when its key and variant already have a graph: replays it and returns
   // the outputs. Otherwise nullopt, having run and counted nothing and asked the front end
   // at most the variant state (Note [A step's plain call]): operator() then decides the call.
+  // `state`: the variant state, where the front end knows it unchanged without asking
+  // options' variant_state (its plain call's probe); null: asked.
   std::optional<std::vector<at::Tensor>> replay_if_captured(const std::vector<at::Tensor>& tensors,
-                                                            const std::string& key = "");
+                                                            const std::string& key = "",
+                                                            const std::string* state = nullptr);
   // Note [A step's plain call] (contract C10): a front end that builds the key in its own
   // language records here the key of a call whose arguments were `num_tensors` distinct
   // plain tensors and nothing else, under the ambient state `ambient` (step_ambient()) and
@@ -178,7 +181,8 @@ class GraphedStep {
   struct Variant;
   // The call's variant; `captured_only`: nullptr where it has no graph yet (or finding it
   // would ask the front end what the step trains), instead of making one.
-  Variant* variant_for(Entry& e, const std::vector<at::Tensor>& tensors, bool captured_only);
+  Variant* variant_for(Entry& e, const std::vector<at::Tensor>& tensors, bool captured_only,
+                       const std::string* known_state = nullptr);
   void check_arguments(const std::vector<at::Tensor>& tensors) const;
   static std::string full_key(const std::string& key, const std::vector<at::Tensor>& tensors);
   void called(Entry& e, const std::string& full);  // a call of the key counted, most recent first

@@ -101,6 +101,41 @@ def test_steady_calls_build_no_key(monkeypatch):
     _check_models(e, g)
 
 
+@pytest.mark.parametrize("schedule", [False, True])
+def test_steady_plain_calls_do_not_ask_the_variant_state(monkeypatch, schedule):
+    """Note [A step's plain call]: while nothing moved but a schedule's numbers (taken by the
+    core), the binding's probe stands for the variant state: the front end is not asked."""
+    e, g = _make()
+    scheds = [torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9) for o in (e[1], g[1])] if schedule else []
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    asked = [0]
+    real = g[2]._variant_state
+
+    def counting():
+        asked[0] += 1
+        return real()
+
+    monkeypatch.setattr(g[2], "_variant_state", counting)
+    for _ in range(5):
+        x, y = torch.randn(3, 4), torch.randn(3, 4)
+        assert _same(e[2](x, y), g[2](x, y))
+        for s in scheds:
+            s.step()
+    assert asked[0] == 0
+    assert g[2].num_captures == 1
+    _check_models(e, g)
+    # A change the probe does not stand for (the learning rate's type): asked again, and the
+    # probe follows the answer (the next calls are not asked again).
+    for opt in (e[1], g[1]):
+        opt.param_groups[0]["lr"] = 1
+    _keep_matching(e, g, x, y, calls=1)
+    assert asked[0] >= 1
+    before = asked[0]
+    _keep_matching(e, g, x, y, calls=3, check_each=True)
+    assert asked[0] == before
+
+
 def _trained_plain_tensor_step():
     torch.manual_seed(0)
     w = [torch.randn(4, requires_grad=True) for _ in range(2)]
@@ -199,6 +234,34 @@ def _change_lr(e, g, x, y):
     return (x, y), (x, y)
 
 
+def _change_lr_type(e, g, x, y):
+    # An int learning rate after floats: another variant (its type selects one), found by
+    # asking the variant state again after the plain call's probe finds the group moved.
+    for opt in (e[1], g[1]):
+        opt.param_groups[0]["lr"] = 1
+    return (x, y), (x, y)
+
+
+def _change_momentum_zero(e, g, x, y):
+    for opt in (e[1], g[1]):
+        opt.param_groups[0]["momentum"] = 0.0  # torch branches on it
+    return (x, y), (x, y)
+
+
+def _change_state_cleared(e, g, x, y):
+    for opt in (e[1], g[1]):
+        opt.state.clear()
+    return (x, y), (x, y)
+
+
+def _change_group_added(e, g, x, y):
+    for m, opt in ((e[0], e[1]), (g[0], g[1])):
+        params = opt.param_groups[0]["params"]
+        del params[next(i for i, p in enumerate(params) if p is m[2].bias)]  # in place: the same list
+        opt.add_param_group({"params": [m[2].bias], "lr": 0.2})
+    return (x, y), (x, y)
+
+
 def _change_grad_exists(e, g, x, y):
     for m in (e[0], g[0]):
         m[0].bias.grad = torch.ones(4)
@@ -229,6 +292,10 @@ CHANGES = {
     "parameter_replaced_outside_the_optimizer": _change_parameter_replaced_outside_the_optimizer,
     "submodule_replaced": _change_submodule_replaced,
     "lr": _change_lr,
+    "lr_type": _change_lr_type,
+    "momentum_zero": _change_momentum_zero,
+    "state_cleared": _change_state_cleared,
+    "group_added": _change_group_added,
     "grad_exists": _change_grad_exists,
     "frozen": _change_frozen,
     "reset": _change_reset,

@@ -341,6 +341,11 @@ class OptimizerWatch:
     def __init__(self, opt):
         self.ref = weakref.ref(opt)
         self.family = family_of(opt)
+        # Where a routed replay's numbers are read from (take_numbers, in the core): the
+        # group keys, those torch branches on, the buffer's values in order.
+        self.read_from = _READ_FROM.get(self.family)
+        self.branches = _BRANCHES.get(self.family)
+        self.value_names = _VALUES.get(self.family)
         self.groups_list = None  # opt.param_groups, as last seen
         self.groups: List[dict] = []
         self.keys: List[tuple] = []
@@ -401,12 +406,8 @@ class OptimizerWatch:
         """Whether nothing groups_changed() and state_changed() look at moved since the last
         call, but numbers a routed replay reads (a schedule's learning rate), which
         take_numbers() has then taken and written into the buffer: the common call, in one
-        check (a False answer: ask them)."""
-        pg = opt.param_groups
-        if pg is not self.groups_list or self.volatile or self.state_changed(opt):
-            return False
-        return _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params) or \
-            self.take_numbers(opt)
+        check in the core (a False answer: ask them)."""
+        return _C.graphs.optimizer_steady(opt, self)
 
     def take_numbers(self, opt) -> bool:
         """Whether only numbers a routed replay reads moved since the last call (a schedule's
@@ -415,13 +416,7 @@ class OptimizerWatch:
         changed (the groups' words would be the same). Takes them (self.values,
         self.value_list, self.hyper) and writes them into the replay's buffer, in one call
         into the core; otherwise changes nothing."""
-        if not self.routed or self.volatile or getattr(opt, "grad_scale", None) is not None or \
-                getattr(opt, "found_inf", None) is not None:
-            return False
-        fam = self.family
-        return _C.graphs.take_numbers(opt.param_groups, self.groups, self.keys, self.value_list, self.values,
-                                      self.params, _READ_FROM[fam], _BRANCHES[fam], _VALUES[fam], self.hyper,
-                                      self.hyper_buffer())
+        return _C.graphs.take_numbers_of(opt, self)
 
     def hyper_buffer(self) -> torch.Tensor:
         """Note [Hyperparameters a replay reads]: the buffer the routed step's replay reads

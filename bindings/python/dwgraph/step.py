@@ -615,6 +615,7 @@ class GraphedStep:
         self._opt_entries: list = []  # (reference, watch) of each, in that order
         self._state_of: tuple = (None, None)  # (modules digest, optimizers text) of _state_text
         self._state_text = ""
+        self._plain_probe = None  # Note [A step's plain call]: _variant_probe()'s, with the record
         self._trained_ids: Optional[set] = None  # what _unique_arguments refuses, cached
         self._updated_memory_of: tuple = (None, [])  # (stamp, byte ranges), _updated_memory()
         # Note [A step's checks paid when state changes] (graphs/graphed_step.h): whether
@@ -655,12 +656,12 @@ class GraphedStep:
             # Note [A step's plain call] (graphs/graphed_step.h, contract C10): distinct plain
             # tensor arguments as in the last such call, nothing it depends on changed: the
             # core replays its graph without the key being built again here.
-            outs = self._native.replay_plain(args)
+            outs = self._native.replay_plain(args, self._plain_probe)
             if outs is not None:
                 return self._returned(outs)
         # Recorded again only when this call completes: what it finds (a tensor the step
         # trains) must not be missed by a plain call after it raised.
-        self._native.clear_plain_call()
+        self._clear_plain_call()
         # Grad mode, autocast and fp8 state, which a graph bakes in (docs/graphed-step.md,
         # "The key"), read by the core in one call.
         ambient, autocast_on = _C.graphs.step_ambient()
@@ -708,8 +709,23 @@ class GraphedStep:
             # _unique_arguments refuses, by identity (a Parameter fails replay_plain's type check).
             trained = self._trained()
             refused = [id(t) for t in self._trained_tensors() if type(t) is torch.Tensor and id(t) in trained]
+            probe = self._variant_probe()
             self._native.set_plain_call(len(args), ambient, self._version, key, refused, self._updated_memory())
+            self._plain_probe = probe
         return out
+
+    def _clear_plain_call(self) -> None:
+        self._plain_probe = None
+        self._native.clear_plain_call()
+
+    def _variant_probe(self):
+        """Note [A step's plain call]: the probe of the variant state as it is now (see
+        _variant_state); None before the variant state was first asked (warmup calls) or
+        where it has parts that are not watched."""
+        if self._modules_stamp is None:
+            return None
+        self._variant_state()
+        return self._plain_probe
 
     def _call(self, tensors: List[torch.Tensor], key: str):
         try:
@@ -819,11 +835,19 @@ class GraphedStep:
                 words += "|global hooks " + ",".join(f"{k}:{id(h)}" for _, k, h in _spec.user_global_hook_items())
             self._unwatched_words = words
             self._state_of = (None, None)
+            self._plain_probe = None
             return f"modules {self._modules_digest}|unwatched {_digest(words)}|{self._optimizer_state()}"
         optimizers = self._optimizer_state()
         if self._modules_digest is not self._state_of[0] or optimizers is not self._state_of[1]:
             self._state_of = (self._modules_digest, optimizers)
             self._state_text = f"modules {self._modules_digest}|{optimizers}"
+        # Note [A step's plain call]: what the binding checks in place of asking this again
+        # (the plain call's probe): this text while the hook epoch of its stamp stands and
+        # each optimizer is steady (OptimizerWatch.steady, in the core); the state epoch is
+        # checked with the record. The rest of the stamp moves only in a run of the step,
+        # whose call clears the record first. Made at every answer, so never older than the
+        # text the last call was given.
+        self._plain_probe = (stamp[3], self._state_text, [(ref, weakref.ref(w)) for ref, w in self._opt_entries])
         return self._state_text  # unchanged parts: the text the core compares, as last time
 
     def _optimizer_state(self) -> str:
@@ -887,7 +911,7 @@ class GraphedStep:
             self._native.set_state_tensors(state_tensors)
             self._note_watched("state", state_tensors)
             self._state_pushed = pushed
-            self._native.clear_plain_call()  # its refused memory holds the old state tensors
+            self._clear_plain_call()  # its refused memory holds the old state tensors
         self._opt_text = "optimizers " + ",".join(f"{serial}:{w.digest}:{w.state_digest}" for serial, w in tokens)
         return self._opt_text
 
