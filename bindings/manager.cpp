@@ -28,6 +28,24 @@ namespace py = pybind11;
 namespace dwgraph::bindings {
 namespace {
 
+// len() of a weakref.WeakValueDictionary without running its Python: its dict's size, or -1
+// (never a recorded count) while removals are pending or it is not one.
+Py_ssize_t weak_count(PyObject* d) {
+  static PyObject* const data = PyUnicode_InternFromString("data");
+  static PyObject* const pending = PyUnicode_InternFromString("_pending_removals");
+  PyObject* dict = PyObject_GetAttr(d, data);
+  PyObject* removals = dict == nullptr ? nullptr : PyObject_GetAttr(d, pending);
+  Py_ssize_t n = -1;
+  if (dict != nullptr && removals != nullptr && PyDict_CheckExact(dict) && PyList_CheckExact(removals) &&
+      PyList_GET_SIZE(removals) == 0) {
+    n = PyDict_GET_SIZE(dict);
+  }
+  if (PyErr_Occurred()) PyErr_Clear();
+  Py_XDECREF(dict);
+  Py_XDECREF(removals);
+  return n;
+}
+
 using namespace dwgraph::graphs;
 
 // The entries of a Python `order` as doubles, refusing what is not a real number before
@@ -421,14 +439,16 @@ void init_manager(py::module_& parent) {
             // A copy: with the GIL released another thread's call may record another key.
             const std::string key = plain->key;
             // Note [A step's plain call]: the front end's probe, (tensor hook epoch, variant
-            // state text, [(optimizer ref, watch ref)]): while the hook epoch stands and each
-            // optimizer is steady (its schedule's numbers taken), the variant state is that
-            // text, and the core need not ask the front end for it.
+            // state text, [(optimizer ref, watch ref)], the modules it runs (a
+            // WeakValueDictionary), their number): while the hook epoch stands, no module
+            // died and each optimizer is steady (its schedule's numbers taken), the variant
+            // state is that text, and the core need not ask the front end for it.
             std::optional<std::string> state;
             PyObject* p = probe.ptr();
-            if (PyTuple_CheckExact(p) && PyTuple_GET_SIZE(p) == 3 && PyList_CheckExact(PyTuple_GET_ITEM(p, 2)) &&
+            if (PyTuple_CheckExact(p) && PyTuple_GET_SIZE(p) == 5 && PyList_CheckExact(PyTuple_GET_ITEM(p, 2)) &&
                 PyUnicode_CheckExact(PyTuple_GET_ITEM(p, 1)) &&
-                py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(p, 0)).cast<uint64_t>() == tensor_hook_epoch()) {
+                py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(p, 0)).cast<uint64_t>() == tensor_hook_epoch() &&
+                weak_count(PyTuple_GET_ITEM(p, 3)) == py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(p, 4)).cast<Py_ssize_t>()) {
               const py::list entries = py::reinterpret_borrow<py::list>(PyTuple_GET_ITEM(p, 2));
               bool steady = true;
               for (Py_ssize_t i = 0; steady && i < PyList_GET_SIZE(entries.ptr()); ++i) {

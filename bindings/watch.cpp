@@ -422,15 +422,21 @@ bool truthy(const py::object& v) {
   return r == 1;
 }
 
+// Whether a GradScaler's state is set on `opt` (grad_scale or found_inf not None): torch's
+// step then unscales or skips, which a graph captured without it does not.
+bool optimizer_scaled(const py::handle& opt) {
+  for (const char* scaler : {"grad_scale", "found_inf"}) {
+    const py::object v = attr(opt, scaler);
+    if (v && !v.is_none()) return true;
+  }
+  return false;
+}
+
 // OptimizerWatch.take_numbers (dwgraph/_optim.py): a routed optimizer (no GradScaler state
 // on it, no mutable group value) whose groups moved only in numbers its replay reads:
 // takes them (take_numbers above) into the watch and its buffer.
 bool take_numbers_of(const py::handle& opt, const py::handle& w) {
-  if (!truthy(attr(w, "routed")) || truthy(attr(w, "volatile"))) return false;
-  for (const char* scaler : {"grad_scale", "found_inf"}) {
-    const py::object v = attr(opt, scaler);
-    if (v && !v.is_none()) return false;
-  }
+  if (!truthy(attr(w, "routed")) || truthy(attr(w, "volatile")) || optimizer_scaled(opt)) return false;
   const py::object hyper = attr(w, "hyper");
   const py::object buffers = attr(w, "hyper_buffers");
   if (!hyper || !PyList_CheckExact(hyper.ptr()) || !buffers || !PyDict_CheckExact(buffers.ptr())) return false;
@@ -451,6 +457,7 @@ bool optimizer_steady(const py::handle& opt, const py::handle& w) {
   const py::object groups = attr(opt, "param_groups");
   const py::object seen = attr(w, "groups_list");
   if (!groups || !seen || !groups.is(seen) || truthy(attr(w, "volatile"))) return false;
+  if (optimizer_scaled(opt) != truthy(attr(w, "scaled"))) return false;
   const py::object state = attr(opt, "state");
   const py::object state_obj = attr(w, "state_obj");
   if (!state || !state_obj || !state.is(state_obj)) return false;
@@ -558,6 +565,7 @@ void init_watch(py::module_& parent) {
   m.def(
       "take_numbers_of", [](const py::handle& opt, const py::handle& watch) { return take_numbers_of(opt, watch); },
       py::arg("optimizer"), py::arg("watch"));
+  m.def("optimizer_scaled", [](const py::handle& opt) { return optimizer_scaled(opt); }, py::arg("optimizer"));
   m.def(
       "optimizer_steady", [](const py::handle& opt, const py::handle& watch) { return optimizer_steady(opt, watch); },
       py::arg("optimizer"), py::arg("watch"));

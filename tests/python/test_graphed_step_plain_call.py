@@ -136,6 +136,55 @@ def test_steady_plain_calls_do_not_ask_the_variant_state(monkeypatch, schedule):
     assert asked[0] == before
 
 
+def test_a_grad_scaler_state_left_on_the_optimizer_is_refused_as_eagerly():
+    """grad_scale set on the optimizer between plain calls selects another variant (the
+    watch's words hold it): torch's step is captured and refuses it as eagerly; removed,
+    the first graph serves again."""
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    _change_grad_scale_set(e, g, x, y)
+    for _ in range(3):
+        got, want = _outcome(g[2], x, y), _outcome(e[2], x, y)
+        assert isinstance(want, AssertionError) and _same(want, got), (want, got)
+        _check_models(e, g)
+    for m, opt in ((e[0], e[1]), (g[0], g[1])):
+        del opt.grad_scale
+        m.zero_grad(set_to_none=True)  # eager's failed steps left their gradients (a known difference)
+    _keep_matching(e, g, x, y, check_each=True)
+
+
+def test_a_module_the_step_ran_dropped_between_plain_calls_matches_eager():
+    """The step keeps the modules it ran weakly: one dropped between calls (a loss module
+    swapped for a function) moves no epoch, and the plain call's probe counts them."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), {"loss": torch.nn.MSELoss()}
+
+    def body_of(m, opt, held):
+        def body(x, y):
+            loss = held["loss"](m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return body
+
+    me, oe, he = make()
+    mg, og, hg = make()
+    eager, graphed = body_of(me, oe, he), dwgraph.graphed_step(body_of(mg, og, hg))
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for _ in range(6):
+        assert torch.equal(eager(x, y), graphed(x, y))
+    he["loss"] = hg["loss"] = torch.nn.functional.l1_loss
+    for _ in range(3):
+        assert torch.equal(eager(x, y), graphed(x, y))
+        assert torch.equal(me.weight, mg.weight) and torch.equal(me.bias, mg.bias)
+    assert graphed.num_captures == 2
+
+
 def _trained_plain_tensor_step():
     torch.manual_seed(0)
     w = [torch.randn(4, requires_grad=True) for _ in range(2)]
@@ -259,6 +308,14 @@ def _change_group_added(e, g, x, y):
         params = opt.param_groups[0]["params"]
         del params[next(i for i, p in enumerate(params) if p is m[2].bias)]  # in place: the same list
         opt.add_param_group({"params": [m[2].bias], "lr": 0.2})
+    return (x, y), (x, y)
+
+
+def _change_grad_scale_set(e, g, x, y):
+    # A GradScaler's state left on the optimizer: eagerly SGD's step refuses it
+    # (AssertionError); a graph captured without it must not replay as if it were absent.
+    for opt in (e[1], g[1]):
+        opt.grad_scale = torch.tensor(2.0)
     return (x, y), (x, y)
 
 

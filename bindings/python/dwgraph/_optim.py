@@ -134,7 +134,7 @@ def _values_routable(opt, fam: Optional[str]) -> bool:
     hyperparameters, none of the flags under which torch runs other code."""
     if fam is None:
         return False
-    if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+    if _C.graphs.optimizer_scaled(opt):  # a GradScaler's grad_scale/found_inf on it
         return False
     for g in opt.param_groups:
         if any(g.get(flag) for flag in _NOT_ROUTED_IF):
@@ -355,6 +355,7 @@ class OptimizerWatch:
         self.params_text = ""
         self.values_text = ""
         self.routed = False
+        self.scaled = False  # a GradScaler's state on the optimizer, as last seen
         self.params_ok = False  # _params_routable, as of the last change of the parameters
         self.volatile = False  # a group holds a mutable value (a list): compared by its text every call
         self.group_tensors: List[torch.Tensor] = []  # tensor values of the groups (a tensor lr)
@@ -376,6 +377,8 @@ class OptimizerWatch:
         pg = opt.param_groups
         if pg is not self.groups_list or len(pg) != len(self.groups):
             return True, True, False
+        if _C.graphs.optimizer_scaled(opt) != self.scaled:
+            return False, True, False  # a GradScaler's state set or removed between calls
         # The common case in one call: the same groups, keys, value objects and parameters.
         if _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params):
             values_changed = False
@@ -429,6 +432,7 @@ class OptimizerWatch:
 
     def refresh_groups(self, opt, structure: bool) -> None:
         pg = opt.param_groups
+        self.scaled = _C.graphs.optimizer_scaled(opt)
         if structure:
             self.groups_list = pg
             self.groups = list(pg)
@@ -466,7 +470,7 @@ class OptimizerWatch:
             else:
                 parts.append(repr(sorted((k, value_text(v)) for k, v in g.items() if k != "params")))
         self.hyper = hyper
-        return "|".join(parts)
+        return "|".join(parts) + ("|scaled" if self.scaled else "")
 
     # State ----------------------------------------------------------------------------------
     def state_changed(self, opt) -> bool:

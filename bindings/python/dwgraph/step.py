@@ -842,12 +842,14 @@ class GraphedStep:
             self._state_of = (self._modules_digest, optimizers)
             self._state_text = f"modules {self._modules_digest}|{optimizers}"
         # Note [A step's plain call]: what the binding checks in place of asking this again
-        # (the plain call's probe): this text while the hook epoch of its stamp stands and
+        # (the plain call's probe): this text while the hook epoch of its stamp stands, the
+        # modules it runs are as many (they are held weakly: one may die between calls) and
         # each optimizer is steady (OptimizerWatch.steady, in the core); the state epoch is
         # checked with the record. The rest of the stamp moves only in a run of the step,
         # whose call clears the record first. Made at every answer, so never older than the
         # text the last call was given.
-        self._plain_probe = (stamp[3], self._state_text, [(ref, weakref.ref(w)) for ref, w in self._opt_entries])
+        self._plain_probe = (stamp[3], self._state_text, [(ref, weakref.ref(w)) for ref, w in self._opt_entries],
+                             self._all_modules, stamp[2])
         return self._state_text  # unchanged parts: the text the core compares, as last time
 
     def _optimizer_state(self) -> str:
