@@ -724,7 +724,10 @@ class GraphedStep:
         where it has parts that are not watched."""
         if self._modules_stamp is None:
             return None
-        self._variant_state()
+        try:
+            self._variant_state()
+        except Exception:  # noqa: BLE001 - asked again by the next call, which raises before it runs
+            return None
         return self._plain_probe
 
     def _call(self, tensors: List[torch.Tensor], key: str):
