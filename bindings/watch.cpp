@@ -350,9 +350,12 @@ bool take_numbers(const py::handle& groups, const py::handle& seen, const py::ha
                   const py::handle& branches, const py::handle& names, const py::handle& hyper,
                   const at::Tensor& buffer) {
   for (const auto& l : {seen, keys, values, tuples, params, hyper}) {
-    if (!PyList_CheckExact(l.ptr())) return false;
+    if (!l || !PyList_CheckExact(l.ptr())) return false;
   }
-  if (!PyAnySet_Check(read.ptr()) || !PyAnySet_Check(branches.ptr()) || !PyTuple_CheckExact(names.ptr())) return false;
+  if (!groups || !read || !branches || !names || !PyAnySet_Check(read.ptr()) || !PyAnySet_Check(branches.ptr()) ||
+      !PyTuple_CheckExact(names.ptr())) {
+    return false;
+  }
   std::vector<Py_ssize_t> moved;
   const bool same = compare_groups(groups, py::reinterpret_borrow<py::list>(seen), py::reinterpret_borrow<py::list>(keys),
                                    py::reinterpret_borrow<py::list>(values), py::reinterpret_borrow<py::list>(params),
