@@ -435,6 +435,20 @@ bool optimizer_scaled(const py::handle& opt) {
   return false;
 }
 
+// Whether the GradScaler state on `opt` (grad_scale, found_inf: None where missing) is not
+// the objects the watch last saw (`scaler_seen`): set, removed or replaced since.
+bool scaler_moved(const py::handle& opt, const py::handle& w) {
+  const py::object seen = attr(w, "scaler_seen");
+  if (!seen || !PyTuple_CheckExact(seen.ptr()) || PyTuple_GET_SIZE(seen.ptr()) != 2) return true;
+  const char* names[] = {"grad_scale", "found_inf"};
+  for (Py_ssize_t i = 0; i < 2; ++i) {
+    const py::object now = attr(opt, names[i]);
+    PyObject* n = now ? now.ptr() : Py_None;
+    if (n != PyTuple_GET_ITEM(seen.ptr(), i)) return true;
+  }
+  return false;
+}
+
 // OptimizerWatch.take_numbers (dwgraph/_optim.py): a routed optimizer (no GradScaler state
 // on it, no mutable group value) whose groups moved only in numbers its replay reads:
 // takes them (take_numbers above) into the watch and its buffer.
@@ -460,7 +474,7 @@ bool optimizer_steady(const py::handle& opt, const py::handle& w) {
   const py::object groups = attr(opt, "param_groups");
   const py::object seen = attr(w, "groups_list");
   if (!groups || !seen || !groups.is(seen) || truthy(attr(w, "volatile"))) return false;
-  if (optimizer_scaled(opt) != truthy(attr(w, "scaled"))) return false;
+  if (scaler_moved(opt, w)) return false;
   const py::object state = attr(opt, "state");
   const py::object state_obj = attr(w, "state_obj");
   if (!state || !state_obj || !state.is(state_obj)) return false;
@@ -569,6 +583,9 @@ void init_watch(py::module_& parent) {
       "take_numbers_of", [](const py::handle& opt, const py::handle& watch) { return take_numbers_of(opt, watch); },
       py::arg("optimizer"), py::arg("watch"));
   m.def("optimizer_scaled", [](const py::handle& opt) { return optimizer_scaled(opt); }, py::arg("optimizer"));
+  m.def(
+      "scaler_moved", [](const py::handle& opt, const py::handle& watch) { return scaler_moved(opt, watch); },
+      py::arg("optimizer"), py::arg("watch"));
   m.def(
       "optimizer_steady", [](const py::handle& opt, const py::handle& watch) { return optimizer_steady(opt, watch); },
       py::arg("optimizer"), py::arg("watch"));

@@ -18,24 +18,24 @@ import dwgraph
 from dwgraph import step as step_module
 
 
-def _make():
+def _body_of(m, opt):
+    def body(x, y):
+        loss = (m(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return body
+
+
+def _make(make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
     twin = copy.deepcopy(model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, twin)]
-
-    def body_of(m, opt):
-        def body(x, y):
-            loss = (m(x) - y).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-
-        return body
-
-    eager = body_of(model, opts[0])
-    graphed = dwgraph.graphed_step(body_of(twin, opts[1]))
+    opts = [make_opt(m.parameters()) for m in (model, twin)]
+    eager = _body_of(model, opts[0])
+    graphed = dwgraph.graphed_step(_body_of(twin, opts[1]))
     return (model, opts[0], eager), (twin, opts[1], graphed)
 
 
@@ -154,9 +154,33 @@ def test_a_grad_scaler_state_left_on_the_optimizer_is_refused_as_eagerly():
     _keep_matching(e, g, x, y, check_each=True)
 
 
-def test_a_module_the_step_ran_dropped_between_plain_calls_matches_eager():
+@pytest.mark.parametrize("impl", ["fused_sgd", "fused_adam"])
+def test_a_grad_scale_replaced_between_plain_calls_matches_eager(impl):
+    """A fused optimizer unscales by the grad_scale tensor set on it (as GradScaler.step does
+    for it): set, replaced by another tensor, removed between calls, each matches eager (the
+    tensor's identity is in the variant state; a graph reads the tensor it captured)."""
+    e, g = _make({"fused_sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+                  "fused_adam": lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True)}[impl])
+    oe, og = e[1], g[1]
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    kept = []
+    for scale in (2.0, 4.0, None):
+        for opt in (oe, og):
+            if scale is None:
+                del opt.grad_scale
+            else:
+                opt.grad_scale = torch.tensor(scale)
+                kept.append(opt.grad_scale)  # the replaced one stays alive: compared by identity
+        _keep_matching(e, g, x, y, calls=3, check_each=True)
+
+
+@pytest.mark.parametrize("replacement", ["function", "module"])
+def test_a_module_the_step_ran_dropped_between_plain_calls_matches_eager(replacement):
     """The step keeps the modules it ran weakly: one dropped between calls (a loss module
-    swapped for a function) moves no epoch, and the plain call's probe counts them."""
+    swapped for a function, or for another module with the same flags and hooks) moves no
+    epoch; the plain call's probe counts the modules, and which modules they are is in the
+    variant state (so the first graph is not chosen again for the new module)."""
     def make():
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 4)
@@ -178,11 +202,14 @@ def test_a_module_the_step_ran_dropped_between_plain_calls_matches_eager():
     x, y = torch.randn(3, 4), torch.randn(3, 4)
     for _ in range(6):
         assert torch.equal(eager(x, y), graphed(x, y))
-    he["loss"] = hg["loss"] = torch.nn.functional.l1_loss
-    for _ in range(3):
+    if replacement == "function":
+        he["loss"] = hg["loss"] = torch.nn.functional.l1_loss
+    else:
+        he["loss"], hg["loss"] = torch.nn.L1Loss(), torch.nn.L1Loss()
+    for _ in range(4):
         assert torch.equal(eager(x, y), graphed(x, y))
         assert torch.equal(me.weight, mg.weight) and torch.equal(me.bias, mg.bias)
-    assert graphed.num_captures == 2
+    assert graphed.num_captures == (2 if replacement == "function" else 3)
 
 
 def _trained_plain_tensor_step():
@@ -647,3 +674,31 @@ def test_a_hook_replaced_by_another_at_the_same_address_selects_another_graph():
         handles = [m[0].bias.register_hook(make(scale)) for m in (e[0], g[0])]
     _keep_matching(e, g, x, y, calls=2, check_each=True)
 
+
+
+def test_a_capture_refused_inside_a_grad_scalers_step_leaves_no_scaler_state_on_the_optimizer():
+    """scaler.step(opt) sets grad_scale/found_inf on a fused optimizer and removes them after
+    its step; a capture refused inside it removes them too, so the next call does not take
+    them for a scaled optimizer of the caller's (it is refused the same way)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+
+    def body(x, y):
+        loss = (model(x) - y).square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    step = dwgraph.graphed_step(body)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for _ in range(3):
+        step(x, y)  # warmup: eager
+    for _ in range(3):
+        with pytest.raises(dwgraph.GraphStateError):
+            step(x, y)
+        assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+        assert step.num_captures == 0

@@ -356,6 +356,7 @@ class OptimizerWatch:
         self.values_text = ""
         self.routed = False
         self.scaled = False  # a GradScaler's state on the optimizer, as last seen
+        self.scaler_seen = (None, None)  # its grad_scale and found_inf (held: compared by identity)
         self.params_ok = False  # _params_routable, as of the last change of the parameters
         self.volatile = False  # a group holds a mutable value (a list): compared by its text every call
         self.group_tensors: List[torch.Tensor] = []  # tensor values of the groups (a tensor lr)
@@ -377,8 +378,8 @@ class OptimizerWatch:
         pg = opt.param_groups
         if pg is not self.groups_list or len(pg) != len(self.groups):
             return True, True, False
-        if _C.graphs.optimizer_scaled(opt) != self.scaled:
-            return False, True, False  # a GradScaler's state set or removed between calls
+        if _C.graphs.scaler_moved(opt, self):
+            return False, True, False  # a GradScaler's state set, removed or replaced between calls
         # The common case in one call: the same groups, keys, value objects and parameters.
         if _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params):
             values_changed = False
@@ -432,6 +433,7 @@ class OptimizerWatch:
 
     def refresh_groups(self, opt, structure: bool) -> None:
         pg = opt.param_groups
+        self.scaler_seen = (getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None))
         self.scaled = _C.graphs.optimizer_scaled(opt)
         if structure:
             self.groups_list = pg
@@ -470,7 +472,8 @@ class OptimizerWatch:
             else:
                 parts.append(repr(sorted((k, value_text(v)) for k, v in g.items() if k != "params")))
         self.hyper = hyper
-        return "|".join(parts) + ("|scaled" if self.scaled else "")
+        scaler = f"|scaled {value_text(self.scaler_seen[0])},{value_text(self.scaler_seen[1])}" if self.scaled else ""
+        return "|".join(parts) + scaler
 
     # State ----------------------------------------------------------------------------------
     def state_changed(self, opt) -> bool:

@@ -607,6 +607,8 @@ class GraphedStep:
         self._opt_watches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._opt_serials: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._serials = itertools.count(1)
+        self._module_serials: Dict[int, tuple] = {}  # id -> (weak reference, serial): _module_serial
+        self._module_numbers = itertools.count(1)  # apart from the optimizers' (their serials are reported)
         self._state_pushed: tuple = ()
         # The last variant state text and its parts, returned as they are when no part moved.
         self._opt_pushed: Optional[tuple] = None
@@ -794,8 +796,19 @@ class GraphedStep:
         if not _watch_module(module):
             self._unwatched[id(module)] = module
 
+    def _module_serial(self, m) -> int:
+        """A number for `m` never given to another module of this step (id() may be reused
+        once a module is gone; a module class may define __eq__, so not a weak-keyed dict)."""
+        entry = self._module_serials.get(id(m))
+        if entry is None or entry[0]() is not m:
+            entry = self._module_serials[id(m)] = (weakref.ref(m), next(self._module_numbers))
+        return entry[1]
+
     def _module_words(self, modules) -> str:
         modules = list(modules)
+        # Which modules: another module with the same flags and hooks (a loss module swapped
+        # for a new one) runs other code, so its graph is another.
+        which = ",".join(str(self._module_serial(m)) for m in modules)
         modes = "".join("1" if m.training else "0" for m in modules)
         # The engine casts a leaf's gradient to its grad_dtype and dwgraph modules choose
         # their weight-gradient GEMM's output dtype by it: part of what the kernels are.
@@ -806,7 +819,7 @@ class GraphedStep:
         # By handle id (the dict's key, never reused) and function: a hook removed and another
         # registered may get the freed function's address.
         hooks = ",".join(f"{k}:{id(h)}" for m in modules for kind in _spec.HOOK_KINDS for k, h in getattr(m, kind).items())
-        return f"training {modes}|grad_dtype {grad_dtypes}|hooks {hooks}"
+        return f"modules {which}|training {modes}|grad_dtype {grad_dtypes}|hooks {hooks}"
 
     def _tensor_hook_words(self) -> str:
         """The tensor hooks (register_hook, register_post_accumulate_grad_hook) of what the
@@ -1048,6 +1061,10 @@ class GraphedStep:
                 "the values of its capture and no Python, so the optimizer's param_groups would stop following. "
                 "Set them before calling the graphed step (their values select its graphs)")
         self._hyper_before = {i: (o, _hyperparameters([o])) for i, o in self._optimizers.items()}
+        # Which GradScaler attributes each optimizer had before this call (a refused capture
+        # removes those a GradScaler's step left set).
+        scaler_before = {id(o): {n for n in ("grad_scale", "found_inf") if n in vars(o)}
+                         for o in self._optimizers.values()}
         # Capturing: the LR schedulers of its optimizers, to refuse (and undo) a step of
         # theirs inside the capture.
         schedulers = _schedulers_of(list(self._optimizers.values())) if handed is not None else []
@@ -1076,6 +1093,15 @@ class GraphedStep:
                 out = self._fn(*args, **kwargs)
         except Exception as e:
             opt = _watch.optimizer
+            if handed is not None:
+                # A GradScaler's step sets grad_scale/found_inf on the optimizer and removes
+                # them after the optimizer's step returns: a capture that failed inside it
+                # leaves the optimizers as it found them (a failed capture writes nothing).
+                for o in self._optimizers.values():
+                    had = scaler_before.get(id(o))
+                    for name in ("grad_scale", "found_inf"):
+                        if had is not None and name not in had and vars(o).get(name) is not None:
+                            del vars(o)[name]
             # Only what a capture refuses (the host graph's GraphStateError, CUDA's RuntimeError):
             # a KeyError or TypeError of the optimizer's own code is raised as eagerly.
             if opt is not None and handed is not None and not getattr(e, "_dwgraph_complete", False) and \
