@@ -451,9 +451,12 @@ bool scaler_moved(const py::handle& opt, const py::handle& w) {
 
 // OptimizerWatch.take_numbers (dwgraph/_optim.py): a routed optimizer (no GradScaler state
 // on it, no mutable group value) whose groups moved only in numbers its replay reads:
-// takes them (take_numbers above) into the watch and its buffer.
+// takes them (take_numbers above) into the watch and its buffer. The caller has checked
+// scaler_moved().
 bool take_numbers_of(const py::handle& opt, const py::handle& w) {
-  if (!truthy(attr(w, "routed")) || truthy(attr(w, "volatile")) || optimizer_scaled(opt)) return false;
+  // Routed implies no GradScaler state as of the last refresh, and both callers check
+  // scaler_moved() first.
+  if (!truthy(attr(w, "routed")) || truthy(attr(w, "volatile"))) return false;
   const py::object hyper = attr(w, "hyper");
   const py::object buffers = attr(w, "hyper_buffers");
   if (!hyper || !PyList_CheckExact(hyper.ptr()) || !buffers || !PyDict_CheckExact(buffers.ptr())) return false;

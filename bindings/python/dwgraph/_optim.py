@@ -419,7 +419,8 @@ class OptimizerWatch:
         as before, the groups otherwise the same objects: then nothing that selects a graph
         changed (the groups' words would be the same). Takes them (self.values,
         self.value_list, self.hyper) and writes them into the replay's buffer, in one call
-        into the core; otherwise changes nothing."""
+        into the core; otherwise changes nothing. The caller has found the GradScaler state
+        unmoved (scaler_moved)."""
         return _C.graphs.take_numbers_of(opt, self)
 
     def hyper_buffer(self) -> torch.Tensor:
