@@ -16,7 +16,7 @@ pybind11::dict pool_stats_dict(const allocator::PoolStats& s, const std::string&
 // `what` ("dwgraph.fp8.DelayedScaling: argument 'amax_history_len'") and the value's type.
 int64_t python_int(const pybind11::handle& v, const std::string& what);
 
-// OptimizerWatch.steady (dwgraph/_optim.py, watch.cpp): nothing that selects a graph moved
+// OptimizerWatch.steady (dwgraph/_optim.py, optimizer_watch.cpp): nothing that selects a graph moved
 // in `optimizer` since its watch last looked, but numbers a routed replay reads, which it
 // then takes into the watch and the replay's buffer.
 bool optimizer_steady(const pybind11::handle& optimizer, const pybind11::handle& watch);
@@ -28,6 +28,7 @@ void init_fp8(pybind11::module_& m);
 void init_graphs(pybind11::module_& m);
 void init_manager(pybind11::module_& m);  // after init_graphs
 void init_watch(pybind11::module_& m);    // after init_graphs
+void init_optimizer_watch(pybind11::module_& m);  // after init_graphs
 void init_distributed(pybind11::module_& m);  // after init_nn
 
 }  // namespace dwgraph::bindings

@@ -18,5 +18,6 @@ PYBIND11_MODULE(_C, m) {
   dwgraph::bindings::init_graphs(m);
   dwgraph::bindings::init_manager(m);
   dwgraph::bindings::init_watch(m);
+  dwgraph::bindings::init_optimizer_watch(m);
   dwgraph::bindings::init_distributed(m);
 }
