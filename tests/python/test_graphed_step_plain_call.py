@@ -10,6 +10,7 @@ the general path gives; then a few calls more, through the plain path again wher
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -178,8 +179,8 @@ def test_a_grad_scale_replaced_between_plain_calls_matches_eager(impl):
 @pytest.mark.parametrize("replacement", ["function", "module"])
 def test_a_module_the_step_ran_dropped_between_plain_calls_matches_eager(replacement):
     """The step keeps the modules it ran weakly: one dropped between calls (a loss module
-    swapped for a function, or for another module with the same flags and hooks) moves no
-    epoch; the plain call's probe counts the modules, and which modules they are is in the
+    swapped for a function, or for a module of another class with the same flags and hooks)
+    moves no epoch; the plain call's probe counts the modules, and their classes are in the
     variant state (so the first graph is not chosen again for the new module)."""
     def make():
         torch.manual_seed(0)
@@ -702,3 +703,31 @@ def test_a_capture_refused_inside_a_grad_scalers_step_leaves_no_scaler_state_on_
             step(x, y)
         assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
         assert step.num_captures == 0
+
+
+def test_a_module_built_inside_the_step_and_kept_replays_without_capturing_again():
+    """A criterion built inside the step at each call and kept on the model until the next
+    (a pattern of training_step methods): the same class, so the same graph replays."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    twin = copy.deepcopy(model)
+    holders = [types.SimpleNamespace(), types.SimpleNamespace()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, twin)]
+
+    def body_of(m, opt, holder):
+        def body(x, y):
+            holder.crit = torch.nn.MSELoss()
+            loss = holder.crit(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return body
+
+    eager, graphed = body_of(model, opts[0], holders[0]), dwgraph.graphed_step(body_of(twin, opts[1], holders[1]))
+    for _ in range(12):
+        x, y = torch.randn(3, 4), torch.randn(3, 4)
+        assert torch.equal(eager(x, y), graphed(x, y))
+    _check_models((model,), (twin,))
+    assert graphed.num_captures == 1

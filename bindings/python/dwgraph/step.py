@@ -607,8 +607,7 @@ class GraphedStep:
         self._opt_watches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._opt_serials: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._serials = itertools.count(1)
-        self._module_serials: Dict[int, tuple] = {}  # id -> (weak reference, serial): _module_serial
-        self._module_numbers = itertools.count(1)  # apart from the optimizers' (their serials are reported)
+        self._module_types: Dict[type, int] = {}  # _type_number's
         self._state_pushed: tuple = ()
         # The last variant state text and its parts, returned as they are when no part moved.
         self._opt_pushed: Optional[tuple] = None
@@ -796,19 +795,22 @@ class GraphedStep:
         if not _watch_module(module):
             self._unwatched[id(module)] = module
 
-    def _module_serial(self, m) -> int:
-        """A number for `m` never given to another module of this step (id() may be reused
-        once a module is gone; a module class may define __eq__, so not a weak-keyed dict)."""
-        entry = self._module_serials.get(id(m))
-        if entry is None or entry[0]() is not m:
-            entry = self._module_serials[id(m)] = (weakref.ref(m), next(self._module_numbers))
-        return entry[1]
+    def _type_number(self, cls) -> int:
+        """A number per module class (held: a class is not freed while this step lives, so
+        its number is never another's)."""
+        n = self._module_types.get(cls)
+        if n is None:
+            n = self._module_types[cls] = len(self._module_types) + 1
+        return n
 
     def _module_words(self, modules) -> str:
         modules = list(modules)
-        # Which modules: another module with the same flags and hooks (a loss module swapped
-        # for a new one) runs other code, so its graph is another.
-        which = ",".join(str(self._module_serial(m)) for m in modules)
+        # Of which classes the modules are: a module replaced by one of another class (a
+        # loss module swapped, MSELoss for L1Loss) runs other code, so its graph is another.
+        # By class, not by object: a module built inside the step at each call, and kept
+        # until the next, is the same code (by object, every call would capture again); a
+        # module replaced by another of the same class is not told apart (docs/graphed-step.md).
+        which = ",".join(str(self._type_number(type(m))) for m in modules)
         modes = "".join("1" if m.training else "0" for m in modules)
         # The engine casts a leaf's gradient to its grad_dtype and dwgraph modules choose
         # their weight-gradient GEMM's output dtype by it: part of what the kernels are.
@@ -1100,7 +1102,7 @@ class GraphedStep:
                 for o in self._optimizers.values():
                     had = scaler_before.get(id(o))
                     for name in ("grad_scale", "found_inf"):
-                        if had is not None and name not in had and vars(o).get(name) is not None:
+                        if had is not None and name not in had and name in vars(o):
                             del vars(o)[name]
             # Only what a capture refuses (the host graph's GraphStateError, CUDA's RuntimeError):
             # a KeyError or TypeError of the optimizer's own code is raised as eagerly.
