@@ -35,12 +35,12 @@ Py_ssize_t weak_count(PyObject* d) {
   static PyObject* const pending = PyUnicode_InternFromString("_pending_removals");
   PyObject* dict = PyObject_GetAttr(d, data);
   PyObject* removals = dict == nullptr ? nullptr : PyObject_GetAttr(d, pending);
+  if (dict == nullptr || removals == nullptr) PyErr_Clear();  // the lookup's own error only
   Py_ssize_t n = -1;
   if (dict != nullptr && removals != nullptr && PyDict_CheckExact(dict) && PyList_CheckExact(removals) &&
       PyList_GET_SIZE(removals) == 0) {
     n = PyDict_GET_SIZE(dict);
   }
-  if (PyErr_Occurred()) PyErr_Clear();
   Py_XDECREF(dict);
   Py_XDECREF(removals);
   return n;
