@@ -16,6 +16,11 @@ pybind11::dict pool_stats_dict(const allocator::PoolStats& s, const std::string&
 // `what` ("dwgraph.fp8.DelayedScaling: argument 'amax_history_len'") and the value's type.
 int64_t python_int(const pybind11::handle& v, const std::string& what);
 
+// An attribute of `o` (a new reference), or a null object where it is missing or its
+// lookup raised (the error cleared; no AttributeError is made for a missing one). `name` is
+// a string literal: its interned str is made once, not per read (the per-call checks).
+pybind11::object optional_attr(const pybind11::handle& o, const char* name);
+
 // OptimizerWatch.steady (dwgraph/_optim.py, optimizer_watch.cpp): nothing that selects a graph moved
 // in `optimizer` since its watch last looked, but numbers a routed replay reads, which it
 // then takes into the watch and the replay's buffer.

@@ -7,6 +7,8 @@
 
 #include <torch/csrc/Exceptions.h>
 
+#include <unordered_map>
+
 namespace py = pybind11;
 
 namespace dwgraph::bindings {
@@ -54,6 +56,23 @@ int64_t python_int(const py::handle& v, const std::string& what) {
   const long long n = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
   DWGRAPH_CHECK_ARG(overflow == 0, what, " (", py::str(v).cast<std::string>(), ") is out of range");
   return n;
+}
+
+py::object optional_attr(const py::handle& o, const char* name) {
+  static std::unordered_map<const char*, PyObject*> interned;  // under the GIL
+  PyObject*& key = interned[name];
+  if (key == nullptr) key = PyUnicode_InternFromString(name);
+  PyObject* v = nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+  const int found = PyObject_GetOptionalAttr(o.ptr(), key, &v);
+#else
+  const int found = _PyObject_LookupAttr(o.ptr(), key, &v);
+#endif
+  if (found <= 0) {
+    if (found < 0) PyErr_Clear();
+    return py::object();
+  }
+  return py::reinterpret_steal<py::object>(v);
 }
 
 void init_errors(py::module_& m) {

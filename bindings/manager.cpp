@@ -30,20 +30,13 @@ namespace {
 
 // len() of a weakref.WeakValueDictionary without running its Python: its dict's size, or -1
 // (never a recorded count) while removals are pending or it is not one.
-Py_ssize_t weak_count(PyObject* d) {
-  static PyObject* const data = PyUnicode_InternFromString("data");
-  static PyObject* const pending = PyUnicode_InternFromString("_pending_removals");
-  PyObject* dict = PyObject_GetAttr(d, data);
-  PyObject* removals = dict == nullptr ? nullptr : PyObject_GetAttr(d, pending);
-  if (dict == nullptr || removals == nullptr) PyErr_Clear();  // the lookup's own error only
-  Py_ssize_t n = -1;
-  if (dict != nullptr && removals != nullptr && PyDict_CheckExact(dict) && PyList_CheckExact(removals) &&
-      PyList_GET_SIZE(removals) == 0) {
-    n = PyDict_GET_SIZE(dict);
+Py_ssize_t weak_count(const py::handle& d) {
+  const py::object dict = optional_attr(d, "data"), removals = optional_attr(d, "_pending_removals");
+  if (!dict || !removals || !PyDict_CheckExact(dict.ptr()) || !PyList_CheckExact(removals.ptr()) ||
+      PyList_GET_SIZE(removals.ptr()) != 0) {
+    return -1;
   }
-  Py_XDECREF(dict);
-  Py_XDECREF(removals);
-  return n;
+  return PyDict_GET_SIZE(dict.ptr());
 }
 
 using namespace dwgraph::graphs;
@@ -134,15 +127,11 @@ bool overlaps(const std::pair<uintptr_t, uintptr_t>& e, const std::vector<std::p
 
 // Whether attribute `name` of `obj` is a non-empty container (a tensor's hook dicts).
 bool has_items(const py::handle& obj, const char* name) {
-  PyObject* v = PyObject_GetAttrString(obj.ptr(), name);
-  if (v == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  const int truth = v == Py_None ? 0 : PyObject_IsTrue(v);
-  Py_DECREF(v);
+  const py::object v = optional_attr(obj, name);
+  if (!v || v.is_none()) return false;
+  const int truth = PyObject_IsTrue(v.ptr());
   if (truth < 0) PyErr_Clear();
-  return truth != 0;
+  return truth != 0;  // an error: as if it had hooks (the general path decides)
 }
 
 }  // namespace

@@ -244,27 +244,6 @@ bool take_numbers(const py::handle& groups, const py::handle& seen, const py::ha
   return true;
 }
 
-// An attribute of `o` (a new reference), or a null object where it is missing. `name` is
-// a string literal: its interned str is made once per call site's literal (a lookup by a
-// str with its hash cached, not a new str per read).
-py::object attr(const py::handle& o, const char* name) {
-  static std::unordered_map<const char*, PyObject*> interned;  // under the GIL
-  PyObject*& key = interned[name];
-  if (key == nullptr) key = PyUnicode_InternFromString(name);
-  PyObject* v = nullptr;
-  // Missing is the common case for some (a GradScaler's attributes): no AttributeError made.
-#if PY_VERSION_HEX >= 0x030D0000
-  const int found = PyObject_GetOptionalAttr(o.ptr(), key, &v);
-#else
-  const int found = _PyObject_LookupAttr(o.ptr(), key, &v);
-#endif
-  if (found <= 0) {
-    if (found < 0) PyErr_Clear();
-    return py::object();
-  }
-  return py::reinterpret_steal<py::object>(v);
-}
-
 bool truthy(const py::object& v) {
   if (!v) return false;
   const int r = PyObject_IsTrue(v.ptr());
@@ -272,26 +251,25 @@ bool truthy(const py::object& v) {
   return r == 1;
 }
 
-// Whether a GradScaler's state is set on `opt` (grad_scale or found_inf not None): torch's
-// step then unscales or skips, which a graph captured without it does not.
-bool optimizer_scaled(const py::handle& opt) {
-  for (const char* scaler : {"grad_scale", "found_inf"}) {
-    const py::object v = attr(opt, scaler);
-    if (v && !v.is_none()) return true;
-  }
-  return false;
+// A GradScaler's state on `opt`: grad_scale (i = 0) or found_inf (1), None where missing.
+// Set, torch's step unscales or skips, which a graph captured without it does not; a fused
+// optimizer's graph reads the tensors it captured.
+py::object scaler_attr(const py::handle& opt, int i) {
+  py::object v = optional_attr(opt, i == 0 ? "grad_scale" : "found_inf");
+  return v ? v : py::none();
 }
 
-// Whether the GradScaler state on `opt` (grad_scale, found_inf: None where missing) is not
-// the objects the watch last saw (`scaler_seen`): set, removed or replaced since.
+py::tuple scaler_state(const py::handle& opt) { return py::make_tuple(scaler_attr(opt, 0), scaler_attr(opt, 1)); }
+
+bool optimizer_scaled(const py::handle& opt) { return !scaler_attr(opt, 0).is_none() || !scaler_attr(opt, 1).is_none(); }
+
+// Whether the GradScaler state on `opt` is not the objects the watch last saw
+// (`scaler_seen`, scaler_state() then): set, removed or replaced since.
 bool scaler_moved(const py::handle& opt, const py::handle& w) {
-  const py::object seen = attr(w, "scaler_seen");
+  const py::object seen = optional_attr(w, "scaler_seen");
   if (!seen || !PyTuple_CheckExact(seen.ptr()) || PyTuple_GET_SIZE(seen.ptr()) != 2) return true;
-  const char* names[] = {"grad_scale", "found_inf"};
-  for (Py_ssize_t i = 0; i < 2; ++i) {
-    const py::object now = attr(opt, names[i]);
-    PyObject* n = now ? now.ptr() : Py_None;
-    if (n != PyTuple_GET_ITEM(seen.ptr(), i)) return true;
+  for (int i = 0; i < 2; ++i) {
+    if (scaler_attr(opt, i).ptr() != PyTuple_GET_ITEM(seen.ptr(), i)) return true;
   }
   return false;
 }
@@ -303,17 +281,17 @@ bool scaler_moved(const py::handle& opt, const py::handle& w) {
 bool take_numbers_of(const py::handle& opt, const py::handle& w) {
   // Routed implies no GradScaler state as of the last refresh, and both callers check
   // scaler_moved() first.
-  if (!truthy(attr(w, "routed")) || truthy(attr(w, "volatile"))) return false;
-  const py::object hyper = attr(w, "hyper");
-  const py::object buffers = attr(w, "hyper_buffers");
+  if (!truthy(optional_attr(w, "routed")) || truthy(optional_attr(w, "volatile"))) return false;
+  const py::object hyper = optional_attr(w, "hyper");
+  const py::object buffers = optional_attr(w, "hyper_buffers");
   if (!hyper || !PyList_CheckExact(hyper.ptr()) || !buffers || !PyDict_CheckExact(buffers.ptr())) return false;
   const py::int_ count(PyList_GET_SIZE(hyper.ptr()));
   py::object buffer = py::reinterpret_borrow<py::object>(PyDict_GetItem(buffers.ptr(), count.ptr()));
   if (!buffer) buffer = w.attr("hyper_buffer")();  // made once per layout
-  const py::object groups = attr(opt, "param_groups");
+  const py::object groups = optional_attr(opt, "param_groups");
   if (!groups) return false;
-  return take_numbers(groups, attr(w, "groups"), attr(w, "keys"), attr(w, "value_list"), attr(w, "values"),
-                      attr(w, "params"), attr(w, "read_from"), attr(w, "branches"), attr(w, "value_names"), hyper,
+  return take_numbers(groups, optional_attr(w, "groups"), optional_attr(w, "keys"), optional_attr(w, "value_list"), optional_attr(w, "values"),
+                      optional_attr(w, "params"), optional_attr(w, "read_from"), optional_attr(w, "branches"), optional_attr(w, "value_names"), hyper,
                       py::cast<at::Tensor>(buffer));
 }
 
@@ -321,16 +299,16 @@ bool take_numbers_of(const py::handle& opt, const py::handle& w) {
 
 // OptimizerWatch.steady (bindings.h).
 bool optimizer_steady(const py::handle& opt, const py::handle& w) {
-  const py::object groups = attr(opt, "param_groups");
-  const py::object seen = attr(w, "groups_list");
-  if (!groups || !seen || !groups.is(seen) || truthy(attr(w, "volatile"))) return false;
+  const py::object groups = optional_attr(opt, "param_groups");
+  const py::object seen = optional_attr(w, "groups_list");
+  if (!groups || !seen || !groups.is(seen) || truthy(optional_attr(w, "volatile"))) return false;
   if (scaler_moved(opt, w)) return false;
-  const py::object state = attr(opt, "state");
-  const py::object state_obj = attr(w, "state_obj");
+  const py::object state = optional_attr(opt, "state");
+  const py::object state_obj = optional_attr(w, "state_obj");
   if (!state || !state_obj || !state.is(state_obj)) return false;
   // -1: not a watching dict when last looked at, so asked again at every call.
-  const py::object seen_version = attr(w, "state_version");
-  const py::object version = attr(state, "version");
+  const py::object seen_version = optional_attr(w, "state_version");
+  const py::object version = optional_attr(state, "version");
   if (!seen_version || !version || !PyLong_CheckExact(seen_version.ptr()) || !PyLong_CheckExact(version.ptr())) {
     return false;
   }
@@ -339,8 +317,8 @@ bool optimizer_steady(const py::handle& opt, const py::handle& w) {
     if (PyErr_Occurred()) PyErr_Clear();
     return false;
   }
-  const py::object keys = attr(w, "keys"), values = attr(w, "value_list"), params = attr(w, "params"),
-                   seen_groups = attr(w, "groups");
+  const py::object keys = optional_attr(w, "keys"), values = optional_attr(w, "value_list"), params = optional_attr(w, "params"),
+                   seen_groups = optional_attr(w, "groups");
   for (const auto* l : {&keys, &values, &params, &seen_groups}) {
     if (!*l || !PyList_CheckExact(l->ptr())) return false;
   }
@@ -395,6 +373,7 @@ void init_optimizer_watch(py::module_& parent) {
       "take_numbers_of", [](const py::handle& opt, const py::handle& watch) { return take_numbers_of(opt, watch); },
       py::arg("optimizer"), py::arg("watch"));
   m.def("optimizer_scaled", [](const py::handle& opt) { return optimizer_scaled(opt); }, py::arg("optimizer"));
+  m.def("scaler_state", [](const py::handle& opt) { return scaler_state(opt); }, py::arg("optimizer"));
   m.def(
       "scaler_moved", [](const py::handle& opt, const py::handle& watch) { return scaler_moved(opt, watch); },
       py::arg("optimizer"), py::arg("watch"));

@@ -530,8 +530,9 @@ void GraphedStep::erase_variant(Entry& e, const std::string& pattern) {
 GraphedStep::Variant* GraphedStep::variant_for(Entry& e, const std::vector<at::Tensor>& tensors, bool captured_only,
                                                const std::string* known_state) {
   const uint64_t epoch = state_epoch();  // read first: a change while reading is seen next time
-  std::string state = known_state != nullptr ? *known_state
-                                             : (opts_.variant_state ? opts_.variant_state() : std::string());
+  std::string asked;  // the front end's answer, where it is asked
+  if (known_state == nullptr && opts_.variant_state) asked = opts_.variant_state();
+  const std::string& state = known_state != nullptr ? *known_state : asked;
   Entry::Chosen& c = e.chosen;
   if (watched_ && c.variant && c.variant->graph && c.epoch == epoch &&
       c.state_tensors_version == state_tensors_version_ && c.state == state) {
@@ -564,7 +565,7 @@ GraphedStep::Variant* GraphedStep::variant_for(Entry& e, const std::vector<at::T
   c.variant = it->second.get();
   c.epoch = epoch;
   c.state_tensors_version = state_tensors_version_;
-  c.state = std::move(state);
+  c.state = state;
   gradients_present(e.params, tensors, c.grads);
   return it->second.get();
 }

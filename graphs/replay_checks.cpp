@@ -189,12 +189,7 @@ void CapturedMainGrads::check(const std::string& where) const {
 
 namespace {
 
-// A copy of `t` in its own layout, so that the kernels captured on the static input are
-// those eager code runs on the argument: clone() keeps the strides of a dense tensor only,
-// and one with gaps (t[:, ::2], a column slice) gets its strides over storage of its own.
-// A layout whose elements overlap (expanded) cannot be written into: a dense copy, which
-// the caller's same layout then cannot match (StaticInputs::check says so). Static inputs
-// moved into a pool (move_into) are dense.
+// Whether no two elements of `t` share memory (an expanded tensor's do).
 bool elements_apart(const at::Tensor& t) {
   // Dimensions by stride: each stride must pass the reach of the smaller ones.
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions with size > 1
@@ -210,6 +205,12 @@ bool elements_apart(const at::Tensor& t) {
   return true;
 }
 
+// A copy of `t` in its own layout, so that the kernels captured on the static input are
+// those eager code runs on the argument: clone() keeps the strides of a dense tensor only,
+// and one with gaps (t[:, ::2], a column slice) gets its strides over storage of its own.
+// A layout whose elements overlap (expanded) cannot be written into: a dense copy, which
+// the caller's same layout then cannot match (StaticInputs::check says so). Static inputs
+// moved into a pool (move_into) are dense.
 at::Tensor layout_copy(const at::Tensor& t) {
   if (t.layout() != at::kStrided || t.is_non_overlapping_and_dense() || !elements_apart(t)) return t.clone();
   return at::empty_strided(t.sizes(), t.strides(), t.options()).copy_(t);

@@ -434,8 +434,8 @@ class OptimizerWatch:
 
     def refresh_groups(self, opt, structure: bool) -> None:
         pg = opt.param_groups
-        self.scaler_seen = (getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None))
-        self.scaled = _C.graphs.optimizer_scaled(opt)
+        self.scaler_seen = _C.graphs.scaler_state(opt)  # the objects, compared by identity (scaler_moved)
+        self.scaled = any(v is not None for v in self.scaler_seen)
         if structure:
             self.groups_list = pg
             self.groups = list(pg)
