@@ -331,6 +331,15 @@ def _change_state_cleared(e, g, x, y):
     return (x, y), (x, y)
 
 
+def _change_momentum_buffer_none(e, g, x, y):
+    # torch's SGD makes a new buffer where it finds None (a way to reset momentum): the
+    # capture would make it in the graph's pool, so that call runs eagerly first.
+    for opt in (e[1], g[1]):
+        for st in opt.state.values():
+            st["momentum_buffer"] = None
+    return (x, y), (x, y)
+
+
 def _change_group_added(e, g, x, y):
     for m, opt in ((e[0], e[1]), (g[0], g[1])):
         params = opt.param_groups[0]["params"]
@@ -381,6 +390,7 @@ CHANGES = {
     "momentum_zero": _change_momentum_zero,
     "state_cleared": _change_state_cleared,
     "group_added": _change_group_added,
+    "momentum_buffer_none": _change_momentum_buffer_none,
     "grad_exists": _change_grad_exists,
     "frozen": _change_frozen,
     "reset": _change_reset,
@@ -731,3 +741,34 @@ def test_a_module_built_inside_the_step_and_kept_replays_without_capturing_again
         assert torch.equal(eager(x, y), graphed(x, y))
     _check_models((model,), (twin,))
     assert graphed.num_captures == 1
+
+
+def test_an_optimizer_state_dict_after_graphed_steps_loads_with_weights_only():
+    """The watching dicts are the optimizer's state, not its state_dict(): torch.load's
+    weights_only unpickler (torch's default) refuses a dict subclass."""
+    import io
+
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    buf = io.BytesIO()
+    torch.save(g[1].state_dict(), buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    e[1].load_state_dict(loaded)
+    assert all(type(v) is dict for v in g[1].state_dict()["state"].values())
+    _keep_matching(e, g, x, y)
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+def test_a_tensor_lr_of_a_fused_optimizer_under_a_scheduler_matches_eager(opt):
+    """The scheduler's state is compared around the capture without printing its tensors
+    (a tensor lr's base_lrs: printing reads its value, which a capture refuses)."""
+    e, g = _make({"adam": lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.01), fused=True),
+                  "sgd": lambda ps: torch.optim.SGD(ps, lr=torch.tensor(0.1), momentum=0.9, fused=True)}[opt])
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (e[1], g[1])]
+    for _ in range(8):
+        x, y = torch.randn(3, 4), torch.randn(3, 4)
+        assert _same(e[2](x, y), g[2](x, y))
+        _check_models(e, g)
+        for s in scheds:
+            s.step()

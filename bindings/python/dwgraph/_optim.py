@@ -293,7 +293,23 @@ def _watch_state(opt) -> WatchedState:
         return None  # an optimizer that keeps its state otherwise: looked at every call
     watched = WatchedState(state)
     opt.state = watched
+    if opt not in _plain_state_dicts and hasattr(opt, "register_state_dict_post_hook"):
+        opt.register_state_dict_post_hook(_plain_state_dict)
+        _plain_state_dicts.add(opt)
     return watched
+
+
+# Optimizers whose state_dict() gives their per-parameter state as plain dicts again.
+_plain_state_dicts: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _plain_state_dict(opt, state_dict):
+    """optimizer.state_dict() with each parameter's state a plain dict, as torch's own:
+    torch.load's weights_only unpickler refuses a dict subclass (the watching dicts)."""
+    state = state_dict.get("state")
+    if isinstance(state, dict):
+        state_dict["state"] = {k: dict(v) if isinstance(v, _WatchedInner) else v for k, v in state.items()}
+    return state_dict
 
 
 # -- the variant state of one optimizer ---------------------------------------------------------

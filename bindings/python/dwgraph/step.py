@@ -230,7 +230,12 @@ def _install_optimizer_hooks() -> None:
             # State made inside a capture would live in the graph's pool and be the
             # capture's, not the caller's: it must exist before (a warmup call makes it).
             # Stateless optimizers (SGD without momentum) make none.
-            _watch.state_before = ({p: set(st) for p, st in opt.state.items()} if capturing else None)
+            # A key whose value is None counts as absent: torch's SGD makes a new momentum
+            # buffer where it finds None (a user's way to reset momentum).
+            _watch.state_before = ({p: {k for k, v in st.items() if v is not None} for p, st in opt.state.items()}
+                                   if capturing else None)
+            _watch.state_none = ({p: {k for k, v in st.items() if v is None} for p, st in opt.state.items()}
+                                 if capturing else None)
             if capturing and opt not in _watch.step._opt_watches:
                 # Not in the variant state this capture was selected by (a new optimizer,
                 # replacing one): start again knowing it, so its values select or are read.
@@ -247,14 +252,19 @@ def _install_optimizer_hooks() -> None:
         _watch.optimizer = None
         _optim.active.route = None
         before, _watch.state_before = _watch.state_before, None
+        before_none, _watch.state_none = getattr(_watch, "state_none", None) or {}, None
         if before is None:
             return
         made = 0
         for p in list(opt.state):
-            new = set(opt.state[p]) - before.get(p, set())
-            for key in new:  # undo it: the caller's optimizer stays as it was
-                del opt.state[p][key]
-            if p not in before and not opt.state[p]:
+            st = opt.state[p]
+            new = {k for k, v in st.items() if v is not None} - before.get(p, set())
+            for key in new:  # undo it: the caller's optimizer stays as it was (None where it was None)
+                if key in st and p in before and key in before_none.get(p, ()):
+                    st[key] = None
+                else:
+                    del st[key]
+            if p not in before and not st:
                 del opt.state[p]
             made += bool(new)
         if made:
@@ -268,6 +278,18 @@ def _install_optimizer_hooks() -> None:
     _optimizer.register_optimizer_step_pre_hook(pre)
     _optimizer.register_optimizer_step_post_hook(post)
     _hooks_installed = True
+
+
+def _state_text(obj) -> str:
+    """A scheduler's state in words, a tensor as which tensor it is and its version: its
+    values would be read to print it, which a capture refuses (a tensor lr's base_lrs)."""
+    if isinstance(obj, torch.Tensor):
+        return f"tensor@{id(obj):x}v{obj._version}"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k!r}: {_state_text(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, (list, tuple)):
+        return "[" + ", ".join(_state_text(v) for v in obj) + "]"
+    return repr(obj)
 
 
 def _leaves_of(roots) -> List[torch.Tensor]:
@@ -1070,7 +1092,7 @@ class GraphedStep:
         # Capturing: the LR schedulers of its optimizers, to refuse (and undo) a step of
         # theirs inside the capture.
         schedulers = _schedulers_of(list(self._optimizers.values())) if handed is not None else []
-        sched_before = [(s, repr(s.state_dict()), copy.deepcopy(s.state_dict()),
+        sched_before = [(s, _state_text(s.state_dict()), copy.deepcopy(s.state_dict()),
                          [{k: v for k, v in g.items() if k != "params"} for g in s.optimizer.param_groups])
                         for s in schedulers]
         saved = (_watch.step, _watch.optimizer)
@@ -1125,7 +1147,7 @@ class GraphedStep:
             _step_context.modules = saved_modules
             _step_context.capture_known = saved_known
         self._ran_python = True
-        stepped = [s for s, text, _, _ in sched_before if repr(s.state_dict()) != text]
+        stepped = [s for s, text, _, _ in sched_before if _state_text(s.state_dict()) != text]
         if stepped:
             # Undo it (the refused capture changes nothing), then refuse.
             for s, _, state, groups in sched_before:
