@@ -14,8 +14,10 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <cstring>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -274,6 +276,81 @@ bool scaler_moved(const py::handle& opt, const py::handle& w) {
   return false;
 }
 
+// Note [An optimizer's step hooks, watched]: an optimizer's step() runs its own step hooks
+// (register_step_pre_hook, register_step_post_hook) and torch's global ones around the step,
+// so a capture runs them and a replay runs what they did then: which hooks there are selects
+// a graph. Each of the four dicts as (the dict, its size, the sum of its keys): a hook is
+// added or removed through its handle, whose id is never reused and larger than every id
+// issued before, so an added hook and a removed one never leave both the size and the sum
+// as they were. (A dict written by hand is not told apart; a key that is not an int counts
+// by its address.)
+constexpr int kStepHookDicts = 4;
+
+py::object global_step_hooks(const char* name) {
+  // Held for the process's life (never released at exit, when Python may be gone).
+  static const py::object* optim = new py::object(py::module_::import("torch.optim.optimizer"));
+  return optional_attr(*optim, name);
+}
+
+void step_hook_dicts(const py::handle& opt, py::object (&dicts)[kStepHookDicts]) {
+  dicts[0] = optional_attr(opt, "_optimizer_step_pre_hooks");
+  dicts[1] = optional_attr(opt, "_optimizer_step_post_hooks");
+  dicts[2] = global_step_hooks("_global_optimizer_pre_hooks");
+  dicts[3] = global_step_hooks("_global_optimizer_post_hooks");
+}
+
+// (size, sum of keys) of a dict of hooks; (-1, 0) for anything else.
+std::pair<long long, long long> hooks_signature(const py::object& d) {
+  if (!d || !PyDict_Check(d.ptr())) return {-1, 0};
+  long long sum = 0;
+  Py_ssize_t pos = 0;
+  PyObject *key = nullptr, *value = nullptr;
+  while (PyDict_Next(d.ptr(), &pos, &key, &value)) {
+    long long k = PyLong_CheckExact(key) ? PyLong_AsLongLong(key) : -1;
+    if (k == -1 && (!PyLong_CheckExact(key) || PyErr_Occurred())) {
+      if (PyErr_Occurred()) PyErr_Clear();
+      k = static_cast<long long>(reinterpret_cast<intptr_t>(key));
+    }
+    sum += k;
+  }
+  return {static_cast<long long>(PyDict_Size(d.ptr())), sum};
+}
+
+// What the watch records (`step_hooks_seen`): per dict, the dict, its size and its sum.
+py::tuple step_hooks_state(const py::handle& opt) {
+  py::object dicts[kStepHookDicts];
+  step_hook_dicts(opt, dicts);
+  py::tuple out(3 * kStepHookDicts);
+  for (int i = 0; i < kStepHookDicts; ++i) {
+    const auto [n, sum] = hooks_signature(dicts[i]);
+    out[3 * i] = dicts[i] ? dicts[i] : py::none();
+    out[3 * i + 1] = py::int_(n);
+    out[3 * i + 2] = py::int_(sum);
+  }
+  return out;
+}
+
+// Whether the step hooks of `opt` moved since the watch recorded them (step_hooks_state).
+bool step_hooks_moved(const py::handle& opt, const py::handle& w) {
+  const py::object seen = optional_attr(w, "step_hooks_seen");
+  if (!seen || !PyTuple_CheckExact(seen.ptr()) || PyTuple_GET_SIZE(seen.ptr()) != 3 * kStepHookDicts) return true;
+  py::object dicts[kStepHookDicts];
+  step_hook_dicts(opt, dicts);
+  for (int i = 0; i < kStepHookDicts; ++i) {
+    PyObject* was = PyTuple_GET_ITEM(seen.ptr(), 3 * i);
+    if ((dicts[i] ? dicts[i].ptr() : Py_None) != was) return true;
+    const auto [n, sum] = hooks_signature(dicts[i]);
+    const long long was_n = PyLong_AsLongLong(PyTuple_GET_ITEM(seen.ptr(), 3 * i + 1));
+    const long long was_sum = PyLong_AsLongLong(PyTuple_GET_ITEM(seen.ptr(), 3 * i + 2));
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      return true;
+    }
+    if (n != was_n || sum != was_sum) return true;
+  }
+  return false;
+}
+
 // OptimizerWatch.take_numbers (dwgraph/_optim.py): a routed optimizer (no GradScaler state
 // on it, no mutable group value) whose groups moved only in numbers its replay reads:
 // takes them (take_numbers above) into the watch and its buffer. The caller has checked
@@ -302,7 +379,7 @@ bool optimizer_steady(const py::handle& opt, const py::handle& w) {
   const py::object groups = optional_attr(opt, "param_groups");
   const py::object seen = optional_attr(w, "groups_list");
   if (!groups || !seen || !groups.is(seen) || truthy(optional_attr(w, "volatile"))) return false;
-  if (scaler_moved(opt, w)) return false;
+  if (scaler_moved(opt, w) || step_hooks_moved(opt, w)) return false;
   const py::object state = optional_attr(opt, "state");
   const py::object state_obj = optional_attr(w, "state_obj");
   if (!state || !state_obj || !state.is(state_obj)) return false;
@@ -376,6 +453,10 @@ void init_optimizer_watch(py::module_& parent) {
   m.def("scaler_state", [](const py::handle& opt) { return scaler_state(opt); }, py::arg("optimizer"));
   m.def(
       "scaler_moved", [](const py::handle& opt, const py::handle& watch) { return scaler_moved(opt, watch); },
+      py::arg("optimizer"), py::arg("watch"));
+  m.def("step_hooks_state", [](const py::handle& opt) { return step_hooks_state(opt); }, py::arg("optimizer"));
+  m.def(
+      "step_hooks_moved", [](const py::handle& opt, const py::handle& watch) { return step_hooks_moved(opt, watch); },
       py::arg("optimizer"), py::arg("watch"));
   m.def(
       "optimizer_steady", [](const py::handle& opt, const py::handle& watch) { return optimizer_steady(opt, watch); },

@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 import dwgraph
 from dwgraph import step as step_module
@@ -772,3 +773,45 @@ def test_a_tensor_lr_of_a_fused_optimizer_under_a_scheduler_matches_eager(opt):
         _check_models(e, g)
         for s in scheds:
             s.step()
+
+
+def _halve_grads(opt, args, kwargs):
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+
+
+def _halve_params(opt, args, kwargs):
+    with torch.no_grad():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.mul_(0.5)
+
+
+@pytest.mark.parametrize("scope", ["optimizer", "global"])
+@pytest.mark.parametrize("when", ["pre", "post"])
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                      lambda ps: torch.optim.Adam(ps, lr=0.01)], ids=["sgd", "adam"])
+def test_an_optimizer_step_hook_added_and_removed_after_capture_matches_eager(scope, when, make_opt):
+    """An optimizer's step hooks run inside its step(): a capture runs them, so one added
+    after the capture (a gradient clip as a pre-hook), or removed, selects another graph,
+    captured with the hooks as they are (until 2026-12-05 the replays ran the hooks of the
+    capture: a hook added later was silently not run)."""
+    e, g = _make(make_opt)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    fn = _halve_grads if when == "pre" else _halve_params
+    if scope == "optimizer":
+        handles = [getattr(o, f"register_step_{when}_hook")(fn) for o in (e[1], g[1])]
+    else:  # one global hook runs for both optimizers' steps
+        handles = [getattr(torch_optimizer, f"register_optimizer_step_{when}_hook")(fn)]
+    try:
+        _keep_matching(e, g, x, y, check_each=True)
+        captures = g[2].num_captures
+        assert captures == 2
+    finally:
+        for h in handles:
+            h.remove()
+    _keep_matching(e, g, x, y, check_each=True)
+    assert g[2].num_captures == captures  # the first graph serves again

@@ -373,6 +373,9 @@ class OptimizerWatch:
         self.routed = False
         self.scaled = False  # a GradScaler's state on the optimizer, as last seen
         self.scaler_seen = (None, None)  # its grad_scale and found_inf (held: compared by identity)
+        # Note [An optimizer's step hooks, watched] (bindings/optimizer_watch.cpp): its own
+        # and torch's global step hooks, as last seen (step_hooks_state).
+        self.step_hooks_seen = None
         self.params_ok = False  # _params_routable, as of the last change of the parameters
         self.volatile = False  # a group holds a mutable value (a list): compared by its text every call
         self.group_tensors: List[torch.Tensor] = []  # tensor values of the groups (a tensor lr)
@@ -394,8 +397,10 @@ class OptimizerWatch:
         pg = opt.param_groups
         if pg is not self.groups_list or len(pg) != len(self.groups):
             return True, True, False
-        if _C.graphs.scaler_moved(opt, self):
-            return False, True, False  # a GradScaler's state set, removed or replaced between calls
+        if _C.graphs.scaler_moved(opt, self) or _C.graphs.step_hooks_moved(opt, self):
+            # A GradScaler's state set, removed or replaced between calls; a step hook added
+            # or removed (a capture runs them: Note [An optimizer's step hooks, watched]).
+            return False, True, False
         # The common case in one call: the same groups, keys, value objects and parameters.
         if _C.graphs.same_groups(pg, self.groups, self.keys, self.value_list, self.params):
             values_changed = False
@@ -452,6 +457,7 @@ class OptimizerWatch:
         pg = opt.param_groups
         self.scaler_seen = _C.graphs.scaler_state(opt)  # the objects, compared by identity (scaler_moved)
         self.scaled = any(v is not None for v in self.scaler_seen)
+        self.step_hooks_seen = _C.graphs.step_hooks_state(opt)
         if structure:
             self.groups_list = pg
             self.groups = list(pg)
@@ -490,7 +496,10 @@ class OptimizerWatch:
                 parts.append(repr(sorted((k, value_text(v)) for k, v in g.items() if k != "params")))
         self.hyper = hyper
         scaler = f"|scaled {value_text(self.scaler_seen[0])},{value_text(self.scaler_seen[1])}" if self.scaled else ""
-        return "|".join(parts) + scaler
+        # By handle id (never reused) and function, as the module hooks in the key.
+        hooks = ";".join(",".join(f"{k}:{id(h)}" for k, h in d.items()) if isinstance(d, dict) else "-"
+                         for d in self.step_hooks_seen[::3])
+        return "|".join(parts) + scaler + f"|step hooks {hooks}"
 
     # State ----------------------------------------------------------------------------------
     def state_changed(self, opt) -> bool:
