@@ -327,6 +327,7 @@ struct Slot {
   bool param_hooks = false;
   std::vector<size_t> param_order;  // grad_param_indices positions, in the order the captured backward reached them
   std::vector<size_t> param_node_edges;
+  std::vector<size_t> param_edges_given;  // positions in param_node_edges the backward graph gives a gradient
   std::vector<dwgraph::detail::NodePtr> accumulators;  // per grad_param_indices: its AccumulateGrad
   at::Tensor param_token;  // what the call's node sends param_node
   std::shared_ptr<ParamGradStash> param_grads;  // the backward's, for param_node

@@ -291,6 +291,7 @@ void GraphManager::make_param_node(size_t s) {
   slot.param_relays.clear();
   slot.hooks_epoch = 0;
   slot.param_node_edges.clear();
+  slot.param_edges_given.clear();
   slot.accumulators.clear();
   // Every parameter that requires grad, deferred-only ones too: a partial backward that
   // asks for a deferred weight alone (backward(inputs=[w])) must reach this slot's node,
@@ -314,6 +315,12 @@ void GraphManager::make_param_node(size_t s) {
   }
   for (size_t j = 0; j < seen.size(); ++j) {
     if (!seen[j]) slot.param_node_edges.push_back(j);
+  }
+  // The edges the backward graph gives a gradient (not a deferred weight's): the only ones a
+  // backward visits (contract C10: a tree of deferred layers costs no visit per weight).
+  for (size_t e = 0; e < slot.param_node_edges.size(); ++e) {
+    const size_t k = ni + slot.param_node_edges[e];
+    if (k < slot.static_grad_inputs.size() && slot.static_grad_inputs[k].defined()) slot.param_edges_given.push_back(e);
   }
   const size_t n = slot.param_node_edges.size();
   if (n == 0) return;
@@ -629,7 +636,7 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
   // The caller owns what autograd receives: never the buffers the next replay rewrites.
   auto is = [&](size_t j) { return live.empty() || live[j]; };
   BackwardResult result;
-  std::vector<at::Tensor> param_grads(slot.param_node_edges.size());
+  std::vector<at::Tensor> param_grads;  // per parameter edge; sized only when one is given a gradient
   bool any_param = false;
   bool dw_pending = false;
   {
@@ -639,13 +646,12 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
       const at::Tensor& g = slot.static_grad_inputs[j];
       result.grads.push_back(g.defined() && is(j) ? g.clone() : at::Tensor());
     }
-    for (size_t e = 0; e < slot.param_node_edges.size(); ++e) {
+    for (size_t e : slot.param_edges_given) {
       const size_t j = slot.param_node_edges[e];
-      const at::Tensor& g = slot.static_grad_inputs[ni + j];
-      if (g.defined() && is(ni + j)) {
-        param_grads[e] = g.clone();
-        any_param = true;
-      }
+      if (!is(ni + j)) continue;
+      if (param_grads.empty()) param_grads.resize(slot.param_node_edges.size());
+      param_grads[e] = slot.static_grad_inputs[ni + j].clone();
+      any_param = true;
     }
   }
   if (live.empty()) {
@@ -655,7 +661,11 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
   }
   add_phase_time(TimedPhase::kBackward, replay_ns, copy_ns, true);
   if (direct) {
-    for (auto& g : param_grads) result.grads.push_back(std::move(g));
+    if (param_grads.empty()) {
+      result.grads.resize(ni + slot.param_node_edges.size());
+    } else {
+      for (auto& g : param_grads) result.grads.push_back(std::move(g));
+    }
   } else {
     at::Tensor token;  // what this backward's node sends the parameter node: finds its gradients there
     if (any_param && slot.param_grads) token = slot.param_grads->put(std::move(param_grads));
@@ -1085,6 +1095,7 @@ void GraphManager::reset() {
     slot.param_node = dwgraph::detail::NodePtr();
     slot.param_chain = dwgraph::detail::NodePtr();
     slot.param_relays.clear();
+    slot.param_edges_given.clear();
     slot.hooks_epoch = 0;
     slot.param_token = at::Tensor();
     slot.buffers = std::make_shared<StaticBuffers>();
