@@ -330,9 +330,8 @@ py::tuple step_hooks_state(const py::handle& opt) {
   return out;
 }
 
-// Whether the step hooks of `opt` moved since the watch recorded them (step_hooks_state).
-bool step_hooks_moved(const py::handle& opt, const py::handle& w) {
-  const py::object seen = optional_attr(w, "step_hooks_seen");
+// Whether the step hooks of `opt` are not those `seen` records (step_hooks_state then).
+bool step_hooks_differ(const py::handle& opt, const py::handle& seen) {
   if (!seen || !PyTuple_CheckExact(seen.ptr()) || PyTuple_GET_SIZE(seen.ptr()) != 3 * kStepHookDicts) return true;
   py::object dicts[kStepHookDicts];
   step_hook_dicts(opt, dicts);
@@ -349,6 +348,11 @@ bool step_hooks_moved(const py::handle& opt, const py::handle& w) {
     if (n != was_n || sum != was_sum) return true;
   }
   return false;
+}
+
+// Whether the step hooks of `opt` moved since the watch recorded them (`step_hooks_seen`).
+bool step_hooks_moved(const py::handle& opt, const py::handle& w) {
+  return step_hooks_differ(opt, optional_attr(w, "step_hooks_seen"));
 }
 
 // OptimizerWatch.take_numbers (dwgraph/_optim.py): a routed optimizer (no GradScaler state
@@ -455,6 +459,9 @@ void init_optimizer_watch(py::module_& parent) {
       "scaler_moved", [](const py::handle& opt, const py::handle& watch) { return scaler_moved(opt, watch); },
       py::arg("optimizer"), py::arg("watch"));
   m.def("step_hooks_state", [](const py::handle& opt) { return step_hooks_state(opt); }, py::arg("optimizer"));
+  m.def(
+      "step_hooks_differ", [](const py::handle& opt, const py::handle& seen) { return step_hooks_differ(opt, seen); },
+      py::arg("optimizer"), py::arg("seen"));
   m.def(
       "step_hooks_moved", [](const py::handle& opt, const py::handle& watch) { return step_hooks_moved(opt, watch); },
       py::arg("optimizer"), py::arg("watch"));

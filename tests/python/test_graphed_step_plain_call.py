@@ -815,3 +815,95 @@ def test_an_optimizer_step_hook_added_and_removed_after_capture_matches_eager(sc
             h.remove()
     _keep_matching(e, g, x, y, check_each=True)
     assert g[2].num_captures == captures  # the first graph serves again
+
+
+def _ema_hook(ema, in_state):
+    """A post-hook keeping an average of the parameters, its tensors made at its first run
+    (in the optimizer's state, or in a dict of its own)."""
+    def hook(opt, args, kwargs):
+        with torch.no_grad():
+            for p in opt.param_groups[0]["params"]:
+                held = opt.state[p] if in_state else ema
+                key = "ema" if in_state else p
+                if key not in held:
+                    held[key] = p.detach().clone()
+                else:
+                    held[key].mul_(0.9).add_(p, alpha=0.1)
+                if in_state:
+                    ema[p] = held[key]
+
+    return hook
+
+
+@pytest.mark.parametrize("in_state", [False, True], ids=["own_dict", "optimizer_state"])
+@pytest.mark.parametrize("scope", ["optimizer", "global"])
+def test_a_step_hook_making_its_tensors_at_first_run_added_after_capture_matches_eager(scope, in_state):
+    """A hook's first run may make tensors (an EMA's copies): made inside a capture they would
+    be the graph's, remade at every replay (a review found the EMA reset at each call). The
+    call after the hooks changed runs eagerly; the next captures with them."""
+    e, g = _make()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    _steady(e, g, x, y)
+    emas = [{}, {}]
+    if scope == "optimizer":
+        handles = [o.register_step_post_hook(_ema_hook(ema, in_state)) for o, ema in zip((e[1], g[1]), emas)]
+    else:
+        hooks = {id(o): _ema_hook(ema, in_state) for o, ema in zip((e[1], g[1]), emas)}
+        handles = [torch_optimizer.register_optimizer_step_post_hook(lambda o, a, k: hooks[id(o)](o, a, k))]
+    try:
+        for _ in range(5):
+            assert _same(e[2](x, y), g[2](x, y))
+            _check_models(e, g)
+            assert len(emas[0]) == len(emas[1]) > 0
+            for a, b in zip(emas[0].values(), emas[1].values()):
+                assert torch.equal(a, b)
+        assert g[2].num_captures == 2
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                      lambda ps: torch.optim.Adam(ps, lr=0.01)], ids=["sgd", "adam"])
+@pytest.mark.parametrize("from_start", [True, False])
+def test_a_step_hook_stepping_another_optimizer_matches_eager_under_a_schedule(make_opt, from_start):
+    """An optimizer's pre-hook that steps another optimizer: the inner step() ends before the
+    outer one runs, which is still captured reading its values at replay (a review found the
+    outer optimizer captured with its learning rate baked in once the inner step ended)."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))]
+    models.append(copy.deepcopy(models[0]))
+    sides = []
+    for m in models:
+        main, aux = make_opt(m[0].parameters()), torch.optim.SGD(m[2].parameters(), lr=0.1)
+        sides.append((m, main, aux, torch.optim.lr_scheduler.ExponentialLR(main, 0.5)))
+
+    def hook_of(aux):
+        return lambda o, a, k: aux.step()
+
+    def body_of(m, main, aux):
+        def body(x, y):
+            loss = (m(x) - y).square().mean()
+            loss.backward()
+            main.step()
+            main.zero_grad(set_to_none=True)
+            aux.zero_grad(set_to_none=True)
+            return loss
+
+        return body
+
+    if from_start:
+        for _, main, aux, _ in sides:
+            main.register_step_pre_hook(hook_of(aux))
+    eager, graphed = body_of(*sides[0][:3]), dwgraph.graphed_step(body_of(*sides[1][:3]))
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for i in range(10):
+        if i == 5 and not from_start:
+            for _, main, aux, _ in sides:
+                main.register_step_pre_hook(hook_of(aux))
+        assert _same(eager(x, y), graphed(x, y))
+        for m, _, _, sched in sides:
+            sched.step()
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(p, q)
+    assert graphed.num_captures == (1 if from_start else 2)
