@@ -907,3 +907,94 @@ def test_a_step_hook_stepping_another_optimizer_matches_eager_under_a_schedule(m
         for p, q in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(p, q)
     assert graphed.num_captures == (1 if from_start else 2)
+
+
+def test_a_new_optimizer_with_a_step_hook_runs_eagerly_before_its_capture():
+    """A new phase's optimizer replacing the step's, born with a hook that makes its tensors at
+    its first run: the call that meets it runs eagerly, the next captures (a review found the
+    hook's first run inside the capture, its tensors remade at every replay)."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 4)]
+    models.append(copy.deepcopy(models[0]))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+
+    def body_of(i):
+        def body(x, y):
+            loss = (models[i](x) - y).square().mean()
+            loss.backward()
+            opts[i].step()
+            opts[i].zero_grad(set_to_none=True)
+            return loss
+
+        return body
+
+    eager, graphed = body_of(0), dwgraph.graphed_step(body_of(1))
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    emas = [{}, {}]
+    for call in range(9):
+        if call == 5:
+            for i, m in enumerate(models):
+                opts[i] = torch.optim.SGD(m.parameters(), lr=0.05)
+                opts[i].register_step_post_hook(_ema_hook(emas[i], in_state=False))
+        assert _same(eager(x, y), graphed(x, y))
+        for p, q in zip(*(m.parameters() for m in models)):
+            assert torch.equal(p, q)
+        for a, b in zip(emas[0].values(), emas[1].values()):
+            assert torch.equal(a, b)
+    assert graphed.num_captures == 2
+
+
+class _Skip(Exception):
+    pass
+
+
+@pytest.mark.parametrize("outer", ["sgd_momentum", "rmsprop"])
+def test_a_nested_step_skipped_by_its_own_hook_leaves_the_outer_step_as_eagerly(outer):
+    """The outer optimizer's pre-hook steps another, whose own pre-hook raises to skip it and
+    is caught: the skipped step runs no post-hook. The outer step keeps its own route and
+    state check (a review found the outer optimizer's state removed at every call, or its
+    step refused, with the inner step's left in place)."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))]
+    models.append(copy.deepcopy(models[0]))
+
+    def make(m):
+        a = (torch.optim.SGD(m[0].parameters(), lr=0.1, momentum=0.9) if outer == "sgd_momentum"
+             else torch.optim.RMSprop(m[0].parameters(), lr=0.01))
+        b = torch.optim.SGD(m[1].parameters(), lr=0.1)
+
+        def frozen(o, args, kwargs):
+            raise _Skip()
+
+        def step_b(o, args, kwargs):
+            try:
+                b.step()
+            except _Skip:
+                pass
+
+        b.register_step_pre_hook(frozen)
+        a.register_step_pre_hook(step_b)
+        return a
+
+    opts = [make(m) for m in models]
+
+    def body_of(i):
+        def body(x, y):
+            loss = (models[i](x) - y).square().mean()
+            loss.backward()
+            opts[i].step()
+            models[i].zero_grad(set_to_none=True)
+            return loss
+
+        return body
+
+    eager, graphed = body_of(0), dwgraph.graphed_step(body_of(1))
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for _ in range(8):
+        assert _same(eager(x, y), graphed(x, y))
+        for p, q in zip(*(m.parameters() for m in models)):
+            assert torch.equal(p, q)
+        for p, q in zip(models[0][0].parameters(), models[1][0].parameters()):
+            for key, v in opts[0].state[p].items():
+                assert torch.equal(v, opts[1].state[q][key])
+    assert graphed.num_captures == 1

@@ -536,7 +536,10 @@ class OptimizerWatch:
 # -- routing during a capture ---------------------------------------------------------------------
 class _Active(threading.local):
     def __init__(self):
-        self.route: Optional["Route"] = None  # the optimizer whose step() this thread captures
+        # Each optimizer step() running on this thread inside a graphed step, innermost last
+        # (a step hook may step another optimizer): (optimizer, its Route while captured,
+        # else None, what the step's front end keeps for the step() it ran inside).
+        self.steps: list = []
 
 
 active = _Active()
@@ -633,12 +636,29 @@ def _refusal(opt, why: str) -> GraphStateError:
     return err
 
 
+def _route_of(params) -> Optional[Route]:
+    """The route of the step() whose implementation updates `params`: the innermost step()
+    running whose groups hold them. A step() that started inside another and raised (a
+    hook of its own skipping it, caught by the hook that called it) leaves its entry on top
+    until the outer one ends; its route must not serve the outer one's update. None of them
+    holds them: the innermost's (which refuses them)."""
+    steps = active.steps
+    if not steps:
+        return None
+    first = params[0] if isinstance(params, (list, tuple)) and params else None
+    if first is not None and len(steps) > 1:
+        for opt, route, _ in reversed(steps):
+            if any(p is first for g in opt.param_groups for p in g["params"]):
+                return route
+    return steps[-1][1]
+
+
 def _routed(key):
     fam, impl = _IMPLS[key]
     original = _ORIGINALS[key]
 
     def routed(*args, **kwargs):
-        route = active.route
+        route = _route_of(args[0] if args else kwargs.get("params"))
         if route is None or route.family != fam:
             return original(*args, **kwargs)
         return route.call(fam, impl, original, args, kwargs)

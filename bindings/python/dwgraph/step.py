@@ -58,9 +58,6 @@ class _Watch(threading.local):
         self.optimizer = None  # the optimizer whose step() is running
         self.state_before = None  # inside a capture: its state's keys before that step()
         self.state_none = None  # and the keys whose value was None
-        # The outer step()'s (optimizer, route, state_before, state_none) while a step() runs
-        # inside it (an optimizer's step hook that steps another optimizer).
-        self.frames: list = []
         self.seeing: list = []  # (step, its watcher) of each step call running on this thread (_seen_module)
 
 
@@ -230,7 +227,7 @@ def _install_optimizer_hooks() -> None:
 
     def pre(opt, args, kwargs):
         if _watch.step is not None:
-            _watch.frames.append((_watch.optimizer, _optim.active.route, _watch.state_before, _watch.state_none))
+            found = (_watch.optimizer, _watch.state_before, _watch.state_none)  # an outer step()'s, if any
             _watch.step._optimizers.setdefault(id(opt), opt)
             _watch.step._hyper_before.setdefault(id(opt), (opt, _hyperparameters([opt])))
             _watch.optimizer = opt
@@ -250,36 +247,39 @@ def _install_optimizer_hooks() -> None:
                 raise _FoundMore(
                     f"dwgraph.graphed_step: at capture the step stepped a {type(opt).__name__} its earlier calls did "
                     "not; the capture was abandoned and is retried with it")
-            if capturing:
-                # Note [An optimizer's step hooks, watched]: a hook's first run may make
-                # tensors of its own (an EMA's copies), which made inside a capture would be
-                # the graph's and remade at every replay. Hooks that have not run eagerly
-                # since they changed: this call runs eagerly first (as a warmup call).
-                seen = _hooks_ran_eagerly.get(opt)
-                if seen is None:  # never stepped eagerly in a step (warmup_iters=0): as captured
-                    _hooks_ran_eagerly[opt] = _C.graphs.step_hooks_state(opt)
-                elif _C.graphs.step_hooks_differ(opt, seen):
-                    err = _CreatesState(
-                        f"dwgraph.graphed_step: the step hooks of {type(opt).__name__} changed since its last eager "
-                        "step(); their first run may make state of their own, which a capture would make the "
-                        "graph's: run at least one warmup call (warmup_iters >= 1) so that the call after the "
-                        "change runs them eagerly")
-                    err._dwgraph_complete = True  # already says what to do: not rewrapped
-                    raise err
+            # Note [An optimizer's step hooks, watched]: a hook's first run may make tensors
+            # of its own (an EMA's copies), which made inside a capture would be the graph's
+            # and made anew at every replay. The hooks as of the optimizer's last eager step()
+            # in a step (recorded as they start: a hook that raises to skip the step must not
+            # leave the hooks unrecorded, and every later call eager); a capture whose
+            # optimizer's hooks are not those (changed, or a new optimizer) runs the call
+            # eagerly first, as a warmup call. With warmup_iters=0 (no eager call wanted)
+            # the hooks run first inside the capture.
+            if not capturing:
+                _hooks_ran_eagerly[opt] = _C.graphs.step_hooks_state(opt)
+            elif _watch.step._warmup_iters >= 1 and _C.graphs.step_hooks_differ(opt, _hooks_ran_eagerly.get(opt)):
+                err = _CreatesState(
+                    f"dwgraph.graphed_step: the step hooks of {type(opt).__name__} ran inside a capture before "
+                    "they ran eagerly (they changed, or the optimizer is new); their first run may make state "
+                    "of their own, which a capture would make the graph's: this call runs eagerly")
+                err._dwgraph_complete = True
+                raise err
             # Note [Hyperparameters a replay reads] (_optim.py): inside a capture, torch's
             # SGD/Adam implementations read this optimizer's values from its buffer.
-            _optim.active.route = _watch.step._route_for(opt) if capturing else None
+            _optim.active.steps.append((opt, _watch.step._route_for(opt) if capturing else None, found))
 
     def post(opt, args, kwargs):
         if _watch.step is None:
             return
+        steps = _optim.active.steps
+        # A step() that started inside this one and raised (a hook of its own skipping it,
+        # caught by the hook that called it) ran no post-hook: back to what it found.
+        while steps and steps[-1][0] is not opt:
+            _watch.optimizer, _watch.state_before, _watch.state_none = steps.pop()[2]
         before, before_none = _watch.state_before, _watch.state_none or {}
         # Back to the step() this one ran inside, if any (a step hook stepping another optimizer).
-        _watch.optimizer, _optim.active.route, _watch.state_before, _watch.state_none = (
-            _watch.frames.pop() if _watch.frames else (None, None, None, None))
+        _watch.optimizer, _watch.state_before, _watch.state_none = steps.pop()[2] if steps else (None, None, None)
         if before is None:
-            if not _C.graphs.capturing():
-                _hooks_ran_eagerly[opt] = _C.graphs.step_hooks_state(opt)
             return
         made = 0
         for p in list(opt.state):
@@ -1121,9 +1121,9 @@ class GraphedStep:
         sched_before = [(s, _state_text(s.state_dict()), copy.deepcopy(s.state_dict()),
                          [{k: v for k, v in g.items() if k != "params"} for g in s.optimizer.param_groups])
                         for s in schedulers]
-        saved = (_watch.step, _watch.optimizer, _watch.frames)
+        saved = (_watch.step, _watch.optimizer, _optim.active.steps)
         saved_modules = _step_context.modules
-        _watch.step, _watch.optimizer, _watch.frames = self, None, []
+        _watch.step, _watch.optimizer, _optim.active.steps = self, None, []
         _step_context.modules = self._modules
         saved_known = _step_context.capture_known
         # Capturing: a dwgraph module the core was not told about (its forward or its
@@ -1166,10 +1166,9 @@ class GraphedStep:
                     "after the graphed step returns") from e
             raise
         finally:
-            _optim.active.route = None
             _module_hook.leave()
             _watch.seeing.remove(seeing)
-            _watch.step, _watch.optimizer, _watch.frames = saved
+            _watch.step, _watch.optimizer, _optim.active.steps = saved
             _step_context.modules = saved_modules
             _step_context.capture_known = saved_known
         self._ran_python = True
