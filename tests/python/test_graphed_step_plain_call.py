@@ -909,6 +909,22 @@ def test_a_step_hook_stepping_another_optimizer_matches_eager_under_a_schedule(m
     assert graphed.num_captures == (1 if from_start else 2)
 
 
+def _eager_and_graphed(models, opts):
+    """The step of models[0] eagerly and of models[1] graphed, each stepping opts[i] as it is
+    at the call (a test may replace an optimizer between calls)."""
+    def body_of(i):
+        def body(x, y):
+            loss = (models[i](x) - y).square().mean()
+            loss.backward()
+            opts[i].step()
+            models[i].zero_grad(set_to_none=True)
+            return loss
+
+        return body
+
+    return body_of(0), dwgraph.graphed_step(body_of(1))
+
+
 def test_a_new_optimizer_with_a_step_hook_runs_eagerly_before_its_capture():
     """A new phase's optimizer replacing the step's, born with a hook that makes its tensors at
     its first run: the call that meets it runs eagerly, the next captures (a review found the
@@ -918,17 +934,7 @@ def test_a_new_optimizer_with_a_step_hook_runs_eagerly_before_its_capture():
     models.append(copy.deepcopy(models[0]))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
 
-    def body_of(i):
-        def body(x, y):
-            loss = (models[i](x) - y).square().mean()
-            loss.backward()
-            opts[i].step()
-            opts[i].zero_grad(set_to_none=True)
-            return loss
-
-        return body
-
-    eager, graphed = body_of(0), dwgraph.graphed_step(body_of(1))
+    eager, graphed = _eager_and_graphed(models, opts)
     x, y = torch.randn(3, 4), torch.randn(3, 4)
     emas = [{}, {}]
     for call in range(9):
@@ -978,17 +984,7 @@ def test_a_nested_step_skipped_by_its_own_hook_leaves_the_outer_step_as_eagerly(
 
     opts = [make(m) for m in models]
 
-    def body_of(i):
-        def body(x, y):
-            loss = (models[i](x) - y).square().mean()
-            loss.backward()
-            opts[i].step()
-            models[i].zero_grad(set_to_none=True)
-            return loss
-
-        return body
-
-    eager, graphed = body_of(0), dwgraph.graphed_step(body_of(1))
+    eager, graphed = _eager_and_graphed(models, opts)
     x, y = torch.randn(3, 4), torch.randn(3, 4)
     for _ in range(8):
         assert _same(eager(x, y), graphed(x, y))
