@@ -207,6 +207,9 @@ class CudaGraph final : public Graph {
     graph_->capture_end();
     restore_stream();
     static_cast<const CudaGraphPool&>(*pool_).note_peak();
+    // Note [A call that raised]: a refusal the region caught (the recorder refused the host
+    // read before CUDA could invalidate the capture).
+    recorder_->check_none_raised("at the end of the captured region");
   }
 
   void abort_backend() noexcept override {

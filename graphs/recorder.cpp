@@ -172,19 +172,28 @@ void Recorder::refuse_draw_after_reseed(const c10::FunctionSchema& schema) const
   }
 }
 
-void Recorder::note_raised(const std::string& op_name, const char* what) {
+void Recorder::note_raised(const std::string& op_name, const char* what, bool refused) {
   // Note [A call that raised]: the host graph records a call when it returns. One that
   // raised may have run kernels first (torch.utils.checkpoint's early stop raises from the
   // pack hook of the last saving call, after its kernel wrote the output the backward then
   // reads); a replay would skip them. That only matters if the region goes on, as the
-  // capture is abandoned otherwise.
-  if (!execute_ || !raised_op_.empty()) return;
+  // capture is abandoned otherwise. Likewise a call the capture refused before it ran (a
+  // host read), should the region's code catch that: eager runs the call, so the region
+  // went on along a path eager code does not take. A call that raised matters where the
+  // capture runs kernels (the host graph); a refusal, on every backend (CUDA would not see
+  // it: the host read it would have invalidated the capture with never ran).
+  if ((!execute_ && !refused) || !raised_op_.empty()) return;
+  raised_refused_ = refused;
   raised_op_ = op_name;
   raised_what_ = what;
   raised_what_ = raised_what_.substr(0, std::min(raised_what_.find('\n'), size_t{200}));
 }
 
 void Recorder::check_none_raised(const char* where) const {
+  DWGRAPH_CHECK_STATE(raised_op_.empty() || !raised_refused_, "dwgraph graph capture: ", raised_op_,
+                      " was refused inside the captured region (", raised_what_, ") and the region went on (", where,
+                      "): the exception was caught inside it, so the capture holds a path that eager code, where the "
+                      "call runs, does not take. Catch exceptions outside the captured region");
   DWGRAPH_CHECK_STATE(raised_op_.empty(), "dwgraph host graph capture: ", raised_op_, " raised inside the captured "
                       "region (", raised_what_.empty() ? std::string("no message") : raised_what_, ") and the region "
                       "went on (", where, "): the exception was caught inside it. The host graph records a call when "
@@ -205,17 +214,16 @@ void Recorder::snapshot_if_caller(const TensorSlot& s, const at::Tensor& t) {
   snapshots_.emplace(s.entry, std::make_pair(st, std::move(bytes)));
 }
 
-void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
-                       const std::function<void()>& redispatch) {
-  const auto& schema = op.schema();
-  DWGRAPH_CHECK_STATE(!reads_value_on_host(schema.operator_name()), "dwgraph graph capture: ",
-                      schema.operator_name().name,
+// The calls a capture refuses before they run: host reads, collectives, data-dependent
+// shapes, draws after a reseed.
+void Recorder::refuse_uncapturable(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t base) const {
+  const std::string& op_name = schema.operator_name().name;
+  DWGRAPH_CHECK_STATE(!reads_value_on_host(schema.operator_name()), "dwgraph graph capture: ", op_name,
                       " reads a tensor's value on the host (e.g. .item(), torch.equal, nonzero), "
                       "which a CUDA graph cannot capture; move it out of the captured region");
   // Collectives (c10d::allreduce_, the functional collectives, torch DDP's reducer, which
   // calls them from its autograd hooks) talk to other processes: their effect is not a
   // kernel a graph can replay (the host graph would skip or repeat it alone, on one rank).
-  const std::string& op_name = schema.operator_name().name;
   DWGRAPH_CHECK_STATE(op_name.rfind("c10d::", 0) != 0 && op_name.rfind("_c10d_functional::", 0) != 0 &&
                           op_name.rfind("c10d_functional::", 0) != 0,
                       "dwgraph graph capture: the collective ", op_name,
@@ -223,11 +231,29 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
                       "ranks. Run collectives outside the graphs: call a DistributedDataParallel model outside "
                       "@graphed_step (graph its inner modules with make_graphed_callables, or use "
                       "dwgraph.distributed, whose reduction runs after each replay's hand-off)");
+  refuse_data_dependent(schema, stack, base);
+  refuse_draw_after_reseed(schema);
+}
+
+void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                       const std::function<void()>& redispatch) {
+  const auto& schema = op.schema();
+  const std::string& op_name = schema.operator_name().name;
   const size_t nargs = schema.arguments().size();
   TORCH_INTERNAL_ASSERT(stack->size() >= nargs);
   const size_t base = stack->size() - nargs;
-  refuse_data_dependent(schema, *stack, base);
-  refuse_draw_after_reseed(schema);
+  try {
+    refuse_uncapturable(schema, *stack, base);
+  } catch (const c10::Error& e) {
+    // Note [A call that raised]: a refusal that the region's code catches and goes past is a
+    // path eager code does not take (eager runs the call): refused at the next call or at
+    // the end, as a call that raised. (With the Python extension it is a Python error.)
+    note_raised(op_name, e.what_without_backtrace(), /*refused=*/true);
+    throw;
+  } catch (const std::exception& e) {
+    note_raised(op_name, e.what(), /*refused=*/true);
+    throw;
+  }
   if (depth_ == 0) {
     const std::string where = c10::str("before ", op_name);
     check_none_raised(where.c_str());

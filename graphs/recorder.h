@@ -122,7 +122,8 @@ class Recorder {
   // previous call left it: Python that reseeds, restores (fork_rng, set_state, activation
   // checkpointing's recompute) or draws outside the kernels would be lost at replay.
   void check_generator(const char* where) const;
-  void note_raised(const std::string& op_name, const char* what);
+  void note_raised(const std::string& op_name, const char* what, bool refused = false);
+  void refuse_uncapturable(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t base) const;
   void note_generator();
   std::vector<size_t> written_entries(const OpRecord& rec) const;
   void mark_defined(size_t entry);
@@ -142,6 +143,7 @@ class Recorder {
   // Host: the first recorded call that raised ("" while none did), and its message.
   std::string raised_op_;
   std::string raised_what_;
+  bool raised_refused_ = false;  // it was refused before it ran (refuse_uncapturable)
   std::vector<OpRecord> records_;
   HostCalls host_calls_;
   GraphPool* pool_ = nullptr;

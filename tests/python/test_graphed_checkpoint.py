@@ -193,6 +193,28 @@ def test_an_exception_caught_inside_the_region_is_refused_at_its_end():
     assert torch.equal(y, x * 2)
 
 
+@pytest.mark.parametrize("refused", ["item", "nonzero"])
+def test_a_refusal_caught_inside_the_region_is_refused_at_its_end(refused, device):
+    # A call the capture refuses before it runs (a host read), caught by the region's own
+    # code: eager would have run it, so the region went on along a path eager does not take
+    # (until 2026-12-05 the capture ended and replayed without it). On CUDA too: the read
+    # that would have invalidated the stream capture never ran.
+    x = torch.randn(B, H, device=device)
+    g = Graph(device)
+    with pytest.raises(dwgraph.GraphStateError, match=rf"aten::{refused} was refused inside the captured region"):
+        with g.capture():
+            y = x * 2
+            try:
+                y.sum().item() if refused == "item" else torch.nonzero(y)
+            except dwgraph.GraphStateError:
+                pass
+            y.add_(1)
+    with g.capture():
+        y = x * 2
+    g.replay()
+    assert torch.equal(y, x * 2)
+
+
 def test_early_stop_is_put_back_after_a_capture_and_untouched_in_eager_calls():
     layer = _layer(deferred=False)
     x = torch.randn(B, H, requires_grad=True)

@@ -994,3 +994,69 @@ def test_a_nested_step_skipped_by_its_own_hook_leaves_the_outer_step_as_eagerly(
             for key, v in opts[0].state[p].items():
                 assert torch.equal(v, opts[1].state[q][key])
     assert graphed.num_captures == 1
+
+
+def test_a_refusal_inside_the_capture_caught_by_the_step_is_raised_again():
+    """A pre-hook stepping another optimizer and catching every exception around it: the
+    refusal dwgraph raises inside the capture (here: that optimizer's hooks changed, so this
+    call runs eagerly first) is raised again when the step's code returns, so the capture is
+    abandoned as if it had not been caught (a review found the capture going on without the
+    inner step, replayed from then on)."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))]
+    models.append(copy.deepcopy(models[0]))
+    inner = []
+
+    def make(m):
+        a, b = torch.optim.SGD(m[0].parameters(), lr=0.1), torch.optim.SGD(m[1].parameters(), lr=0.1)
+        inner.append(b)
+
+        def step_b(o, args, kwargs):
+            try:
+                b.step()
+            except Exception:  # noqa: BLE001 - the user's hook swallows everything
+                pass
+
+        a.register_step_pre_hook(step_b)
+        return a
+
+    opts = [make(m) for m in models]
+    eager, graphed = _eager_and_graphed(models, opts)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for call in range(9):
+        if call == 5:
+            for b in inner:
+                b.register_step_post_hook(lambda o, a, k: None)
+        assert _same(eager(x, y), graphed(x, y))
+        for p, q in zip(*(m.parameters() for m in models)):
+            assert torch.equal(p, q)
+    assert graphed.num_captures == 2
+
+
+def test_a_host_read_caught_inside_the_step_is_refused_at_every_call():
+    """The step's own code catching the refusal of a host read (a logging .item() in a try):
+    eager runs the read, so the capture went on along another path; refused, before the
+    graph exists, at every call (until 2026-12-05 it captured and replayed without it)."""
+    e, g = _make()
+    logged = []
+
+    def body(x, y):
+        loss = (g[0](x) - y).square().mean()
+        loss.backward()
+        try:
+            logged.append(loss.item())
+        except dwgraph.GraphStateError:
+            logged.append(None)
+        g[1].step()
+        g[1].zero_grad(set_to_none=True)
+        return loss
+
+    step = dwgraph.graphed_step(body)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for call in range(6):
+        if call < 3:
+            step(x, y)  # the warmup calls run eagerly: the read succeeds
+        else:
+            with pytest.raises(dwgraph.GraphStateError, match="aten::item was refused inside the captured region"):
+                step(x, y)
+    assert step.num_captures == 0

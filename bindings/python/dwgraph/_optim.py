@@ -540,6 +540,8 @@ class _Active(threading.local):
         # (a step hook may step another optimizer): (optimizer, its Route while captured,
         # else None, what the step's front end keeps for the step() it ran inside).
         self.steps: list = []
+        # The first refusal raised inside this thread's capture (raised_in_capture).
+        self.refused: Optional[BaseException] = None
 
 
 active = _Active()
@@ -559,9 +561,9 @@ class Route:
         for i, g in enumerate(self.opt.param_groups):
             if any(p is first for p in g["params"]):
                 return i, g
-        raise GraphStateError(
+        raise raised_in_capture(GraphStateError(
             f"dwgraph.graphed_step: {type(self.opt).__name__}.step() updated a parameter of none of its param groups; "
-            "its captured step could not read that group's hyperparameters at replay")
+            "its captured step could not read that group's hyperparameters at replay"))
 
     def call(self, fam: str, impl: int, original, args, kwargs):
         bound = _SIGNATURE_OF[next(k for k, v in _IMPLS.items() if v == (fam, impl))].bind(*args, **kwargs)
@@ -628,12 +630,22 @@ class Route:
         return None
 
 
+def raised_in_capture(err: BaseException) -> BaseException:
+    """Notes `err`, a refusal about to be raised inside this thread's capture, and returns it:
+    the step raises it again when its code returns, should that code have caught it (a
+    capture that went on past a refusal would hold a path eager code does not take, as a
+    hook catching every exception around another optimizer's step())."""
+    if active.refused is None:
+        active.refused = err
+    return err
+
+
 def _refusal(opt, why: str) -> GraphStateError:
     err = GraphStateError(
         f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step was to read its hyperparameters at "
         f"replay, but {why}; step the optimizer after the graphed step returns, or call reset()")
     err._dwgraph_complete = True  # says what to do: not rewrapped by the step
-    return err
+    return raised_in_capture(err)
 
 
 def _route_of(params) -> Optional[Route]:

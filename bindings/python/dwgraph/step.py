@@ -244,9 +244,9 @@ def _install_optimizer_hooks() -> None:
             if capturing and opt not in _watch.step._opt_watches:
                 # Not in the variant state this capture was selected by (a new optimizer,
                 # replacing one): start again knowing it, so its values select or are read.
-                raise _FoundMore(
+                raise _optim.raised_in_capture(_FoundMore(
                     f"dwgraph.graphed_step: at capture the step stepped a {type(opt).__name__} its earlier calls did "
-                    "not; the capture was abandoned and is retried with it")
+                    "not; the capture was abandoned and is retried with it"))
             # Note [An optimizer's step hooks, watched]: a hook's first run may make tensors
             # of its own (an EMA's copies), which made inside a capture would be the graph's
             # and made anew at every replay. The hooks as of the optimizer's last eager step()
@@ -263,7 +263,7 @@ def _install_optimizer_hooks() -> None:
                     "they ran eagerly (they changed, or the optimizer is new); their first run may make state "
                     "of their own, which a capture would make the graph's: this call runs eagerly")
                 err._dwgraph_complete = True
-                raise err
+                raise _optim.raised_in_capture(err)
             # Note [Hyperparameters a replay reads] (_optim.py): inside a capture, torch's
             # SGD/Adam implementations read this optimizer's values from its buffer.
             _optim.active.steps.append((opt, _watch.step._route_for(opt) if capturing else None, found))
@@ -299,7 +299,7 @@ def _install_optimizer_hooks() -> None:
                 f"{made} parameter(s) during the capture; run at least one warmup call "
                 "(warmup_iters >= 1) so the optimizer creates its state eagerly")
             err._dwgraph_complete = True  # already says what to do: not rewrapped below
-            raise err
+            raise _optim.raised_in_capture(err)
 
     _optimizer.register_optimizer_step_pre_hook(pre)
     _optimizer.register_optimizer_step_post_hook(post)
@@ -1121,9 +1121,9 @@ class GraphedStep:
         sched_before = [(s, _state_text(s.state_dict()), copy.deepcopy(s.state_dict()),
                          [{k: v for k, v in g.items() if k != "params"} for g in s.optimizer.param_groups])
                         for s in schedulers]
-        saved = (_watch.step, _watch.optimizer, _optim.active.steps)
+        saved = (_watch.step, _watch.optimizer, _optim.active.steps, _optim.active.refused)
         saved_modules = _step_context.modules
-        _watch.step, _watch.optimizer, _optim.active.steps = self, None, []
+        _watch.step, _watch.optimizer, _optim.active.steps, _optim.active.refused = self, None, [], None
         _step_context.modules = self._modules
         saved_known = _step_context.capture_known
         # Capturing: a dwgraph module the core was not told about (its forward or its
@@ -1141,6 +1141,9 @@ class GraphedStep:
             with watcher, _torch_code_as_captured(), (_optim.routing() if handed is not None
                                                       else contextlib.nullcontext()):
                 out = self._fn(*args, **kwargs)
+            if _optim.active.refused is not None:
+                # A refusal raised inside the capture that the step's own code caught.
+                raise _optim.active.refused
         except Exception as e:
             opt = _watch.optimizer
             if handed is not None:
@@ -1168,7 +1171,7 @@ class GraphedStep:
         finally:
             _module_hook.leave()
             _watch.seeing.remove(seeing)
-            _watch.step, _watch.optimizer, _optim.active.steps = saved
+            _watch.step, _watch.optimizer, _optim.active.steps, _optim.active.refused = saved
             _step_context.modules = saved_modules
             _step_context.capture_known = saved_known
         self._ran_python = True
