@@ -954,6 +954,17 @@ class _Skip(Exception):
     pass
 
 
+def _stepping(other, catching):
+    """A step pre-hook that steps `other` and ignores the exceptions of type `catching`."""
+    def hook(opt, args, kwargs):
+        try:
+            other.step()
+        except catching:
+            pass
+
+    return hook
+
+
 @pytest.mark.parametrize("outer", ["sgd_momentum", "rmsprop"])
 def test_a_nested_step_skipped_by_its_own_hook_leaves_the_outer_step_as_eagerly(outer):
     """The outer optimizer's pre-hook steps another, whose own pre-hook raises to skip it and
@@ -972,14 +983,8 @@ def test_a_nested_step_skipped_by_its_own_hook_leaves_the_outer_step_as_eagerly(
         def frozen(o, args, kwargs):
             raise _Skip()
 
-        def step_b(o, args, kwargs):
-            try:
-                b.step()
-            except _Skip:
-                pass
-
         b.register_step_pre_hook(frozen)
-        a.register_step_pre_hook(step_b)
+        a.register_step_pre_hook(_stepping(b, catching=_Skip))
         return a
 
     opts = [make(m) for m in models]
@@ -1011,13 +1016,7 @@ def test_a_refusal_inside_the_capture_caught_by_the_step_is_raised_again():
         a, b = torch.optim.SGD(m[0].parameters(), lr=0.1), torch.optim.SGD(m[1].parameters(), lr=0.1)
         inner.append(b)
 
-        def step_b(o, args, kwargs):
-            try:
-                b.step()
-            except Exception:  # noqa: BLE001 - the user's hook swallows everything
-                pass
-
-        a.register_step_pre_hook(step_b)
+        a.register_step_pre_hook(_stepping(b, catching=Exception))  # the user's hook swallows everything
         return a
 
     opts = [make(m) for m in models]
