@@ -3,6 +3,7 @@
 #include "bindings/bindings.h"
 
 #include "common/check.h"
+#include "graphs/capture_dispatch.h"
 #include "graphs/graph.h"
 #include "graphs/host_calls.h"
 
@@ -64,6 +65,9 @@ void init_graphs(py::module_& parent) {
 
   // Note [Host work around a replay] (graphs/host_calls.h).
   m.def("capturing", &graphs::capturing);
+  // Note [A call that raised] (graphs/recorder.cpp): a refusal the front end raises into the
+  // region's code (a host read without a dispatcher call) is noted on this thread's capture.
+  m.def("note_refused", [](const std::string& what) { graphs::detail::note_refused_here(what); }, py::arg("what"));
   m.def(
       "replay_buffer",
       [](const at::Tensor& owner, const std::string& tag, std::vector<int64_t> sizes, at::ScalarType dtype,

@@ -56,6 +56,10 @@ Recorder* claiming_recorder() {
   return nullptr;
 }
 
+void note_refused_here(const std::string& what) {
+  if (Recorder* rec = claiming_recorder()) rec->note_refused(what);
+}
+
 TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&capture_fallback>());
 }

@@ -21,6 +21,7 @@
 #include <c10/core/DispatchKey.h>
 
 #include <functional>
+#include <string>
 
 namespace dwgraph::graphs::detail {
 
@@ -51,6 +52,9 @@ bool this_thread_records();
 
 // The recorder of the capture that claims the calling context's work (null: none).
 Recorder* claiming_recorder();
+// Notes a refusal made outside the dispatcher on the capture that claims this thread's
+// calls, if any (Recorder::note_refused).
+void note_refused_here(const std::string& what);
 
 // Runs `call` as a recorded call's own dispatch: calls it makes through its autograd layer
 // are recorded as its children, calls below autograd (inside its kernels) are not.

@@ -189,11 +189,14 @@ void Recorder::note_raised(const std::string& op_name, const char* what, bool re
   raised_what_ = raised_what_.substr(0, std::min(raised_what_.find('\n'), size_t{200}));
 }
 
-void Recorder::check_none_raised(const char* where) const {
+void Recorder::check_none_raised(const char* where, bool refusals) const {
+  if (raised_refused_ && !refusals) return;
   DWGRAPH_CHECK_STATE(raised_op_.empty() || !raised_refused_, "dwgraph graph capture: ", raised_op_,
-                      " was refused inside the captured region (", raised_what_, ") and the region went on (", where,
-                      "): the exception was caught inside it, so the capture holds a path that eager code, where the "
-                      "call runs, does not take. Catch exceptions outside the captured region");
+                      " was refused inside the captured region and the region went on (", where, "): the refusal "
+                      "was caught inside it (a try/except around a host read, or a library that swallows errors, as "
+                      "logging does while formatting a tensor), so the capture holds a path that eager code, where "
+                      "the call runs, does not take. Move the call out of the captured region, or catch exceptions "
+                      "outside it");
   DWGRAPH_CHECK_STATE(raised_op_.empty(), "dwgraph host graph capture: ", raised_op_, " raised inside the captured "
                       "region (", raised_what_.empty() ? std::string("no message") : raised_what_, ") and the region "
                       "went on (", where, "): the exception was caught inside it. The host graph records a call when "
@@ -242,58 +245,60 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   const size_t nargs = schema.arguments().size();
   TORCH_INTERNAL_ASSERT(stack->size() >= nargs);
   const size_t base = stack->size() - nargs;
+  // Our own bookkeeping below must not be recorded.
+  std::optional<c10::impl::ExcludeDispatchKeyGuard> exclude;
+  OpRecord rec{op, {}, {}, false, {}};
+  std::unordered_set<const void*> input_data;
   try {
     refuse_uncapturable(schema, *stack, base);
+    if (depth_ == 0) {
+      const std::string where = c10::str("before ", op_name);
+      // Not a refusal yet: this call may be cleanup while the refusal propagates out of the
+      // region (record_function's exit inside Optimizer.step); only a region that ends
+      // normally has caught it.
+      check_none_raised(where.c_str(), /*refusals=*/false);
+      check_generator(where.c_str());
+    }
+    exclude.emplace(kCaptureModeKey);
+    rec.grad_enabled = c10::GradMode::is_enabled();
+    rec.args.reserve(nargs);
+    for (size_t i = 0; i < nargs; ++i) {
+      const c10::IValue& v = (*stack)[base + i];
+      ValueSlot s = slot_for(v);  // refuses what a graph cannot hold (another generator, sparse, nested)
+      s.written = is_write(schema.arguments()[i]) || writes_undeclared(schema, i, *stack, base);
+      if (s.kind != ValueSlot::Kind::kOther) {
+        size_t k = 0;
+        auto visit = [&](const at::Tensor& t) {
+          const TensorSlot& ts = s.tensors[k++];
+          if (!ts.defined) return;
+          if (!ts.no_memory) input_data.insert(t.storage().data());
+          if (s.written) snapshot_if_caller(ts, t);
+        };
+        if (v.isTensor()) {
+          visit(v.toTensor());
+        } else {
+          for (const auto& e : v.toListRef()) {
+            if (e.isTensor()) {
+              visit(e.toTensor());
+            } else {
+              ++k;
+            }
+          }
+        }
+      }
+      rec.args.push_back(std::move(s));
+    }
+    snapshot_constants(rec, *stack, base);
   } catch (const c10::Error& e) {
     // Note [A call that raised]: a refusal that the region's code catches and goes past is a
-    // path eager code does not take (eager runs the call): refused at the next call or at
-    // the end, as a call that raised. (With the Python extension it is a Python error.)
+    // path eager code does not take (eager runs the call): refused at the end of the region
+    // (a later call may be cleanup while it propagates). (With the Python extension it is a Python error.)
     note_raised(op_name, e.what_without_backtrace(), /*refused=*/true);
     throw;
   } catch (const std::exception& e) {
     note_raised(op_name, e.what(), /*refused=*/true);
     throw;
   }
-  if (depth_ == 0) {
-    const std::string where = c10::str("before ", op_name);
-    check_none_raised(where.c_str());
-    check_generator(where.c_str());
-  }
-
-  // Our own bookkeeping below must not be recorded.
-  std::optional<c10::impl::ExcludeDispatchKeyGuard> exclude(std::in_place, kCaptureModeKey);
-  OpRecord rec{op, {}, {}, false, {}};
-  rec.grad_enabled = c10::GradMode::is_enabled();
-  rec.args.reserve(nargs);
-  std::unordered_set<const void*> input_data;
-  for (size_t i = 0; i < nargs; ++i) {
-    const c10::IValue& v = (*stack)[base + i];
-    ValueSlot s = slot_for(v);
-    s.written = is_write(schema.arguments()[i]) || writes_undeclared(schema, i, *stack, base);
-    if (s.kind != ValueSlot::Kind::kOther) {
-      size_t k = 0;
-      auto visit = [&](const at::Tensor& t) {
-        const TensorSlot& ts = s.tensors[k++];
-        if (!ts.defined) return;
-        if (!ts.no_memory) input_data.insert(t.storage().data());
-        if (s.written) snapshot_if_caller(ts, t);
-      };
-      if (v.isTensor()) {
-        visit(v.toTensor());
-      } else {
-        for (const auto& e : v.toListRef()) {
-          if (e.isTensor()) {
-            visit(e.toTensor());
-          } else {
-            ++k;
-          }
-        }
-      }
-    }
-    rec.args.push_back(std::move(s));
-  }
-
-  snapshot_constants(rec, *stack, base);
   // The call itself: its autograd layer's own calls (a clone of self saved for backward,
   // the pieces of a CompositeImplicitAutograd operator) are recorded as its children;
   // calls inside its kernels are not (see capture_fallback). The kernel's allocations

@@ -101,7 +101,12 @@ class Recorder {
   void check_generator_at_end() const { check_generator("at the end of the captured region"); }
   // Host: throws if a recorded call raised and the region went on (see on_call); called
   // before each top-level call and at capture end.
-  void check_none_raised(const char* where) const;
+  // `refusals`: also a call refused before it ran (at the region's end; before a later call
+  // it may be cleanup while the refusal propagates).
+  void check_none_raised(const char* where, bool refusals = true) const;
+  // Note [A call that raised]: a refusal made outside the dispatcher (a Python method that
+  // reads the host), about to be raised into the region's code.
+  void note_refused(const std::string& what) { note_raised(what, "", /*refused=*/true); }
   std::vector<OpRecord> take_records() { return std::move(records_); }
   // Note [Host work around a replay]: what the region hoisted out of the graph, and the
   // pool whose graphs share replay buffers.

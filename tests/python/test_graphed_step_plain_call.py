@@ -1001,7 +1001,8 @@ def test_a_nested_step_skipped_by_its_own_hook_leaves_the_outer_step_as_eagerly(
     assert graphed.num_captures == 1
 
 
-def test_a_refusal_inside_the_capture_caught_by_the_step_is_raised_again():
+@pytest.mark.parametrize("outer_momentum", [0.0, 0.9])
+def test_a_refusal_inside_the_capture_caught_by_the_step_is_raised_again(outer_momentum):
     """A pre-hook stepping another optimizer and catching every exception around it: the
     refusal dwgraph raises inside the capture (here: that optimizer's hooks changed, so this
     call runs eagerly first) is raised again when the step's code returns, so the capture is
@@ -1013,7 +1014,8 @@ def test_a_refusal_inside_the_capture_caught_by_the_step_is_raised_again():
     inner = []
 
     def make(m):
-        a, b = torch.optim.SGD(m[0].parameters(), lr=0.1), torch.optim.SGD(m[1].parameters(), lr=0.1)
+        a = torch.optim.SGD(m[0].parameters(), lr=0.1, momentum=outer_momentum)  # with state: kept as it was
+        b = torch.optim.SGD(m[1].parameters(), lr=0.1)
         inner.append(b)
 
         a.register_step_pre_hook(_stepping(b, catching=Exception))  # the user's hook swallows everything
@@ -1029,6 +1031,9 @@ def test_a_refusal_inside_the_capture_caught_by_the_step_is_raised_again():
         assert _same(eager(x, y), graphed(x, y))
         for p, q in zip(*(m.parameters() for m in models)):
             assert torch.equal(p, q)
+        for p, q in zip(models[0][0].parameters(), models[1][0].parameters()):
+            for key, v in opts[0].state[p].items():
+                assert torch.equal(v, opts[1].state[q][key])
     assert graphed.num_captures == 2
 
 
@@ -1059,3 +1064,27 @@ def test_a_host_read_caught_inside_the_step_is_refused_at_every_call():
             with pytest.raises(dwgraph.GraphStateError, match="aten::item was refused inside the captured region"):
                 step(x, y)
     assert step.num_captures == 0
+
+
+def test_a_host_read_caught_in_an_optimizer_hook_is_named_not_the_optimizer():
+    """A pre-hook logging the gradient norm with .item() in a try: refused at every capture,
+    naming the read the hook caught (not "SGD.step() cannot be captured", which pointed at
+    fused=True and capturable=True)."""
+    e, g = _make()
+    norms = []
+
+    def log_norm(opt, args, kwargs):
+        try:
+            norms.append(sum(p.grad.norm() for p in opt.param_groups[0]["params"]).item())
+        except dwgraph.GraphStateError:
+            norms.append(None)
+
+    g[1].register_step_pre_hook(log_norm)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for call in range(5):
+        if call < 3:
+            g[2](x, y)
+        else:
+            with pytest.raises(dwgraph.GraphStateError, match="aten::item was refused inside the captured region") as r:
+                g[2](x, y)
+            assert "cannot be captured" not in str(r.value)

@@ -305,6 +305,7 @@ def _install_host_read_watch() -> None:
         @functools.wraps(fn)
         def wrapper(self, *args, **kwargs):
             if capturing():
+                _C.graphs.note_refused(f"Tensor.{fn.__name__}")  # refused again should the region catch it
                 raise GraphStateError(
                     f"dwgraph graph capture: Tensor.{fn.__name__}() reads a tensor's value on the host (as .item(), "
                     "bool(t) do), which a graph cannot capture (it would replay the value of its capture forever); "

@@ -226,47 +226,51 @@ def _install_optimizer_hooks() -> None:
         return
 
     def pre(opt, args, kwargs):
-        if _watch.step is not None:
-            found = (_watch.optimizer, _watch.state_before, _watch.state_none)  # an outer step()'s, if any
-            _watch.step._optimizers.setdefault(id(opt), opt)
-            _watch.step._hyper_before.setdefault(id(opt), (opt, _hyperparameters([opt])))
-            _watch.optimizer = opt
-            capturing = _C.graphs.capturing()
-            # State made inside a capture would live in the graph's pool and be the
-            # capture's, not the caller's: it must exist before (a warmup call makes it).
-            # Stateless optimizers (SGD without momentum) make none.
-            # A key whose value is None counts as absent: torch's SGD makes a new momentum
-            # buffer where it finds None (a user's way to reset momentum).
-            _watch.state_before = ({p: {k for k, v in st.items() if v is not None} for p, st in opt.state.items()}
-                                   if capturing else None)
-            _watch.state_none = ({p: {k for k, v in st.items() if v is None} for p, st in opt.state.items()}
-                                 if capturing else None)
-            if capturing and opt not in _watch.step._opt_watches:
-                # Not in the variant state this capture was selected by (a new optimizer,
-                # replacing one): start again knowing it, so its values select or are read.
-                raise _optim.raised_in_capture(_FoundMore(
-                    f"dwgraph.graphed_step: at capture the step stepped a {type(opt).__name__} its earlier calls did "
-                    "not; the capture was abandoned and is retried with it"))
-            # Note [An optimizer's step hooks, watched]: a hook's first run may make tensors
-            # of its own (an EMA's copies), which made inside a capture would be the graph's
-            # and made anew at every replay. The hooks as of the optimizer's last eager step()
-            # in a step (recorded as they start: a hook that raises to skip the step must not
-            # leave the hooks unrecorded, and every later call eager); a capture whose
-            # optimizer's hooks are not those (changed, or a new optimizer) runs the call
-            # eagerly first, as a warmup call. With warmup_iters=0 (no eager call wanted)
-            # the hooks run first inside the capture.
-            if not capturing:
-                _hooks_ran_eagerly[opt] = _C.graphs.step_hooks_state(opt)
-            elif _watch.step._warmup_iters >= 1 and _C.graphs.step_hooks_differ(opt, _hooks_ran_eagerly.get(opt)):
-                err = _CreatesState(
-                    f"dwgraph.graphed_step: the step hooks of {type(opt).__name__} ran inside a capture before "
-                    "they ran eagerly (they changed, or the optimizer is new); their first run may make state "
-                    "of their own, which a capture would make the graph's: this call runs eagerly")
-                err._dwgraph_complete = True
-                raise _optim.raised_in_capture(err)
-            # Note [Hyperparameters a replay reads] (_optim.py): inside a capture, torch's
-            # SGD/Adam implementations read this optimizer's values from its buffer.
-            _optim.active.steps.append((opt, _watch.step._route_for(opt) if capturing else None, found))
+        if _watch.step is None:
+            return
+        _watch.step._optimizers.setdefault(id(opt), opt)
+        _watch.step._hyper_before.setdefault(id(opt), (opt, _hyperparameters([opt])))
+        capturing = _C.graphs.capturing()
+        # The refusals first, before this step() is set up: one raised into a hook that
+        # catches it (a hook stepping this optimizer inside try/except) leaves the outer
+        # step() as it was (a review found the outer optimizer's state removed).
+        if capturing and opt not in _watch.step._opt_watches:
+            # Not in the variant state this capture was selected by (a new optimizer,
+            # replacing one): start again knowing it, so its values select or are read.
+            raise _optim.raised_in_capture(_FoundMore(
+                f"dwgraph.graphed_step: at capture the step stepped a {type(opt).__name__} its earlier calls did "
+                "not; the capture was abandoned and is retried with it"))
+        # Note [An optimizer's step hooks, watched]: a hook's first run may make tensors of
+        # its own (an EMA's copies), which made inside a capture would be the graph's and
+        # made anew at every replay. The hooks as of the optimizer's last eager step() in a
+        # step (recorded as they start: a hook that raises to skip the step must not leave
+        # the hooks unrecorded, and every later call eager); a capture whose optimizer's
+        # hooks are not those (changed, or a new optimizer) runs the call eagerly first, as
+        # a warmup call. With warmup_iters=0 (no eager call wanted) the hooks run first
+        # inside the capture.
+        if not capturing:
+            _hooks_ran_eagerly[opt] = _C.graphs.step_hooks_state(opt)
+        elif _watch.step._warmup_iters >= 1 and _C.graphs.step_hooks_differ(opt, _hooks_ran_eagerly.get(opt)):
+            err = _CreatesState(
+                f"dwgraph.graphed_step: the step hooks of {type(opt).__name__} ran inside a capture before "
+                "they ran eagerly (they changed, or the optimizer is new); their first run may make state "
+                "of their own, which a capture would make the graph's: this call runs eagerly")
+            err._dwgraph_complete = True
+            raise _optim.raised_in_capture(err)
+        found = (_watch.optimizer, _watch.state_before, _watch.state_none)  # an outer step()'s, if any
+        _watch.optimizer = opt
+        # State made inside a capture would live in the graph's pool and be the capture's,
+        # not the caller's: it must exist before (a warmup call makes it). Stateless
+        # optimizers (SGD without momentum) make none. A key whose value is None counts as
+        # absent: torch's SGD makes a new momentum buffer where it finds None (a user's way
+        # to reset momentum).
+        _watch.state_before = ({p: {k for k, v in st.items() if v is not None} for p, st in opt.state.items()}
+                               if capturing else None)
+        _watch.state_none = ({p: {k for k, v in st.items() if v is None} for p, st in opt.state.items()}
+                             if capturing else None)
+        # Note [Hyperparameters a replay reads] (_optim.py): inside a capture, torch's
+        # SGD/Adam implementations read this optimizer's values from its buffer.
+        _optim.active.steps.append((opt, _watch.step._route_for(opt) if capturing else None, found))
 
     def post(opt, args, kwargs):
         if _watch.step is None:
@@ -1157,8 +1161,11 @@ class GraphedStep:
                             del vars(o)[name]
             # Only what a capture refuses (the host graph's GraphStateError, CUDA's RuntimeError):
             # a KeyError or TypeError of the optimizer's own code is raised as eagerly.
+            # Not the core's refusal of a region that went on past a caught error (Note [A call
+            # that raised]): it names the call the step's own code caught, not the optimizer.
             if opt is not None and handed is not None and not getattr(e, "_dwgraph_complete", False) and \
-                    not isinstance(e, _FoundMore) and isinstance(e, RuntimeError) and not isinstance(e, ArgumentError):
+                    not isinstance(e, _FoundMore) and isinstance(e, RuntimeError) and \
+                    not isinstance(e, ArgumentError) and "and the region went on" not in str(e):
                 raise GraphStateError(
                     f"dwgraph.graphed_step: {type(opt).__name__}.step() inside the step cannot be captured ({e}): it "
                     "reads tensor values on the host. A graphed step reads the hyperparameters and step counts of "
