@@ -19,9 +19,10 @@ The Python front end and pybind's call are not counted here (bench_overhead.py's
 them; they do not depend on the tree).
 
 The same for ``@graphed_step`` (the model of bench_step.py's overhead), counted from the
-start of the timed loop to its end, the Python front end included, less the counting's own
-zero and dump (until 2026-12-05 the Python of those two subprocess calls, about 400,000
-instructions, was counted in, a fifth of it per step).
+start of the timed loop to its end, the Python front end included, and nothing else: the
+loop runs inside exec(), to which collection is restricted (until 2026-12-05 the Python of
+the zero and dump subprocess calls around it was counted in, about 50,000 instructions per
+step of the five).
 
     python bench/bench_overhead_instructions.py [--quick]   (needs valgrind; CPU only)
 """
@@ -85,13 +86,10 @@ for _ in range(6):
 pid = str(os.getpid())
 def ctl(what):
     subprocess.run(["callgrind_control", what, pid], check=True, stdout=subprocess.DEVNULL)
-# First dump: the zero and dump alone (the Python of the two subprocess calls, counted in
-# the process until callgrind acts), subtracted from the second.
+# Counted inside exec() only (--toggle-collect=builtin_exec): the steps, not the Python of
+# the zero and dump subprocess calls around them.
 ctl("--zero")
-ctl("--dump")
-ctl("--zero")
-for _ in range(steps):
-    step()
+exec("for _ in range(steps):\n    step()")
 ctl("--dump")
 assert step.num_captures == 1, step.num_captures
 """
@@ -116,15 +114,12 @@ def _measure_step(size: int, steps: int, workdir: str):
     with open(driver, "w") as f:
         f.write(_STEP_DRIVER)
     out = os.path.join(workdir, f"step{size}.out")
-    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, driver, str(size),
+    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--collect-atstart=no",
+                    "--toggle-collect=builtin_exec", sys.executable, driver, str(size),
                     str(steps), os.path.dirname(os.path.abspath(__file__))], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    def annotated(n):
-        return subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", f"{out}.{n}"], check=True,
-                              capture_output=True, text=True).stdout
-
-    flat = annotated(2)
-    mechanics = _inclusive(annotated(1), "PROGRAM TOTALS")  # the counting's own zero and dump
-    total, call = _inclusive(flat, "PROGRAM TOTALS") - mechanics, sum(_inclusive(flat, c) for c in STEP_CALLS)
+    flat = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", out + ".1"], check=True,
+                          capture_output=True, text=True).stdout
+    total, call = _inclusive(flat, "PROGRAM TOTALS"), sum(_inclusive(flat, c) for c in STEP_CALLS)
     replay, variant = _inclusive(flat, REPLAY), _inclusive(flat, STEP_VARIANT)
     return {"outside": (total - replay) / steps, "python": (total - call) / steps, "variant": variant / steps,
             "core": (call - replay - variant) / steps}
