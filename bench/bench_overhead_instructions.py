@@ -88,8 +88,9 @@ def ctl(what):
     subprocess.run(["callgrind_control", what, pid], check=True, stdout=subprocess.DEVNULL)
 # Counted inside exec() only (--toggle-collect=builtin_exec): the steps, not the Python of
 # the zero and dump subprocess calls around them.
+loop = compile("for _ in range(steps):\n    step()", "<steps>", "exec")  # compiled outside the count
 ctl("--zero")
-exec("for _ in range(steps):\n    step()")
+exec(loop)
 ctl("--dump")
 assert step.num_captures == 1, step.num_captures
 """
