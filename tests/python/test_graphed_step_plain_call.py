@@ -925,6 +925,15 @@ def _eager_and_graphed(models, opts):
     return body_of(0), dwgraph.graphed_step(body_of(1))
 
 
+def _check_pair(models, opts):
+    """The eager and graphed models equal, and their first layer's optimizer state."""
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert torch.equal(p, q)
+    for p, q in zip(models[0][0].parameters(), models[1][0].parameters()):
+        for key, v in opts[0].state[p].items():
+            assert torch.equal(v, opts[1].state[q][key])
+
+
 def test_a_new_optimizer_with_a_step_hook_runs_eagerly_before_its_capture():
     """A new phase's optimizer replacing the step's, born with a hook that makes its tensors at
     its first run: the call that meets it runs eagerly, the next captures (a review found the
@@ -993,11 +1002,7 @@ def test_a_nested_step_skipped_by_its_own_hook_leaves_the_outer_step_as_eagerly(
     x, y = torch.randn(3, 4), torch.randn(3, 4)
     for _ in range(8):
         assert _same(eager(x, y), graphed(x, y))
-        for p, q in zip(*(m.parameters() for m in models)):
-            assert torch.equal(p, q)
-        for p, q in zip(models[0][0].parameters(), models[1][0].parameters()):
-            for key, v in opts[0].state[p].items():
-                assert torch.equal(v, opts[1].state[q][key])
+        _check_pair(models, opts)
     assert graphed.num_captures == 1
 
 
@@ -1029,11 +1034,7 @@ def test_a_refusal_inside_the_capture_caught_by_the_step_is_raised_again(outer_m
             for b in inner:
                 b.register_step_post_hook(lambda o, a, k: None)
         assert _same(eager(x, y), graphed(x, y))
-        for p, q in zip(*(m.parameters() for m in models)):
-            assert torch.equal(p, q)
-        for p, q in zip(models[0][0].parameters(), models[1][0].parameters()):
-            for key, v in opts[0].state[p].items():
-                assert torch.equal(v, opts[1].state[q][key])
+        _check_pair(models, opts)
     assert graphed.num_captures == 2
 
 
