@@ -1089,3 +1089,39 @@ def test_a_host_read_caught_in_an_optimizer_hook_is_named_not_the_optimizer():
             with pytest.raises(dwgraph.GraphStateError, match="aten::item was refused inside the captured region") as r:
                 g[2](x, y)
             assert "cannot be captured" not in str(r.value)
+
+
+@pytest.mark.parametrize("wrapped_as", [RuntimeError, ValueError])
+def test_a_refusal_the_step_wraps_in_its_own_error_is_handled_as_the_refusal(wrapped_as):
+    """The step wraps its optimizer step's errors in its own (try: opt.step() except Exception
+    as e: raise RuntimeError(...) from e): dwgraph's refusal inside the capture (the hooks
+    changed: run this call eagerly) still decides, instead of the user's error being raised
+    at every call from then on (a review found the step never recovering)."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 4)]
+    models.append(copy.deepcopy(models[0]))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+
+    def body_of(i):
+        def body(x):
+            loss = models[i](x).square().mean()
+            loss.backward()
+            try:
+                opts[i].step()
+            except Exception as e:  # noqa: BLE001 - the user's own wrapping
+                raise wrapped_as(f"optimizer step failed: {e}") from e
+            opts[i].zero_grad(set_to_none=True)
+            return loss
+
+        return body
+
+    eager, graphed = body_of(0), dwgraph.graphed_step(body_of(1))
+    x = torch.randn(3, 4)
+    for call in range(8):
+        if call == 5:
+            for o in opts:
+                o.register_step_post_hook(lambda o, a, k: None)
+        assert _same(eager(x), graphed(x))
+        for p, q in zip(*(m.parameters() for m in models)):
+            assert torch.equal(p, q)
+    assert graphed.num_captures == 2

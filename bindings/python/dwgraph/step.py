@@ -1159,6 +1159,12 @@ class GraphedStep:
                     for name in ("grad_scale", "found_inf"):
                         if had is not None and name not in had and name in vars(o):
                             del vars(o)[name]
+            refused = _optim.active.refused
+            if refused is not None and e is not refused:
+                # The step's code caught dwgraph's refusal and raised its own error instead
+                # (an optimizer step wrapped in try/except ... raise): the refusal decides
+                # (retry the capture, or run this call eagerly), as if it had not been caught.
+                raise refused from e
             # Only what a capture refuses (the host graph's GraphStateError, CUDA's RuntimeError):
             # a KeyError or TypeError of the optimizer's own code is raised as eagerly.
             # Not the core's refusal of a region that went on past a caught error (Note [A call
