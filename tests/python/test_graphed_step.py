@@ -499,6 +499,64 @@ def test_a_buffer_changed_under_its_module_after_capture_recaptures(change):
     assert torch.equal(kept, torch.full((H,), 2.0)), "the old memory was written"
 
 
+class _MaybeScaled(_Scaled):
+    """Scales by its buffer while it has one (as an FP8 module reads its scaling state
+    while it exists), and runs its optional child while it has one."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.Linear(H, H)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if "scale" in self._buffers:
+            y = y * self.scale
+        if "extra" in self._modules:
+            y = self.extra(y)
+        return y
+
+
+@pytest.mark.parametrize("change", ["del buffer", "pop buffer", "del child"])
+def test_a_buffer_or_child_removed_after_capture_recaptures(change):
+    # A removal registers nothing (torch's registration hooks see additions only): the
+    # module's dicts are watching dicts, so it moves the state epoch and the next call sees
+    # the module tree changed, runs the step's Python again and captures what eager now
+    # does. Before, the step replayed the graph that read the removed buffer (a review
+    # found it with reset_fp8_state(), which pops the FP8 scaling buffers).
+    torch.manual_seed(6)
+    m = _MaybeScaled()
+    eager = copy.deepcopy(m)
+
+    def body(model, x):
+        loss = model(x).square().sum()
+        loss.backward()
+        model.lin.backward_dw()
+        return loss
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        return body(m, x)
+
+    for _ in range(3):
+        m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(eager, x))
+    assert step.num_captures == 1
+    for model in (m, eager):
+        if change == "del buffer":
+            del model.scale
+        elif change == "pop buffer":
+            model._buffers.pop("scale")
+        else:
+            del model.extra
+    for s in range(3):
+        m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), body(eager, x)), f"call {s} after {change}"
+        assert_grads_equal(eager, m, f"call {s} after {change}")
+    assert step.num_captures == 2
+
+
 def test_returning_item_is_refused():
     m = _small()
 

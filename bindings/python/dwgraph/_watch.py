@@ -49,7 +49,7 @@ import torch.utils.dlpack
 from . import _C
 from .errors import GraphStateError
 
-__all__ = ["install", "watch_module_tree", "watch_tensor", "changed", "was_displaced"]
+__all__ = ["install", "watch_module", "watch_module_tree", "watch_tensor", "changed", "was_displaced"]
 
 changed = _C.graphs.bump_state_epoch  # the one way anything here says "state moved"
 
@@ -396,20 +396,31 @@ def install() -> None:
         _installed = True
 
 
+def watch_module(module: torch.nn.Module, hooks: bool = True) -> bool:
+    """Makes `module`'s own dicts of parameters, buffers and children watching dicts (an
+    entry added, replaced or removed moves the state epoch: a buffer popped by
+    ``reset_fp8_state()``, ``del module.layer``), its hook dicts too where `hooks` and they
+    are empty (_replace_if_safe), and gives its parameters' types the setter watch. False
+    when some of it cannot be watched."""
+    d = module.__dict__
+    ok = True
+    for name in _STATE_DICTS + (_HOOK_DICTS if hooks else ()):
+        ok = _replace_if_safe(d, name) and ok
+    for p in module._parameters.values():
+        if p is not None and not _C.graphs.watch_parameter_setters(type(p)):
+            ok = False
+    return ok
+
+
 def watch_module_tree(module: torch.nn.Module) -> bool:
     """Makes every change of `module`'s tree that a graph's checks read move the state
     epoch. False when some of it cannot be watched (its graphed calls then check at every
     call)."""
     ok = _global_hooks_watched
     for sub in module.modules():
-        d = sub.__dict__
-        for name in _STATE_DICTS:
-            ok = _replace_if_safe(d, name) and ok
-        if sub is not module:  # the graphed module's own hooks run around its replays
-            for name in _HOOK_DICTS:
-                ok = _replace_if_safe(d, name) and ok
+        # The graphed module's own hooks run around its replays: not part of its graphs.
+        ok = watch_module(sub, hooks=sub is not module) and ok
     for p in module.parameters():
-        ok = bool(_C.graphs.watch_parameter_setters(type(p))) and ok
         main_grad = p.__dict__.get("main_grad")
         if isinstance(main_grad, torch.Tensor):
             ok = watch_tensor(main_grad) and ok

@@ -518,29 +518,6 @@ def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-def _watch_module(module) -> bool:
-    """Note [What selects a graph, watched]: makes `module`'s hook dicts watching dicts
-    (dwgraph._watch's: a change moves the state epoch) and gives its parameters' types the
-    setter watch (a grad_dtype assignment moves it). Only an empty hook dict is replaced
-    (a RemovableHandle made earlier holds the dict its hook is in). False when some of it
-    cannot be watched: the step then looks at this module at every call."""
-    ok = True
-    d = vars(module)
-    for kind in _spec.HOOK_KINDS:
-        hooks = d.get(kind)
-        if hooks is None or isinstance(hooks, (_state_watch.WatchedDict, _state_watch.WatchedOrderedDict)):
-            continue
-        if hooks:
-            ok = False
-            continue
-        d[kind] = (_state_watch.WatchedOrderedDict if isinstance(hooks, collections.OrderedDict)
-                   else _state_watch.WatchedDict)()
-    for p in module._parameters.values():
-        if p is not None and not _C.graphs.watch_parameter_setters(type(p)):
-            ok = False
-    return ok
-
-
 def _refuse_changed_arguments(caller, rebuilt, given: List[torch.Tensor], static: List[torch.Tensor]) -> None:
     """Raises GraphStateError (at capture) when the step changed the structure of one of
     its arguments: replaced, added or removed an element of a list or dict argument, or
@@ -844,7 +821,7 @@ class GraphedStep:
             return
         self._all_modules[id(module)] = module
         self._modules_added += 1
-        if not _watch_module(module):
+        if not _state_watch.watch_module(module):
             self._unwatched[id(module)] = module
 
     def _type_number(self, cls) -> int:
