@@ -452,6 +452,30 @@ class _Scaled(torch.nn.Module):
         return self.lin(x) * self.scale
 
 
+def _scaled_body(model, x):
+    loss = model(x).square().sum()
+    loss.backward()
+    model.lin.backward_dw()
+    return loss
+
+
+def _captured_beside_eager(m):
+    """An eager copy of `m` and a graphed step over `m`, called three times beside it
+    (bitwise equal), the graph captured: for tests that change both models next."""
+    eager = copy.deepcopy(m)
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step(x):
+        return _scaled_body(m, x)
+
+    for _ in range(3):  # .grad None before every call: one variant of the gradients
+        m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), _scaled_body(eager, x))
+    assert step.num_captures == 1
+    return eager, step
+
+
 @pytest.mark.parametrize("change", ["data", "set_", "requires_grad"])
 def test_a_buffer_changed_under_its_module_after_capture_recaptures(change):
     # `buffer.data = t`, `buffer.set_(t)` (the old memory still alive elsewhere, so no
@@ -461,23 +485,7 @@ def test_a_buffer_changed_under_its_module_after_capture_recaptures(change):
     # call captures again and equals eager, bitwise.
     torch.manual_seed(5)
     m = _Scaled()
-    eager = copy.deepcopy(m)
-
-    def body(model, x):
-        loss = model(x).square().sum()
-        loss.backward()
-        model.lin.backward_dw()
-        return loss
-
-    @dwgraph.graphed_step(warmup_iters=1)
-    def step(x):
-        return body(m, x)
-
-    for _ in range(3):  # .grad None before every call: one variant of the gradients
-        m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
-        x = torch.randn(B, H)
-        assert torch.equal(step(x), body(eager, x))
-    assert step.num_captures == 1
+    eager, step = _captured_beside_eager(m)
     kept = m.scale.detach()
     for model in (m, eager):
         if change == "data":
@@ -490,7 +498,7 @@ def test_a_buffer_changed_under_its_module_after_capture_recaptures(change):
     for s in range(3):
         m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
         x = torch.randn(B, H)
-        assert torch.equal(step(x), body(eager, x)), f"call {s} after {change}"
+        assert torch.equal(step(x), _scaled_body(eager, x)), f"call {s} after {change}"
         assert_grads_equal(eager, m, f"call {s} after {change}")
         ge, gg = eager.scale.grad, m.scale.grad
         assert (ge is None) == (gg is None) and (ge is None or torch.equal(ge, gg)), f"call {s}: the buffer's .grad"
@@ -525,23 +533,7 @@ def test_a_buffer_or_child_removed_after_capture_recaptures(change):
     # found it with reset_fp8_state(), which pops the FP8 scaling buffers).
     torch.manual_seed(6)
     m = _MaybeScaled()
-    eager = copy.deepcopy(m)
-
-    def body(model, x):
-        loss = model(x).square().sum()
-        loss.backward()
-        model.lin.backward_dw()
-        return loss
-
-    @dwgraph.graphed_step(warmup_iters=1)
-    def step(x):
-        return body(m, x)
-
-    for _ in range(3):
-        m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
-        x = torch.randn(B, H)
-        assert torch.equal(step(x), body(eager, x))
-    assert step.num_captures == 1
+    eager, step = _captured_beside_eager(m)
     for model in (m, eager):
         if change == "del buffer":
             del model.scale
@@ -552,7 +544,7 @@ def test_a_buffer_or_child_removed_after_capture_recaptures(change):
     for s in range(3):
         m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
         x = torch.randn(B, H)
-        assert torch.equal(step(x), body(eager, x)), f"call {s} after {change}"
+        assert torch.equal(step(x), _scaled_body(eager, x)), f"call {s} after {change}"
         assert_grads_equal(eager, m, f"call {s} after {change}")
     assert step.num_captures == 2
 
