@@ -258,6 +258,7 @@ void init_manager(py::module_& parent) {
       .def_readwrite("training_mode", &GraphableCallable::training_mode)
       .def_readwrite("buffer_names", &GraphableCallable::buffer_names)
       .def_readwrite("current_buffers", &GraphableCallable::current_buffers)
+      .def_readwrite("saved_state", &GraphableCallable::saved_state)
       .def_readwrite("capture_time_hook", &GraphableCallable::capture_time_hook)
       .def_readwrite("buffers", &GraphableCallable::buffers);
 

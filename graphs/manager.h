@@ -63,6 +63,10 @@ struct GraphableCallable {
   std::vector<at::Tensor> buffers;
   std::vector<std::string> buffer_names;          // optional (default "buffer <i>")
   std::function<NamedTensors()> current_buffers;  // optional
+  // Optional: the parameters and buffers the forward saved for its backward (autograd's
+  // saved tensors, whose versions an eager backward checks), asked after each forward
+  // capture (Note [State saved for the backward]).
+  std::function<NamedTensors()> saved_state;
   std::shared_ptr<void> keep_alive;  // held while the graphed callables exist
 };
 

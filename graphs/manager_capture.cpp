@@ -414,6 +414,15 @@ void GraphManager::capture_fwd(size_t s) {
   capture(slot.fwd, Phase::kForward, s, [&] { outputs = c.forward(slot.buffers->inputs.tensors()); });
   slot.buffers->inputs.note_writes(*slot.fwd);
   slot.captured_outputs = outputs;
+  slot.saved_state.reset();
+  if (c.saved_state) {
+    auto saved = std::make_shared<SavedState>();
+    for (const auto& [name, t] : c.saved_state()) {
+      saved->counters.push_back(torch::autograd::impl::version_counter(t));
+      saved->names.push_back(name);
+    }
+    if (!saved->counters.empty()) slot.saved_state = std::move(saved);
+  }
   std::vector<at::Tensor> known = slot.buffers->inputs.tensors();
   known.insert(known.end(), c.parameters.begin(), c.parameters.end());
   const auto strays = unknown_leaves(outputs, known);

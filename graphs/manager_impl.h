@@ -167,6 +167,20 @@ struct WatchedVersion {
   at::Tensor held;             // kept alive as the eager node would keep it (output gradients)
 };
 
+// Note [State saved for the backward]: eager autograd saves some parameters and buffers
+// for the backward (a torch Linear saves its weight) and refuses a backward after one of
+// them changed in place (an optimizer step or an EMA update between a microbatch's
+// forward and its backward), where the graphed backward would read the new values with
+// activations of the old ones. The front end lists them at capture (the forward's saved
+// tensors that are the callable's parameters or buffers, or views of them); each call's
+// node records their versions and its backward refuses a change as eager's does. A module
+// that reads a weight live in its backward (dwgraph's own Linear) saves nothing, and eager
+// and the graphs both use the new value.
+struct SavedState {
+  std::vector<c10::VariableVersion> counters;
+  std::vector<std::string> names;
+};
+
 // Host code writing pool memory that graphs share (Note [Slots share the pool by
 // liveness]): a place in the pool's replay order, as a graph with one write per buffer.
 struct PooledWrite {
@@ -269,6 +283,7 @@ struct Slot {
   // The backward (backward-dw) graph reads the static input: the eager ops saved the input.
   std::vector<bool> input_read_by_bwd, input_read_by_dw;
   std::vector<WatchedVersion> dw_inputs;  // of the call whose backward-dw is pending (inputs, outputs)
+  std::shared_ptr<const SavedState> saved_state;  // Note [State saved for the backward]; null: none
   std::vector<bool> grad_output_read_by_dw;  // per output: the backward-dw graph reads its static grad output
   std::vector<WatchedVersion> dw_grads;  // of the backward whose backward-dw is pending
   std::vector<at::Tensor> static_grad_outputs;

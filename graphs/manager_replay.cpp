@@ -110,6 +110,13 @@ class GraphedBackward final : public torch::autograd::Node {
   void watch_output(const at::Tensor& t, size_t index) { watched_outputs_.push_back(watch(t, index)); }
   // Likewise an input whose static copy it reads (the eager ops saved the input).
   void watch_input(const at::Tensor& t, size_t index) { watched_inputs_.push_back(watch(t, index)); }
+  // Note [State saved for the backward]: their versions at this call.
+  void watch_saved(std::shared_ptr<const SavedState> saved) {
+    saved_versions_.clear();
+    saved_versions_.reserve(saved->counters.size());
+    for (const auto& c : saved->counters) saved_versions_.push_back(c.current_version());
+    saved_ = std::move(saved);
+  }
   // Which of the slot's modules without deferral had hooks at this call's forward
   // (Landing::hooked_now): theirs run after this backward, as eager's forward decides.
   void set_hooked_at_forward(std::vector<uint8_t> hooked) { hooked_at_forward_ = std::move(hooked); }
@@ -141,6 +148,14 @@ class GraphedBackward final : public torch::autograd::Node {
       DWGRAPH_CHECK_STATE(w.counter.current_version() == w.version, "dwgraph: input ", w.index,
                           " of a graphed call was modified by an inplace operation after the call, but the "
                           "backward needs its value (as eager autograd, which refuses this too)");
+    }
+    for (size_t i = 0; saved_ && i < saved_versions_.size(); ++i) {
+      const uint32_t now = saved_->counters[i].current_version();
+      DWGRAPH_CHECK_STATE(now == saved_versions_[i], "dwgraph: ", manager_->where(slot_), ": '", saved_->names[i],
+                          "', which the forward saved for the backward, was modified by an inplace operation after "
+                          "the call (version ", saved_versions_[i], ", now ", now, "), but the backward needs the "
+                          "value the call used (as eager autograd, which refuses this too). Change it after the "
+                          "backward (an optimizer step after the last microbatch's backward)");
     }
     // Note [Autocast in the backward]: the engine runs this in the state backward() was called in.
     const ops::AutocastState now = ops::AutocastState::current();
@@ -186,6 +201,8 @@ class GraphedBackward final : public torch::autograd::Node {
   bool released_ = false;
   bool direct_params_ = false;
   std::vector<WatchedVersion> watched_outputs_, watched_inputs_;
+  std::shared_ptr<const SavedState> saved_;
+  std::vector<uint32_t> saved_versions_;
   std::vector<uint8_t> hooked_at_forward_;
 };
 
@@ -526,6 +543,7 @@ std::vector<at::Tensor> GraphManager::replay_call(size_t s, const std::vector<at
     if (slot.output_requires_grad[i]) torch::autograd::set_history(outs[i], base);
     if (i < slot.output_read_by_bwd.size() && slot.output_read_by_bwd[i]) node->watch_output(outs[i], i);
   }
+  if (slot.saved_state) node->watch_saved(slot.saved_state);
   slot.dw_inputs.clear();
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) continue;
@@ -631,7 +649,15 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
   }
   {
     const ScopedNs t(&replay_ns);
-    slot.bwd->replay();
+    try {
+      slot.bwd->replay();
+    } catch (...) {
+      // Refused (the pool's replay order, a released borrowed storage) after the grad
+      // outputs were copied in: that copy's data will not be read, so it holds back no
+      // other graph's writes (a review found every later replay of the set refused).
+      slot.grad_write.abandon_for(*slot.bwd);
+      throw;
+    }
   }
   // The caller owns what autograd receives: never the buffers the next replay rewrites.
   auto is = [&](size_t j) { return live.empty() || live[j]; };

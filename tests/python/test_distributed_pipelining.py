@@ -187,6 +187,59 @@ def _fsdp_stages(ctx, kind: str, reducer_first: bool = False):
     return modules, SCHEDULES[kind](stages, MICROBATCHES, loss_fn=loss_fn)
 
 
+def _after_a_loss_error(ctx, kind: str):
+    """Both stages on each rank (a group of one), graphed and eager dwgraph stages side by
+    side: the loss function raises at the first microbatch of step 1 and the caller goes on.
+    The graphed stages replay the captured order from its start at the next step, as the
+    eager ones run it (a review found every later step refused: the order's cursor stayed
+    where the failed step left it). Returns, per step, whether the gradients of the two are
+    bitwise equal ('raised' for the failed step)."""
+    group = [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]
+    failing = {"now": False}
+
+    def loss(out, target):
+        if failing["now"]:
+            failing["now"] = False
+            raise KeyError("the user's loss failed")
+        return loss_fn(out, target)
+
+    runs = []
+    for graphed in (True, False):
+        blocks = _blocks(False)
+        modules = [torch.nn.Sequential(*blocks[2 * s:2 * s + 2]).to(ctx.device) for s in range(2)]
+        stages = [dwpp.PipelineStage(modules[s], s, 2, ctx.device, group=group) for s in range(2)]
+        schedule = SCHEDULES[kind](stages, MICROBATCHES, loss_fn=loss)
+        if graphed:
+            dwpp.make_graphed_stages(schedule, {0: (torch.randn(MB_ROWS, D, device=ctx.device),),
+                                                1: (torch.randn(MB_ROWS, D, device=ctx.device, requires_grad=True),)},
+                                     num_warmup_iters=1)
+        runs.append((schedule, modules))
+    out = []
+    for step in range(3):
+        x, y = (t.to(ctx.device) for t in _batch(step))
+        seen = []
+        for schedule, modules in runs:
+            for m in modules:
+                m.zero_grad(set_to_none=True)
+            failing["now"] = step == 1
+            try:
+                schedule.step(x, target=y)
+            except KeyError:
+                seen.append("raised")
+                continue
+            seen.append([p.grad for m in modules for p in m.parameters()])
+        graphed, eager = seen
+        out.append(graphed if graphed == "raised" == eager else
+                   not isinstance(graphed, str) and not isinstance(eager, str) and
+                   all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(graphed, eager)))
+    return out
+
+
+for _kind in V_SCHEDULES:
+    globals()[f"scenario_after_a_loss_error_{_kind}"] = lambda ctx, _kind=_kind: _after_a_loss_error(ctx, _kind)
+AFTER_ERROR = [f"after_a_loss_error_{_kind}" for _kind in V_SCHEDULES]
+
+
 def _fsdp_run(ctx, kind: str):
     modules, schedule = _fsdp_stages(ctx, kind)
     params = [(f"{2 * s + int(n.split('.', 1)[0])}.{n.split('.', 1)[1]}", p)
@@ -483,7 +536,7 @@ def scenario_dp_shared_ddp_per_stage(ctx):
 SCENARIOS = [*TRAIN, *NAIVE, *FSDP, "1f1b_without_dw_builder", "zero_bubble_without_dw_builder", "graphed_out_of_order",
              "fsdp_stage_with_reducer", "fsdp_reducer_over_stage", "fsdp_graphed_stages",
              *SHARED, *ACROSS_RANKS, "shared_torch_stage", *DP_SHARED, "dp_shared_reducer_per_stage",
-             "dp_shared_ddp_per_stage"]
+             "dp_shared_ddp_per_stage", *AFTER_ERROR]
 
 
 @pytest.fixture(scope="module")
@@ -513,6 +566,13 @@ def test_1f1b_without_dw_builder_is_refused_at_the_optimizer(results):
 def test_graphed_stage_refuses_an_action_out_of_the_captured_order(results):
     r = results["graphed_out_of_order"][0]
     assert isinstance(r, Failure) and r.type == "GraphStateError" and "captured" in r.message, r
+
+
+@pytest.mark.parametrize("name", AFTER_ERROR)
+def test_graphed_stages_go_on_after_a_step_that_raised(results, name):
+    for r in results[name]:
+        assert not isinstance(r, Failure), f"{r.type}: {r.message}\n{r.traceback}"
+        assert r == [True, "raised", True], r
 
 
 def test_zero_bubble_without_dw_builder_fails_at_the_first_weight_step(results):

@@ -178,6 +178,49 @@ def test_one_slot_per_microbatch_allows_two_forwards_in_flight():
     assert_same_as_eager(lin, eager, "two microbatches in flight")
 
 
+@pytest.mark.parametrize("refused", ["second_microbatch_backward_first", "second_backward_after_backward_dw"])
+def test_a_refused_backward_leaves_the_set_usable(refused):
+    # The pool's replay order refuses a backward after its output gradients were copied
+    # into the static buffers; that copy's data is then never read, and must not hold
+    # back the other graphs' writes (a review found every later replay of the set refused,
+    # the capture order included, until reset()). The set goes on as eager without the
+    # refused backward.
+    torch.manual_seed(13)
+    model = torch.nn.Sequential(dwgraph.nn.Linear(H, H, delay_wgrad_compute=True), torch.nn.GELU(),
+                                torch.nn.Linear(H, H))
+    eager = copy.deepcopy(model)
+    slots = dwgraph.make_graphed_callables((model,), tuple((torch.randn(B, H),) for _ in range(M)),
+                                           order=_order_entries(CAPTURE), num_warmup_iters=1)
+    for step in range(3):
+        xs = [torch.randn(B, H) for _ in range(M)]
+        ws = [torch.randn(B, H) for _ in range(M)]
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+        outs = {}
+        for phase, mb in CAPTURE:
+            if phase == "F":
+                outs[mb] = (slots[mb](xs[mb]), eager(xs[mb]))
+            elif phase == "B":
+                yg, ye = outs.pop(mb)
+                if step == 1 and mb == 1 and refused == "second_backward_after_backward_dw":
+                    (yg * ws[mb]).sum().backward(retain_graph=True)
+                    slots[mb].backward_dw()
+                    with pytest.raises(dwgraph.GraphStateError, match="pool memory"):
+                        (yg * ws[mb]).sum().backward()
+                    (ye * ws[mb]).sum().backward()
+                    eager_backward_dw(eager)
+                    continue
+                if step == 1 and mb == 0 and refused == "second_microbatch_backward_first":
+                    with pytest.raises(dwgraph.GraphStateError, match="Nothing was run"):
+                        (outs[1][0] * ws[1]).sum().backward()
+                (yg * ws[mb]).sum().backward()
+                (ye * ws[mb]).sum().backward()
+            elif not (step == 1 and mb == 1 and refused == "second_backward_after_backward_dw"):
+                slots[mb].backward_dw()
+                eager_backward_dw(eager)
+        assert_same_as_eager(model, eager, f"step {step}")
+
+
 def test_retain_graph_second_backward():
     lin = dwgraph.nn.Linear(H, H, delay_wgrad_compute=True)
     eager, ref = copy.deepcopy(lin), torch_reference(lin)

@@ -786,6 +786,68 @@ def test_in_place_change_of_a_saved_output_is_refused_as_eager():
         y.sum().backward()
 
 
+class _TimesBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("s", torch.rand(SMALL_H) + 0.5)
+
+    def forward(self, x):
+        return x * self.s
+
+
+def _saved_state_model(changed):
+    torch.manual_seed(3)
+    last = dwgraph.nn.Linear(SMALL_H, SMALL_H) if changed == "dwgraph_weight" else torch.nn.Linear(SMALL_H, SMALL_H)
+    return torch.nn.Sequential(dwgraph.nn.Linear(SMALL_H, SMALL_H, delay_wgrad_compute=True), _TimesBuffer(), last)
+
+
+def _change_saved_state(model, changed):
+    with torch.no_grad():
+        if changed == "buffer":
+            model[1].s.mul_(0.9)  # an EMA-like update
+        else:
+            model[2].weight.add_(0.5)  # an optimizer step
+
+
+@pytest.mark.parametrize("schedule", ["one_slot", "pipeline"])
+@pytest.mark.parametrize("changed", ["torch_weight", "buffer", "dwgraph_weight"])
+def test_state_saved_for_the_backward_changed_in_place_before_it_is_refused_as_eager(changed, schedule):
+    # Note [State saved for the backward]: a torch Linear saves its weight, x * buffer saves
+    # the buffer; eager autograd refuses the backward after either changed in place (an
+    # optimizer step or an EMA between a microbatch's forward and its backward), where the
+    # graphed backward would mix the new values with the old activations. dwgraph's Linear
+    # reads its weight live in the backward: eager and the graphs both use the new value.
+    model = _saved_state_model(changed)
+    eager = copy.deepcopy(model)
+    samples = (torch.randn(SMALL_B, SMALL_H),) if schedule == "one_slot" else \
+        tuple((torch.randn(SMALL_B, SMALL_H),) for _ in range(2))
+    kw = {} if schedule == "one_slot" else dict(order=[1, 1, -1, -1.5, -1, -1.5])
+    g = dwgraph.make_graphed_callables((model,), samples, **kw)
+    slot = g[0]
+    x, dy = torch.randn(SMALL_B, SMALL_H), torch.randn(SMALL_B, SMALL_H)
+    ye, yg = eager(x), slot(x)
+    _change_saved_state(eager, changed)
+    _change_saved_state(model, changed)
+    if changed == "dwgraph_weight":
+        ye.backward(dy), yg.backward(dy)
+        eager[0].backward_dw(), slot.backward_dw()
+        assert_same_grads_and_params(model, eager, "the backward after the weight changed")
+    else:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            ye.backward(dy)
+        with pytest.raises(dwgraph.GraphStateError, match=r"'(2\.weight|1\.s)', which the forward saved for the "
+                                                          r"backward, was modified by an inplace operation"):
+            yg.backward(dy)
+        del ye, yg
+    # The refusal wrote nothing: the next microbatch trains as eager's.
+    for m in (model, eager):
+        m.zero_grad(set_to_none=True)
+    x = torch.randn(SMALL_B, SMALL_H)
+    eager(x).backward(dy), slot(x).backward(dy)
+    eager[0].backward_dw(), slot.backward_dw()
+    assert_same_grads_and_params(model, eager, "the microbatch after the refusal")
+
+
 @pytest.mark.parametrize("when", ["before_backward", "before_backward_dw"])
 def test_graphed_call_refuses_inputs_changed_in_place_as_eager(when, device):
     # The graphs compute with their static copy of the input; eager refuses a saved input

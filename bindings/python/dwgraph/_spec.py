@@ -12,8 +12,9 @@ through :func:`weak`.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -23,7 +24,7 @@ from .nn import _DeferredWgradModule
 
 __all__ = ["is_dwgraph_module", "weak", "module_specs", "dwgraph_module_spec", "around_calls", "first_hook",
            "user_global_hooks", "refuse_hooks", "refuse_autocast_cache", "call_mode_reader", "slot_reader",
-           "submodules_changed", "HOOK_KINDS"]
+           "submodules_changed", "saved_state_seen", "HOOK_KINDS"]
 
 HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
@@ -307,3 +308,30 @@ def slot_reader(module: torch.nn.Module):
         return out
 
     return read
+
+
+@contextlib.contextmanager
+def saved_state_seen(module: torch.nn.Module, found: Dict[int, Tuple[str, torch.Tensor]]):
+    """Note [State saved for the backward] (graphs/manager_impl.h): while it is entered,
+    every tensor autograd saves for the backward that is one of `module`'s parameters or
+    buffers, or a view of one, goes into `found` (by id: (qualified name, tensor)). Through
+    autograd's saved-tensor hooks: an outer pair (activation offloading) still packs and
+    unpacks, this one only looks; without one the saved tensor is kept detached (the tensor
+    itself would make an output's saved copy hold its own node alive, a cycle Python's
+    collector cannot see). Hooks disabled (``disable_saved_tensors_hooks``): nothing is seen."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        yield
+        return
+    state = {id(t): (n, t) for n, t in module.named_parameters()}
+    state.update({id(t): (n, t) for n, t in module.named_buffers()})
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    def pack(t):
+        base = t if t._base is None else t._base
+        named = state.get(id(base))
+        if named is not None and named[1] is base:
+            found[id(base)] = named
+        return outer[0](t) if outer else t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, outer[1] if outer else (lambda t: t)):
+        yield

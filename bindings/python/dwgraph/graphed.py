@@ -15,6 +15,7 @@ turns pytrees into the flat tensor lists it works on.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import weakref
@@ -595,9 +596,15 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
             call = forward
         call = _under_fp8(call, fp8_states[i], known, cached)
 
-        def run(tensors, call=call, in_sig=in_sigs[i], out_sig=out_sig, i=i):
+        saved: Dict[int, Any] = {}  # Note [State saved for the backward]: of the last capture
+
+        def run(tensors, call=call, in_sig=in_sigs[i], out_sig=out_sig, i=i, saved=saved, module=mod):
             args, kwargs = in_sig.rebuild(tensors)
-            with torch_code_as_captured():
+            seen = contextlib.nullcontext()
+            if module is not None and _C.graphs.capturing():
+                saved.clear()
+                seen = _spec.saved_state_seen(module(), saved)
+            with torch_code_as_captured(), seen:
                 out = call(*args, **kwargs)
             sig = _Signature(out)
             if "sig" not in out_sig:
@@ -620,6 +627,7 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
             spec.buffers = [b for _, b in named_buffers]
             spec.buffer_names = [n for n, _ in named_buffers]
             spec.current_buffers = lambda mod=mod: list(mod().named_buffers())
+            spec.saved_state = lambda saved=saved: list(saved.values())
             spec.training_mode = _spec.call_mode_reader(module)
             spec.check_state = _state_checker(module, spec.name)
             # Note [Checks paid when state changes]: watched trees are checked when they change.

@@ -121,16 +121,18 @@ class _Step:
 _current_step: Optional["weakref.ref[_Step]"] = None
 
 
-def _join_step(stage: "PipelineStage") -> None:
+def _join_step(stage: "PipelineStage") -> bool:
     """``stage`` starts a step: it joins the stages cleared since the last computation on
-    this process, or starts a new set."""
+    this process, or starts a new set (then True)."""
     global _current_step
     step = _current_step() if _current_step is not None else None
-    if step is None or not step.open or stage in step.stages:
+    new = step is None or not step.open or stage in step.stages
+    if new:
         step = _Step()
         _current_step = weakref.ref(step)
     step.stages.add(stage)
     stage._step = step
+    return new
 
 
 def _refuse_reducer_overlap(module: torch.nn.Module, api: str) -> None:
@@ -230,7 +232,13 @@ class PipelineStage(_TorchPipelineStage):
         # The schedule calls this on each of its stages at the start of every step, before
         # any of them computes: the stages cleared together are the step's stages.
         super().clear_runtime_states()
-        _join_step(self)
+        if _join_step(self) and self._plan is not None:
+            # A step replays the captured order from its start, wherever the last one
+            # stopped: one that raised mid-way (a loss function's error, caught by the
+            # caller) left the order mid-way, and every later step was refused. What the
+            # aborted step left in the graphs (a pending weight step, data a replay wrote
+            # for a backward that never ran) the graphs' own checks still see.
+            self._plan.cursor = 0
 
     def _stage_parameters(self) -> List[Tuple[torch.Tensor, bool]]:
         """(parameter, fused) of every parameter of the stage module, each once; fused when
