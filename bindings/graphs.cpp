@@ -75,7 +75,7 @@ void init_graphs(py::module_& parent) {
         return graphs::replay_buffer(owner, tag, sizes, dtype, std::move(fill));
       },
       py::arg("owner"), py::arg("tag"), py::arg("sizes"), py::arg("dtype"), py::arg("fill"));
-  m.def("after_replay", &graphs::after_replay, py::arg("fn"));
+  m.def("after_replay", &graphs::after_replay, py::arg("fn"), py::arg("state_only") = false);
 
   py::class_<Graph>(m, "Graph")
       .def(py::init([](c10::Device device) { return graphs::make_graph(device); }), py::arg("device"))

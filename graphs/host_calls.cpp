@@ -67,11 +67,11 @@ at::Tensor replay_buffer(const at::Tensor& owner, const std::string& tag, at::In
   return buffer;
 }
 
-void after_replay(std::function<void()> fn) {
+void after_replay(std::function<void()> fn, bool state_only) {
   constexpr const char* kApi = "dwgraph.graphs.after_replay";
   detail::Recorder& rec = active(kApi);
   DWGRAPH_CHECK_ARG(fn != nullptr, kApi, ": argument 'fn' must be callable, got none");
-  DWGRAPH_CHECK_ARG(rec.host_calls().refuse_after.empty(), rec.host_calls().refuse_after);
+  DWGRAPH_CHECK_ARG(state_only || rec.host_calls().refuse_after.empty(), rec.host_calls().refuse_after);
   rec.host_calls().after.push_back(std::move(fn));
 }
 

@@ -39,8 +39,10 @@ at::Tensor replay_buffer(const at::Tensor& owner, const std::string& tag, at::In
                          std::function<void(const at::Tensor&)> fill);
 
 // Runs `fn` after every replay of the graph being captured. Raises GraphStateError
-// outside a capture and ArgumentError in a capture that refuses after-calls.
-void after_replay(std::function<void()> fn);
+// outside a capture and ArgumentError in a capture that refuses after-calls, unless
+// `state_only`: `fn` keeps host bookkeeping (a count of optimizer steps) and touches no
+// tensor any graph reads or writes, so it may follow every replay.
+void after_replay(std::function<void()> fn, bool state_only = false);
 
 namespace detail {
 // What a capture hoisted, in the order the region asked for it.

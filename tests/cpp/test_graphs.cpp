@@ -255,3 +255,24 @@ TEST_CASE("a graph that refuses after-calls fails its capture at the request", "
   CHECK_FALSE(graph->is_captured());
   CHECK_FALSE(g::capturing());
 }
+
+TEST_CASE("a graph that refuses after-calls takes host bookkeeping after its replays", "[graphs][cpu][host_calls]") {
+  // state_only: the call keeps host state (a count of optimizer steps) and touches no
+  // tensor, so nothing a graph reads can be written behind it.
+  namespace g = dwgraph::graphs;
+  const c10::Device cpu(c10::kCPU);
+  auto graph = g::make_graph(cpu);
+  graph->refuse_after_calls("the step's optimizer reads it");
+  int count = 0;
+  const at::Tensor x = at::ones({4});
+  graph->capture_begin();
+  x.mul_(2);
+  g::after_replay([&count] { ++count; }, /*state_only=*/true);
+  graph->capture_end();
+  CHECK(count == 0);
+  for (int i = 1; i <= 3; ++i) {
+    graph->replay();
+    CHECK(count == i);
+  }
+  CHECK(graph->num_after_calls() == 1);
+}

@@ -909,6 +909,46 @@ def test_a_fused_optimizer_step_between_microbatches_is_refused(opt, graphed):
         later()
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager_forward", "graphed_forward"])
+@pytest.mark.parametrize("opt", ["SGD", "AdamW_fused"])
+def test_an_optimizer_step_replayed_by_graphed_step_between_microbatches_is_refused(opt, graphed):
+    """A replay runs no optimizer hook and bumps no version counter: the step a replay of
+    a @graphed_step takes is counted after the replay (a host call the capture
+    registered), so the reuse after it is refused at every call, the replayed ones too,
+    as after an eager step (a review found the replays' reuse accepted, the output off by
+    the weight's move)."""
+    torch.manual_seed(14)
+    m = dwgraph.nn.Linear(H, H, delay_wgrad_compute=graphed)
+    x = torch.randn(ROWS, H)
+    recipe = Float8CurrentScaling()
+    if graphed:
+        g = dwgraph.make_graphed_callables(torch.nn.Sequential(m), (torch.randn(ROWS, H, requires_grad=True),),
+                                           enabled=True, recipe=recipe, cache_quantized_params=True)
+    else:
+        def g(inp, is_first_microbatch):
+            with fp8_autocast(recipe=recipe):
+                return m(inp, is_first_microbatch=is_first_microbatch)
+    o = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True) if opt == "AdamW_fused" else \
+        torch.optim.SGD(m.parameters(), lr=0.1)
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step():
+        o.step()
+
+    for call in range(4):  # a warmup call, the capture, two replays
+        with torch.no_grad():
+            g(x, is_first_microbatch=True)  # the step's first microbatch fills the cache
+            g(x, is_first_microbatch=False)  # a later one reuses it
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        before = m.weight.detach().clone()
+        step()
+        assert not torch.equal(before, m.weight), f"call {call}: the step moved nothing"
+        with pytest.raises(dwgraph.GraphStateError, match="stale FP8 copy of 'weight'"), torch.no_grad():
+            g(x, is_first_microbatch=False)
+    assert step.num_captures == 1
+
+
 @pytest.mark.parametrize("after", ["optimizer_dropped", "weight_removed_from_its_groups"])
 def test_a_fused_step_is_remembered_after_the_optimizer_changes(after):
     """The step is recorded with the parameters the optimizer held then: dropping the
@@ -1626,3 +1666,66 @@ def test_checkpointed_mlp_refuses_an_fc_parameter_changed_after_its_fp8_forward(
         mlp.fc1_weight.add_(0.05)
     with pytest.raises(dwgraph.GraphStateError, match="fc1_weight' was modified in place after the FP8 forward"):
         y.sum().backward()
+
+
+class _AutocastInside(torch.nn.Module):
+    """A block whose forward enters fp8_autocast itself, as many Megatron and TE models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = dwgraph.nn.Linear(H, H)
+
+    def forward(self, x):
+        with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+            return self.lin(x)
+
+
+def _fp8_state_of(m):
+    return sorted(m._buffers), {k: v for k, v in m.__dict__.items() if k.startswith("_fp8_")}
+
+
+@pytest.mark.parametrize("case", ["autocast_inside_the_forward", "is_first_microbatch_without_cache"])
+def test_fp8_state_made_during_warmup_or_capture_is_refused_and_undone(case):
+    """Made inside warmup or capture, a module's FP8 buffers would hold the warmup's amaxes
+    and every later call be refused as a buffer added since capture (a review found the
+    error's advice, reset() and capture again, then training apart from eager): refused at
+    capture, naming the arguments that make the state first, the modules left as they were.
+    Made first (one eager forward), the graphs match eager."""
+    torch.manual_seed(21)
+    if case == "autocast_inside_the_forward":
+        m, lin, kw, fix = _AutocastInside(), None, {}, "enabled=True and the recipe"
+        lin = m.lin
+    else:
+        lin = dwgraph.nn.Linear(H, H)
+        m, kw, fix = lin, dict(sample_kwargs={"is_first_microbatch": True}, enabled=True,
+                               recipe=DelayedScaling(amax_history_len=4)), "cache_quantized_params=True"
+    before = _fp8_state_of(lin)
+    with pytest.raises(dwgraph.ArgumentError, match=f"made FP8 state during warmup or capture.*{fix}"):
+        dwgraph.make_graphed_callables(m, (torch.randn(ROWS, H, requires_grad=True),), **kw)
+    assert _fp8_state_of(lin) == before
+    if case == "autocast_inside_the_forward":
+        m(torch.randn(ROWS, H))  # the state made by an eager forward, as the advice says
+        eager = copy.deepcopy(m)
+        dwgraph.make_graphed_callables(m, (torch.randn(ROWS, H, requires_grad=True),))
+        for _ in range(3):
+            x = torch.randn(ROWS, H)
+            assert torch.equal(m(x.clone().requires_grad_()), eager(x.clone().requires_grad_()))
+        assert_same_fp8_state(m, eager, "after three graphed calls")
+
+
+def test_is_first_microbatch_in_the_sample_arguments_of_a_cached_capture_is_taken_out():
+    """With cache_quantized_params=True every call passes is_first_microbatch, which the
+    graphed callable takes out before matching its arguments: a sample value of it is left
+    out of the captured signature (kept, every call failed the structure check)."""
+    torch.manual_seed(22)
+    lin = dwgraph.nn.Linear(H, H)
+    eager = copy.deepcopy(lin)
+    recipe = DelayedScaling(amax_history_len=4)
+    g = dwgraph.make_graphed_callables(lin, (torch.randn(ROWS, H, requires_grad=True),),
+                                       sample_kwargs={"is_first_microbatch": True}, enabled=True, recipe=recipe,
+                                       cache_quantized_params=True)
+    for first in (True, False, False):
+        x = torch.randn(ROWS, H)
+        with fp8_autocast(recipe=recipe):
+            ye = eager(x, is_first_microbatch=first)
+        assert torch.equal(g(x, is_first_microbatch=first), ye)

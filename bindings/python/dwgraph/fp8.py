@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import threading
 import zlib
@@ -62,7 +63,9 @@ def make_state(api: str, enabled, calibrating=False, recipe=None, amax_reduction
 # _STEPS_KEPT steps, the ids of the parameters the optimizer held then (a frozenset, built
 # at C speed: the optimizer may be gone or its groups changed by the reuse). A reuse after
 # a step that held the weight is refused, and so is one after more steps than are kept.
-# An id reused by a later tensor can only over-refuse.
+# An id reused by a later tensor can only over-refuse. A step taken inside a capture (an
+# optimizer step inside dwgraph.graphed_step) is counted again after each replay of its
+# graph (a host call after the replay): a replay runs no hook, and the weight moved.
 _STEPS_KEPT = 64
 _steps = 0
 _stepped: "collections.deque" = collections.deque(maxlen=_STEPS_KEPT)  # (step, ids of the parameters it held)
@@ -71,8 +74,14 @@ _step_hook = None
 
 
 def _count_step(opt, args, kwargs) -> None:
-    global _steps
     held = frozenset(map(id, itertools.chain.from_iterable(g["params"] for g in opt.param_groups)))
+    _note_step(held)
+    if _C.graphs.capturing():
+        _C.graphs.after_replay(functools.partial(_note_step, held), state_only=True)
+
+
+def _note_step(held: frozenset) -> None:
+    global _steps
     with _steps_lock:
         _steps += 1
         _stepped.append((_steps, held))

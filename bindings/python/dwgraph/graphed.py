@@ -490,6 +490,12 @@ def make_graphed_callables(
     if sample_kwargs is None:
         sample_kwargs = tuple({} for _ in range(num_slots))
     schedule.check_per_slot(len(sample_kwargs), "sample_kwargs")
+    if fp8_cache:
+        # Every call passes is_first_microbatch, which the graphed callable takes out before
+        # its arguments are matched; the capture records the in-graph decision, so a sample
+        # value is only left out (kept, every call failed the structure check).
+        sample_kwargs = tuple({k: v for k, v in (kw or {}).items() if k != "is_first_microbatch"}
+                              for kw in sample_kwargs)
     hooks = _canonical_capture_time_hooks(capture_time_hooks, len(modules))
     _refuse_autocast_cache("dwgraph.make_graphed_callables", "capture",
                            "Use torch.autocast(..., cache_enabled=False) around the capture")
@@ -569,6 +575,7 @@ def _state_checker(module: torch.nn.Module, name: str):
 
 def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_cache, **options):
     specs, forwards, out_sigs = [], [], []
+    fp8_as_given = _fp8_made_state(modules)
     for i, module in enumerate(modules):
         is_module = isinstance(module, torch.nn.Module)
         if is_module:
@@ -649,8 +656,58 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
         out_sigs.append(out_sig)
 
     pool = _resolve_pool(options.pop("pool"))
+    fp8_before = _fp8_made_state(modules)
     natives = _C.graphs.make_graphed_callables(specs, flat_args, schedule=schedule, pool=pool, **options)
+    _refuse_fp8_state_made(fp8_before, fp8_as_given, natives)
     return specs, forwards, out_sigs, natives
+
+
+def _fp8_made_state(modules):
+    """The FP8 state of every dwgraph module of the callables as capture starts (after the
+    state their FP8 arguments ask for was made): its buffer names and its _fp8_ attributes,
+    with where it is ("callable 0's 'lin'")."""
+    out = {}
+    for i, module in enumerate(modules):
+        if isinstance(module, torch.nn.Module):
+            for name, m in module.named_modules():
+                if _spec.is_dwgraph_module(m) and id(m) not in out:
+                    out[id(m)] = (m, set(m._buffers), {k: v for k, v in m.__dict__.items() if k.startswith("_fp8_")},
+                                  f"callable {i}'s '{name or type(m).__name__}'")
+    return out
+
+
+def _refuse_fp8_state_made(before, as_given, natives) -> None:
+    """A forward that made a module's FP8 scaling state during warmup or capture (it enters
+    fp8_autocast itself, or passes is_first_microbatch without cache_quantized_params)
+    would leave graphs over buffers the caller never had, holding the warmup's amaxes, and
+    every later call refused as a buffer added since capture (a review found the advice
+    then, reset() and capture again, training silently apart from eager). Refused here,
+    the graphs released and the modules as they were given (`as_given`)."""
+    made = [(where, sorted(set(m._buffers) - names)) for m, names, _, where in before.values()]
+    made = [(where, names) for where, names in made if names]
+    if not made:
+        return
+    for native in natives:
+        native.reset()
+    for m, names, attributes, _ in as_given.values():
+        for name in set(m._buffers) - names:
+            del m._buffers[name]
+        for k in [k for k in m.__dict__ if k.startswith("_fp8_") and k not in attributes]:
+            del m.__dict__[k]
+        m.__dict__.update(attributes)
+    where, names = made[0]
+    cache = any(n.startswith("_fp8_weight_cache") or n == "_fp8_first_microbatch" for n in names)
+    raise ArgumentError(
+        f"dwgraph.make_graphed_callables: {where} made FP8 state during warmup or capture "
+        f"({', '.join(names)}): "
+        + ("a sample argument passes is_first_microbatch, which caches the FP8 weights; pass "
+           "cache_quantized_params=True (with enabled=True and the recipe), which makes the cache before warmup "
+           "and takes is_first_microbatch at every call, or leave is_first_microbatch out of the sample arguments"
+           if cache else
+           "its forward runs under an fp8_autocast of its own. Pass enabled=True and the recipe (and "
+           "amax_reduction_group) to make_graphed_callables, which makes the FP8 state before warmup, or run one "
+           "forward eagerly before capturing")
+        + ". Nothing was graphed; the modules are as they were")
 
 
 def summary(graphed) -> str:

@@ -197,10 +197,12 @@ def replay_buffer(owner: torch.Tensor, tag: str, sizes, dtype: torch.dtype, fill
     return _C.graphs.replay_buffer(owner, tag, [int(s) for s in sizes], dtype, fill)
 
 
-def after_replay(fn) -> None:
+def after_replay(fn, state_only: bool = False) -> None:
     """Inside a dwgraph capture: ``fn()`` runs right after each replay of the graph (a
-    reduce-scatter of a gradient the graph computed). ``graphed_step`` refuses it."""
-    _C.graphs.after_replay(fn)
+    reduce-scatter of a gradient the graph computed). ``graphed_step`` refuses it, unless
+    ``state_only``: ``fn`` keeps host bookkeeping and touches no tensor a graph reads or
+    writes (a count of the optimizer steps a replay takes)."""
+    _C.graphs.after_replay(fn, state_only)
 
 
 __all__ = ["Graph", "GraphPool", "graph_pool_handle", "capturing", "replay_buffer", "after_replay"]
