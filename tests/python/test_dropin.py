@@ -306,6 +306,20 @@ def test_transformer_engines_fp8_arguments_are_accepted_off_on_and_refused_where
         dwgraph.make_graphed_callables(copy.deepcopy(model), sample, fp8_mode=True)
 
 
+@pytest.mark.parametrize("bad", [dict(allow_unused_input=1), dict(retain_graph_in_backward="yes"),
+                                 dict(reuse_static_buffers=None), dict(_reuse_graph_input_output_buffers="x"),
+                                 dict(clone_outputs=0), dict(backward_under_autocast="x"),
+                                 dict(clone_param_grads_on_return=1), dict(plan_placement="no"),
+                                 dict(num_warmup_iters=2.5), dict(num_warmup_iters=True), dict(num_warmup_iters=-1)],
+                         ids=lambda bad: f"{next(iter(bad))}={next(iter(bad.values()))!r}")
+def test_a_flag_or_count_of_another_type_is_refused_naming_it(bad):
+    # A review found strings and ints read for their truth (clone_outputs=0 meant False)
+    # and pybind's TypeError for others: each is an ArgumentError naming the argument.
+    name = next(iter(bad))
+    with pytest.raises(dwgraph.ArgumentError, match=f"argument '{name}' must be"):
+        dwgraph.make_graphed_callables(dwgraph.nn.Linear(H, H), (torch.randn(B, H),), **bad)
+
+
 def test_torch_pool_handles_are_accepted_or_refused_clearly():
     with pytest.raises(dwgraph.ArgumentError, match="torch CUDA pool handle"):
         dwgraph.make_graphed_callables(_mlp(), (torch.randn(B, H),), pool=(0, 1))

@@ -228,10 +228,52 @@ def scenario_reduce_inside_a_capture(ctx):
         reduce_amax(model, dist.group.WORLD)
 
 
+def scenario_recipe_of_a_replay(ctx):
+    """reduce_amax sets the scales by the recipe of each module's last FP8 forward; a replay
+    is one, and runs no Python. A module graphed under one recipe, with an eager evaluation
+    forward under another (same history length) between steps: after each step's replay
+    the reduction follows the graph's recipe, as eager's follows its training forward (a
+    review found it using the evaluation's). Per step: the scaling state and the weight
+    gradient of the graphed copy equal to the eager one's."""
+    import copy
+
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    train = DelayedScaling(amax_history_len=4, margin=0)
+    evaluation = DelayedScaling(amax_history_len=4, margin=1, fp8_format=Format.E4M3)
+    torch.manual_seed(ctx.rank)
+    lin = dwgraph.nn.Linear(H, H, device=ctx.device)
+    eager = copy.deepcopy(lin)
+    # Graphed inside a Sequential, so the evaluation forward below reaches the module itself
+    # (a graphed module's own eager calls run under its capture's FP8 state).
+    g = dwgraph.make_graphed_callables(torch.nn.Sequential(lin),
+                                       (torch.randn(ROWS, H, device=ctx.device, requires_grad=True),),
+                                       enabled=True, recipe=train, amax_reduction_group=group)
+    out = []
+    for step in range(4):
+        x, w = torch.randn(ROWS, H, device=ctx.device), torch.randn(ROWS, H, device=ctx.device)
+        for m in (lin, eager):
+            m.zero_grad(set_to_none=True)
+        (g(x.clone().requires_grad_()) * w).sum().backward()
+        with fp8_autocast(recipe=train, amax_reduction_group=group):
+            (eager(x.clone().requires_grad_()) * w).sum().backward()
+        reduce_amax(lin, group)
+        reduce_amax(eager, group)
+        out.append(torch.equal(lin.fp8_scale, eager.fp8_scale) and
+                   torch.equal(lin.fp8_amax_history, eager.fp8_amax_history) and torch.equal(lin.weight.grad, eager.weight.grad))
+        x = torch.randn(ROWS, H, device=ctx.device)
+        with torch.no_grad(), fp8_autocast(recipe=evaluation, amax_reduction_group=group):
+            for m in (lin, eager):
+                m(x)
+    return out
+
+
 TRAIN = ["sequential_requantize", "sequential_cache", "pipeline_requantize", "pipeline_cache"]
 SCENARIOS = [*TRAIN, "ranks_with_other_modules", "one_rank_without_fp8", "reset_on_one_rank", "other_recipes_with_equal_sizes",
              "empty_chunk_list_on_one_rank",
-             "chunks_copies_and_other_groups", "current_scaling_with_a_group", "not_a_group", "reduce_inside_a_capture"]
+             "chunks_copies_and_other_groups", "current_scaling_with_a_group", "not_a_group", "reduce_inside_a_capture",
+             "recipe_of_a_replay"]
 
 
 @pytest.fixture(scope="module")
@@ -308,3 +350,9 @@ def test_refusals_are_typed_errors_on_every_rank(results, name, kind, match):
 def test_chunks_copies_and_groups_made_with_new_group(results):
     r0, r1 = _ok(results["chunks_copies_and_other_groups"], "chunks_copies_and_other_groups")
     assert len(r0) == 8 and all(torch.equal(a, b) for a, b in zip(r0, r1)), "the ranks disagree after the reduction"
+
+
+def test_the_reduction_follows_the_recipe_of_a_replay(results):
+    for r in results["recipe_of_a_replay"]:
+        assert not isinstance(r, Failure), f"{r.type}: {r.message}\n{r.traceback}"
+        assert r == [True] * 4, r

@@ -449,14 +449,24 @@ def make_graphed_callables(
         if alias is not None and value is not None:
             raise ArgumentError(f"dwgraph.make_graphed_callables: pass '{name}' or '_{name}', not both")
     if _reuse_graph_input_output_buffers is not None:
-        reuse_static_buffers = bool(_reuse_graph_input_output_buffers)
+        reuse_static_buffers = _reuse_graph_input_output_buffers
     if _clone_param_grads_on_return is not None:
         clone_param_grads_on_return = _clone_param_grads_on_return
-    for name, value in (("clone_param_grads_on_return", clone_param_grads_on_return),
+    # A flag that is not a bool is refused, not read for its truth: a string or a tensor
+    # is no decision.
+    for name, value in (("allow_unused_input", allow_unused_input),
+                        ("retain_graph_in_backward", retain_graph_in_backward),
+                        ("reuse_static_buffers" if _reuse_graph_input_output_buffers is None
+                         else "_reuse_graph_input_output_buffers", reuse_static_buffers),
+                        ("clone_outputs", clone_outputs), ("backward_under_autocast", backward_under_autocast),
+                        ("clone_param_grads_on_return", clone_param_grads_on_return),
                         ("plan_placement", plan_placement)):
         if not isinstance(value, bool):
             raise ArgumentError(f"dwgraph.make_graphed_callables: argument '{name}' must be a bool, "
                                 f"got {type(value).__name__}")
+    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int):  # the core checks its range
+        raise ArgumentError("dwgraph.make_graphed_callables: argument 'num_warmup_iters' must be an int, got "
+                            f"{type(num_warmup_iters).__name__} {num_warmup_iters!r}")
     for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
         if hook is not None and not callable(hook):
             raise ArgumentError(f"dwgraph.make_graphed_callables: argument '{name}' must be a callable taking no "
@@ -521,7 +531,7 @@ def make_graphed_callables(
             modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_cache, num_warmup_iters=num_warmup_iters,
             allow_unused_input=allow_unused_input, pool=pool, retain_graph_in_backward=retain_graph_in_backward,
             reuse_static_buffers=reuse_static_buffers, clone_outputs=clone_outputs,
-            backward_under_autocast=bool(backward_under_autocast), pre_warmup_hook=pre_warmup_hook,
+            backward_under_autocast=backward_under_autocast, pre_warmup_hook=pre_warmup_hook,
             post_warmup_hook=post_warmup_hook, plan_placement=plan_placement,
             unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
     except BaseException:

@@ -18,6 +18,7 @@ import copy
 import functools
 import math
 import threading
+import weakref
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -96,6 +97,12 @@ class _WgradHooks(collections.OrderedDict):
     def clear(self):
         super().clear()
         self._count()
+
+
+def _set_fp8_recipe(module_ref, recipe) -> None:
+    module = module_ref()
+    if module is not None:
+        module._fp8_recipe = recipe
 
 
 class _DeferredWgradModule(torch.nn.Module):
@@ -258,6 +265,12 @@ class _DeferredWgradModule(torch.nn.Module):
             # Note [Amax reduced across ranks] (ops/fp8.h); a recipe the core refuses (another
             # history length) is not the one the state follows.
             self._fp8_recipe = recipe
+            if state.amax_reduction and _C.graphs.capturing():
+                # A replay is an FP8 forward too, and runs no Python: reduce_amax, which sets
+                # the scales by the recipe of the module's last one, learns it after each
+                # replay (a review found it using an eager forward's or another capture's).
+                _C.graphs.after_replay(functools.partial(_set_fp8_recipe, weakref.ref(self), recipe),
+                                       state_only=True)
         kw = dict(amax_history=self.fp8_amax_history, scale=self.fp8_scale) if recipe.delayed() else {}
         # A module captured with weight caching reads its flag only inside its graphed
         # callable (capture, eager fallback); called on its own it decides as any eager call.
