@@ -59,6 +59,7 @@ void Graph::capture_end() {
   try {
     end_backend();
     records_ = recorder_->take_records();
+    version_changes_ = recorder_->version_changes();
     host_calls_ = std::move(recorder_->host_calls());
     recorder_.reset();
     check_fills_not_written();
@@ -136,6 +137,7 @@ void Graph::replay() {
     throw;
   }
   pool_->order().replayed(*order_id_);
+  for (auto& [counter, by] : version_changes_) counter.set_version(counter.current_version() + by);
   for (const auto& fn : host_calls_.after) fn();
 }
 
@@ -148,6 +150,7 @@ void Graph::reset() noexcept {
   if (order_id_ && pool_) pool_->order().remove_graph(*order_id_);
   order_id_.reset();
   records_.clear();
+  version_changes_.clear();
   ledger_.clear();
   host_calls_ = detail::HostCalls();
   pool_.reset();

@@ -170,6 +170,8 @@ class Graph {
   std::string profiler_name_ = "dwgraph::replay";  // the replay's profiler range
   std::optional<PoolOrder::GraphId> order_id_;
   bool captured_ = false;
+  // Note [Version counters at a replay] (recorder.cpp): bumped after each replay.
+  std::vector<std::pair<c10::VariableVersion, uint32_t>> version_changes_;
 };
 
 // A fresh private pool on `device` (CPU: a host arena; CUDA: a PyTorch private pool).

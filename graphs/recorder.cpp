@@ -271,7 +271,10 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
         auto visit = [&](const at::Tensor& t) {
           const TensorSlot& ts = s.tensors[k++];
           if (!ts.defined) return;
-          if (!ts.no_memory) input_data.insert(t.storage().data());
+          if (!ts.no_memory) {
+            input_data.insert(t.storage().data());
+            note_version(t, ts.entry);
+          }
           if (s.written) snapshot_if_caller(ts, t);
         };
         if (v.isTensor()) {
@@ -370,6 +373,34 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     for (size_t e : written_entries(rec)) mark_defined(e);
   }
   records_.push_back(std::move(rec));
+}
+
+// Note [Version counters at a replay]: eager code bumps the version counter of every
+// tensor an in-place call changes, and version checks made outside the graphs rely on it
+// (autograd's saved tensors of an eager forward whose backward runs after a replayed
+// optimizer step; the FP8 weight cache's stale check after a step that moves the weights by
+// hand). A replay runs kernels below autograd, which bump nothing: so each replay bumps
+// the counters of the caller's tensors by what the captured region bumped them, read at
+// its end against their versions when a recorded call first saw them (the bump of an
+// in-place call comes after the call returns, so the first sight is before the region's
+// first change). The graph's own memory is left alone: nothing outside sees it.
+void Recorder::note_version(const at::Tensor& t, size_t entry) {
+  const at::TensorBase& root = t.is_view() ? t._base() : t;
+  const c10::TensorImpl* key = root.unsafeGetTensorImpl();
+  if (seen_versions_.count(key) > 0) return;
+  const c10::VariableVersion& counter = root.unsafeGetTensorImpl()->version_counter();
+  if (!counter.enabled()) return;  // an inference tensor: no version
+  seen_versions_.emplace(key, SeenVersion{counter, counter.current_version(), entry});
+}
+
+std::vector<std::pair<c10::VariableVersion, uint32_t>> Recorder::version_changes() const {
+  std::vector<std::pair<c10::VariableVersion, uint32_t>> out;
+  for (const auto& [key, seen] : seen_versions_) {
+    if (seen.entry >= ledger_.size() || ledger_.entry(seen.entry).ownership == allocator::Ownership::kGraph) continue;
+    const uint32_t now = seen.counter.current_version();
+    if (now != seen.version) out.emplace_back(seen.counter, now - seen.version);
+  }
+  return out;
 }
 
 std::vector<size_t> Recorder::written_entries(const OpRecord& rec) const {

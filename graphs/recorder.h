@@ -24,6 +24,8 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace dwgraph::graphs {
@@ -108,6 +110,9 @@ class Recorder {
   // reads the host), about to be raised into the region's code.
   void note_refused(const std::string& what) { note_raised(what, "", /*refused=*/true); }
   std::vector<OpRecord> take_records() { return std::move(records_); }
+  // Note [Version counters at a replay]: at capture end, the version counter of each caller
+  // tensor the region changed (one per tensor and its views), with by how much.
+  std::vector<std::pair<c10::VariableVersion, uint32_t>> version_changes() const;
   // Note [Host work around a replay]: what the region hoisted out of the graph, and the
   // pool whose graphs share replay buffers.
   HostCalls& host_calls() { return host_calls_; }
@@ -155,6 +160,15 @@ class Recorder {
   std::map<size_t, std::pair<c10::Storage, std::vector<uint8_t>>> snapshots_;
   // Per ledger entry: the allocation serial of the block when a recorded kernel wrote it.
   std::vector<int64_t> defined_;
+  // Note [Version counters at a replay]: per tensor a recorded call saw (by the tensor its
+  // views share their counter with), its counter, its version then, and its ledger entry.
+  struct SeenVersion {
+    c10::VariableVersion counter;
+    uint32_t version;
+    size_t entry;
+  };
+  std::unordered_map<const c10::TensorImpl*, SeenVersion> seen_versions_;
+  void note_version(const at::Tensor& t, size_t entry);
 };
 
 }  // namespace dwgraph::graphs::detail

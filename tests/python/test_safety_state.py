@@ -848,6 +848,108 @@ def test_state_saved_for_the_backward_changed_in_place_before_it_is_refused_as_e
     assert_same_grads_and_params(model, eager, "the microbatch after the refusal")
 
 
+def test_a_replay_bumps_the_version_counters_as_eager():
+    # Note [Version counters at a replay]: a replay's kernels run below autograd; the
+    # graph bumps the caller tensors' counters by what the captured region bumped them
+    # (a view and its base share one counter), and leaves those it only read alone.
+    def region(w, r):
+        with torch.no_grad():
+            w.view(-1).add_(1)
+            w.mul_(r)
+            return w.sum()
+
+    w, r = torch.zeros(4, 4), torch.ones(4, 4)
+    before = w._version, r._version
+    region(w, r)
+    eager = w._version - before[0], r._version - before[1]
+    assert eager == (2, 0)
+    g = dwgraph.graphs.Graph("cpu")
+    with g.capture():
+        region(w, r)
+    for _ in range(2):
+        now = w._version, r._version
+        g.replay()
+        assert (w._version - now[0], r._version - now[1]) == eager
+
+
+def _stepped_by_a_replay():
+    """A torch Linear graphed, its SGD step a @graphed_step (captured, then replayed)."""
+    torch.manual_seed(4)
+    m = torch.nn.Sequential(torch.nn.Linear(SMALL_H, SMALL_H), torch.nn.Tanh(), torch.nn.Linear(SMALL_H, SMALL_H))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    @dwgraph.graphed_step(warmup_iters=1)
+    def step():
+        opt.step()
+
+    for _ in range(3):  # a warmup call, the capture, a replay
+        m(torch.randn(SMALL_B, SMALL_H)).sum().backward()
+        step()
+    assert step.num_captures == 1
+    return m, step
+
+
+@pytest.mark.parametrize("forward", ["eager", "graphed"])
+def test_a_replayed_optimizer_step_between_a_forward_and_its_backward_is_refused_as_eager(forward):
+    # Eager refuses the backward of a forward whose saved weights an optimizer step moved
+    # since. A replayed step bumps the weights' versions as the eager step does, so both
+    # autograd's check (an eager forward) and the graphed call's (Note [State saved for the
+    # backward]) see it; a review found both blind to a replay.
+    m, step = _stepped_by_a_replay()
+    f = dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),)) \
+        if forward == "graphed" else m
+    y = f(torch.randn(SMALL_B, SMALL_H, requires_grad=True))
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    replays = step.stats()["replays"]
+    step()
+    assert step.stats()["replays"] == replays + 1, "the step did not replay"
+    with pytest.raises((RuntimeError, dwgraph.GraphStateError), match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_a_call_under_saved_tensor_hooks_checks_no_saved_version_as_eager():
+    # Under saved-tensor hooks (activation offloading) eager autograd checks no version of
+    # what it saved: a weight changed before the backward is used at its new value, by
+    # eager and by the graphs alike (a review found the graphed backward refused).
+    model = _saved_state_model("torch_weight")
+    eager = copy.deepcopy(model)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(SMALL_B, SMALL_H),))
+    x, dy = torch.randn(SMALL_B, SMALL_H), torch.randn(SMALL_B, SMALL_H)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        ye, yg = eager(x), g(x)
+    _change_saved_state(eager, "torch_weight")
+    _change_saved_state(model, "torch_weight")
+    ye.backward(dy), yg.backward(dy)
+    eager[0].backward_dw(), g.backward_dw()
+    assert_same_grads_and_params(model, eager, "the backward after the weight changed")
+
+
+class _ChangesWhatItSaved(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(SMALL_H, SMALL_H)
+
+    def forward(self, x):
+        h = torch.sigmoid(self.lin(x))  # sigmoid saves its output
+        h.mul_(2)
+        return h
+
+
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_a_forward_that_changes_what_autograd_saved_is_refused_at_capture_as_eager(warmup):
+    # The capture watches the saved tensors through autograd's saved-tensor hooks (Note
+    # [State saved for the backward]), under which autograd itself checks no version: the
+    # hooks check them instead. A review found the capture without warmup accepted, and
+    # every backward then returning a gradient eager refuses to compute.
+    m = _ChangesWhatItSaved()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        m(torch.randn(SMALL_B, SMALL_H, requires_grad=True)).sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),),
+                                       num_warmup_iters=warmup)
+
+
 @pytest.mark.parametrize("when", ["before_backward", "before_backward_dw"])
 def test_graphed_call_refuses_inputs_changed_in_place_as_eager(when, device):
     # The graphs compute with their static copy of the input; eager refuses a saved input

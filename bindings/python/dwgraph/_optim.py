@@ -602,16 +602,17 @@ class Route:
                       has_weight_decay=a["weight_decay"] != 0, nesterov=bool(a["nesterov"]),
                       maximize=bool(a["maximize"]), impl=impl)
         op = torch.ops.dwgraph.optim_sgd_
+        changed = [params, bufs] if has_momentum else [params]
         if impl == 0:
             op(list(params), list(grads), list(bufs) if has_momentum else [], **common)
-            return None
+            return _changed_in_place(changed)
         lists = [params, grads, bufs] if has_momentum else [params, grads]
         for (device_lists, _) in torch.optim.Optimizer._group_tensors_by_device_and_dtype(
                 lists, with_indices=(impl == 1)).values():
             p, gr = device_lists[0], device_lists[1]
             b = device_lists[2] if has_momentum else []
             op(list(p), list(gr), list(b), **common)
-        return None
+        return _changed_in_place(changed)
 
     def _adam(self, a, impl, slots, ints, original, args, kwargs):
         if a["capturable"] or a["differentiable"] or a["has_complex"]:
@@ -622,12 +623,22 @@ class Route:
                       decoupled_weight_decay=bool(a["decoupled_weight_decay"]), impl=impl)
         op = torch.ops.dwgraph.optim_adam_
         lists = [a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["max_exp_avg_sqs"], a["state_steps"]]
+        changed = [a["params"], a["exp_avgs"], a["exp_avg_sqs"], a["max_exp_avg_sqs"] if amsgrad else [],
+                   a["state_steps"]]
         if impl == 0:
             op(*[list(x) for x in lists], **common)
-            return None
+            return _changed_in_place(changed)
         for (device_lists, _) in torch.optim.Optimizer._group_tensors_by_device_and_dtype(lists).values():
             op(*[[t for t in x if t is not None] if x is not None else [] for x in device_lists], **common)
-        return None
+        return _changed_in_place(changed)
+
+
+def _changed_in_place(lists) -> None:
+    """What torch's own update leaves on the tensors it changed: their version counters
+    bumped (the dwgraph op bumps none), so that a replay bumps them too (Note [Version
+    counters at a replay], graphs/recorder.cpp) and version checks outside the graphs see
+    the step (autograd's saved tensors, the FP8 weight cache)."""
+    torch.autograd.graph.increment_version([t for ts in lists for t in (ts or ()) if t is not None])
 
 
 def raised_in_capture(err: BaseException) -> BaseException:

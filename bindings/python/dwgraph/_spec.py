@@ -316,9 +316,12 @@ def saved_state_seen(module: torch.nn.Module, found: Dict[int, Tuple[str, torch.
     every tensor autograd saves for the backward that is one of `module`'s parameters or
     buffers, or a view of one, goes into `found` (by id: (qualified name, tensor)). Through
     autograd's saved-tensor hooks: an outer pair (activation offloading) still packs and
-    unpacks, this one only looks; without one the saved tensor is kept detached (the tensor
+    unpacks, this one only looks. Without one, autograd would skip its check of the saved
+    tensors' versions while hooks are on (a review found an output changed in place inside
+    the forward no longer refused), so the hooks keep each tensor detached (the tensor
     itself would make an output's saved copy hold its own node alive, a cycle Python's
-    collector cannot see). Hooks disabled (``disable_saved_tensors_hooks``): nothing is seen."""
+    collector cannot see) with its version, and check it as autograd does. Hooks disabled
+    (``disable_saved_tensors_hooks``): nothing is seen."""
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():
         yield
         return
@@ -331,7 +334,18 @@ def saved_state_seen(module: torch.nn.Module, found: Dict[int, Tuple[str, torch.
         named = state.get(id(base))
         if named is not None and named[1] is base:
             found[id(base)] = named
-        return outer[0](t) if outer else t.detach()
+        return outer[0](t) if outer else (t.detach(), t._version)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, outer[1] if outer else (lambda t: t)):
+    def unpack(packed):
+        if outer:
+            return outer[1](packed)
+        t, version = packed
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead "
+                "(dwgraph: checked during a graph capture, as autograd checks it eagerly)")
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield

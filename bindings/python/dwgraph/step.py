@@ -821,7 +821,10 @@ class GraphedStep:
             return
         self._all_modules[id(module)] = module
         self._modules_added += 1
-        if not _state_watch.watch_module(module):
+        # Not its parameter dict: FSDP2 puts its sharded and unsharded parameters straight
+        # into it at every forward (the step refuses FSDP2 at capture, by the parameters'
+        # type), and every call would take the tree as changed and run eagerly again.
+        if not _state_watch.watch_module(module, parameters=False):
             self._unwatched[id(module)] = module
 
     def _type_number(self, cls) -> int:
