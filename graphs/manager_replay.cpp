@@ -12,7 +12,6 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/engine.h>
-#include <ATen/SavedTensorHooks.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
@@ -544,12 +543,10 @@ std::vector<at::Tensor> GraphManager::replay_call(size_t s, const std::vector<at
     if (slot.output_requires_grad[i]) torch::autograd::set_history(outs[i], base);
     if (i < slot.output_read_by_bwd.size() && slot.output_read_by_bwd[i]) node->watch_output(outs[i], i);
   }
-  // Under saved-tensor hooks (activation offloading) eager autograd packs what it saves and
-  // checks no version: neither does this call.
-  if (slot.saved_state && (!at::SavedTensorDefaultHooks::is_enabled() ||
-                           at::SavedTensorDefaultHooks::get_tls_state().stack.empty())) {
-    node->watch_saved(slot.saved_state);
-  }
+  // Under saved-tensor hooks too, where eager autograd checks no version: a hook that packs
+  // a copy (torch's save_on_cpu) gives eager's backward the old value, and the backward
+  // graph reads the tensor itself (a review found the skip a silent difference).
+  if (slot.saved_state) node->watch_saved(slot.saved_state);
   slot.dw_inputs.clear();
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) continue;

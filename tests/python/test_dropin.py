@@ -320,6 +320,13 @@ def test_a_flag_or_count_of_another_type_is_refused_naming_it(bad):
         dwgraph.make_graphed_callables(dwgraph.nn.Linear(H, H), (torch.randn(B, H),), **bad)
 
 
+def test_numpy_bools_and_ints_are_flags_and_counts():
+    np = pytest.importorskip("numpy")
+    g = dwgraph.make_graphed_callables(dwgraph.nn.Linear(H, H), (torch.randn(B, H),), num_warmup_iters=np.int64(1),
+                                       clone_outputs=np.bool_(True), enabled=np.bool_(False))
+    assert g(torch.randn(B, H)).shape == (B, H)
+
+
 def test_torch_pool_handles_are_accepted_or_refused_clearly():
     with pytest.raises(dwgraph.ArgumentError, match="torch CUDA pool handle"):
         dwgraph.make_graphed_callables(_mlp(), (torch.randn(B, H),), pool=(0, 1))

@@ -524,7 +524,7 @@ class _MaybeScaled(_Scaled):
         return y
 
 
-@pytest.mark.parametrize("change", ["del buffer", "pop buffer", "del child"])
+@pytest.mark.parametrize("change", ["del buffer", "pop buffer", "del child", "parameter set in its dict"])
 def test_a_buffer_or_child_removed_after_capture_recaptures(change):
     # A removal registers nothing (torch's registration hooks see additions only): the
     # module's dicts are watching dicts, so it moves the state epoch and the next call sees
@@ -534,13 +534,16 @@ def test_a_buffer_or_child_removed_after_capture_recaptures(change):
     torch.manual_seed(6)
     m = _MaybeScaled()
     eager, step = _captured_beside_eager(m)
+    new_weight = torch.randn(H, H)
     for model in (m, eager):
         if change == "del buffer":
             del model.scale
         elif change == "pop buffer":
             model._buffers.pop("scale")
-        else:
+        elif change == "del child":
             del model.extra
+        else:  # as accelerate's set_module_tensor_to_device and NamedMemberAccessor write it
+            model.extra._parameters["weight"] = torch.nn.Parameter(new_weight.clone())
     for s in range(3):
         m.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
         x = torch.randn(B, H)

@@ -602,7 +602,8 @@ class Route:
                       has_weight_decay=a["weight_decay"] != 0, nesterov=bool(a["nesterov"]),
                       maximize=bool(a["maximize"]), impl=impl)
         op = torch.ops.dwgraph.optim_sgd_
-        changed = [params, bufs] if has_momentum else [params]
+        # torch's fused SGD bumps no version (its kernel writes below autograd).
+        changed = [] if impl == 2 else [params, bufs] if has_momentum else [params]
         if impl == 0:
             op(list(params), list(grads), list(bufs) if has_momentum else [], **common)
             return _changed_in_place(changed)
@@ -623,8 +624,9 @@ class Route:
                       decoupled_weight_decay=bool(a["decoupled_weight_decay"]), impl=impl)
         op = torch.ops.dwgraph.optim_adam_
         lists = [a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["max_exp_avg_sqs"], a["state_steps"]]
-        changed = [a["params"], a["exp_avgs"], a["exp_avg_sqs"], a["max_exp_avg_sqs"] if amsgrad else [],
-                   a["state_steps"]]
+        # torch's fused Adam bumps only the step counts (its kernel writes below autograd).
+        changed = [a["state_steps"]] if impl == 2 else \
+            [a["params"], a["exp_avgs"], a["exp_avg_sqs"], a["max_exp_avg_sqs"] if amsgrad else [], a["state_steps"]]
         if impl == 0:
             op(*[list(x) for x in lists], **common)
             return _changed_in_place(changed)
@@ -637,8 +639,11 @@ def _changed_in_place(lists) -> None:
     """What torch's own update leaves on the tensors it changed: their version counters
     bumped (the dwgraph op bumps none), so that a replay bumps them too (Note [Version
     counters at a replay], graphs/recorder.cpp) and version checks outside the graphs see
-    the step (autograd's saved tensors, the FP8 weight cache)."""
-    torch.autograd.graph.increment_version([t for ts in lists for t in (ts or ()) if t is not None])
+    the step (autograd's saved tensors, the FP8 weight cache); none where torch's own bumps
+    none (its fused kernels: a backward after such a step is allowed there, as eagerly)."""
+    tensors = [t for ts in lists for t in (ts or ()) if t is not None]
+    if tensors:
+        torch.autograd.graph.increment_version(tensors)
 
 
 def raised_in_capture(err: BaseException) -> BaseException:

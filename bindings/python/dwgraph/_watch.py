@@ -396,16 +396,16 @@ def install() -> None:
         _installed = True
 
 
-def watch_module(module: torch.nn.Module, hooks: bool = True, parameters: bool = True) -> bool:
-    """Makes `module`'s own dicts of buffers and children watching dicts (an entry added,
-    replaced or removed moves the state epoch: a buffer popped by ``reset_fp8_state()``,
-    ``del module.layer``), its parameter dict too where `parameters`, its hook dicts where
-    `hooks` and they are empty (_replace_if_safe), and gives its parameters' types the
-    setter watch. False when some of it cannot be watched."""
+def watch_module(module: torch.nn.Module, hooks: bool = True) -> bool:
+    """Makes `module`'s own dicts of parameters, buffers and children watching dicts (an
+    entry added, replaced or removed moves the state epoch: a buffer popped by
+    ``reset_fp8_state()``, ``del module.layer``, ``_parameters[name] = p`` as accelerate and
+    ``NamedMemberAccessor`` write it), its hook dicts too where `hooks` and they are empty
+    (_replace_if_safe), and gives its parameters' types the setter watch. False when some
+    of it cannot be watched."""
     d = module.__dict__
     ok = True
-    names = _STATE_DICTS if parameters else tuple(n for n in _STATE_DICTS if n != "_parameters")
-    for name in names + (_HOOK_DICTS if hooks else ()):
+    for name in _STATE_DICTS + (_HOOK_DICTS if hooks else ()):
         ok = _replace_if_safe(d, name) and ok
     for p in module._parameters.values():
         if p is not None and not _C.graphs.watch_parameter_setters(type(p)):

@@ -38,4 +38,23 @@ class _CreatesState(GraphStateError):
     call runs eagerly instead (with warmup_iters >= 1)."""
 
 
+def flag(api: str, name: str, value) -> bool:
+    """`value` as a bool for argument `name` of `api`: a bool (numpy's too), else
+    ArgumentError naming it. A string, an int or a tensor is no decision: read for its truth,
+    "no" and 0 would mean opposite things."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise ArgumentError(f"{api}: argument '{name}' must be a bool, got {type(value).__name__} {value!r}")
+
+
+def count(api: str, name: str, value) -> int:
+    """`value` as an int for argument `name` of `api` (numpy's ints too; not a bool), else
+    ArgumentError naming it. Its range is the caller's to check."""
+    if not isinstance(value, bool) and hasattr(value, "__index__"):
+        return value.__index__()
+    raise ArgumentError(f"{api}: argument '{name}' must be an int, got {type(value).__name__} {value!r}")
+
+
 __all__ = ["DwgraphError", "ArgumentError", "GraphStateError", "DanglingCaptureError"]

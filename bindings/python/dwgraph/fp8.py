@@ -22,7 +22,7 @@ import torch
 import torch.optim.optimizer as _optimizer
 
 from . import _C
-from .errors import ArgumentError, GraphStateError
+from .errors import ArgumentError, GraphStateError, flag
 
 Format = _C.fp8.Format
 Recipe = _C.fp8.Recipe
@@ -36,8 +36,7 @@ __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "fp8_au
 def make_state(api: str, enabled, calibrating=False, recipe=None, amax_reduction_group=None):
     """The C++ state fp8_autocast (and make_graphed_callables) sets for these arguments;
     TransformerEngine's that dwgraph has no counterpart for are refused here."""
-    if not isinstance(enabled, bool):
-        raise ArgumentError(f"{api}: 'enabled' must be a bool, got {type(enabled).__name__}")
+    enabled = flag(api, "enabled", enabled)
     if calibrating:
         raise ArgumentError(f"{api}: calibrating=True (amax calibration in high precision) is not supported; "
                             "dwgraph's FP8 recipes calibrate as they train")

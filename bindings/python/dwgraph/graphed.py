@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from . import _C, _guards, _spec, _watch
 from . import fp8 as _fp8
-from .errors import ArgumentError, GraphStateError
+from .errors import ArgumentError, GraphStateError, count, flag
 from .graphs import torch_code_as_captured
 
 __all__ = ["make_graphed_callables", "GraphedCallable", "graphed_handle", "summary"]
@@ -317,10 +317,7 @@ def _fp8_states(arguments: Dict[str, Any], num_callables: int):
     if len(per_callable) != num_callables:
         raise ArgumentError(f"dwgraph.make_graphed_callables: 'enabled' must be a bool or one bool per callable "
                             f"({num_callables}), got {len(per_callable)}")
-    cache = args.get("cache_quantized_params", False)
-    if not isinstance(cache, bool):
-        raise ArgumentError("dwgraph.make_graphed_callables: 'cache_quantized_params' must be a bool, got "
-                            f"{type(cache).__name__}")
+    cache = flag("dwgraph.make_graphed_callables", "cache_quantized_params", args.get("cache_quantized_params", False))
     return cache, [_fp8.make_state("dwgraph.make_graphed_callables", e, args.get("calibrating", False),
                             args.get("recipe"), args.get("amax_reduction_group")) for e in per_callable]
 
@@ -454,19 +451,16 @@ def make_graphed_callables(
         clone_param_grads_on_return = _clone_param_grads_on_return
     # A flag that is not a bool is refused, not read for its truth: a string or a tensor
     # is no decision.
-    for name, value in (("allow_unused_input", allow_unused_input),
-                        ("retain_graph_in_backward", retain_graph_in_backward),
-                        ("reuse_static_buffers" if _reuse_graph_input_output_buffers is None
-                         else "_reuse_graph_input_output_buffers", reuse_static_buffers),
-                        ("clone_outputs", clone_outputs), ("backward_under_autocast", backward_under_autocast),
-                        ("clone_param_grads_on_return", clone_param_grads_on_return),
-                        ("plan_placement", plan_placement)):
-        if not isinstance(value, bool):
-            raise ArgumentError(f"dwgraph.make_graphed_callables: argument '{name}' must be a bool, "
-                                f"got {type(value).__name__}")
-    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int):  # the core checks its range
-        raise ArgumentError("dwgraph.make_graphed_callables: argument 'num_warmup_iters' must be an int, got "
-                            f"{type(num_warmup_iters).__name__} {num_warmup_iters!r}")
+    api = "dwgraph.make_graphed_callables"
+    allow_unused_input = flag(api, "allow_unused_input", allow_unused_input)
+    retain_graph_in_backward = flag(api, "retain_graph_in_backward", retain_graph_in_backward)
+    reuse_static_buffers = flag(api, "reuse_static_buffers" if _reuse_graph_input_output_buffers is None
+                                else "_reuse_graph_input_output_buffers", reuse_static_buffers)
+    clone_outputs = flag(api, "clone_outputs", clone_outputs)
+    backward_under_autocast = flag(api, "backward_under_autocast", backward_under_autocast)
+    clone_param_grads_on_return = flag(api, "clone_param_grads_on_return", clone_param_grads_on_return)
+    plan_placement = flag(api, "plan_placement", plan_placement)
+    num_warmup_iters = count(api, "num_warmup_iters", num_warmup_iters)  # its range: the core
     for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
         if hook is not None and not callable(hook):
             raise ArgumentError(f"dwgraph.make_graphed_callables: argument '{name}' must be a callable taking no "

@@ -518,6 +518,35 @@ def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
+def _refuse_fully_sharded(modules) -> None:
+    """FSDP2 (``fully_shard``) puts its sharded and unsharded parameters straight into the
+    module's parameter dict at every forward, which a watched tree sees as a change at every
+    call: the step would run eagerly again forever, never reaching the capture's refusal of
+    its DTensor parameters. Refused at the call, before anything runs, once a call has met
+    such a module."""
+    fsdp_module = _fsdp_module_type()
+    if fsdp_module is None:
+        return
+    for m in modules:
+        if isinstance(m, fsdp_module):
+            raise ArgumentError(
+                f"dwgraph.graphed_step: the step runs {type(m).__name__}, sharded by FSDP2 (fully_shard): its "
+                "parameters are DTensors, whose unsharded memory FSDP2 swaps into the module at every forward, which "
+                "a graph cannot hold. Graph FSDP2 modules with dwgraph.distributed.FullyShardReducer."
+                "make_graphed_callables, which captures their unsharded parameters (docs/distributed.md), or run "
+                "this step undecorated")
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_module_type():
+    """torch's FSDPModule, or None where torch.distributed is not built."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
 def _refuse_changed_arguments(caller, rebuilt, given: List[torch.Tensor], static: List[torch.Tensor]) -> None:
     """Raises GraphStateError (at capture) when the step changed the structure of one of
     its arguments: replaced, added or removed an element of a list or dict argument, or
@@ -704,6 +733,7 @@ class GraphedStep:
             # the step runs, what the step trains may have changed, so its graphs are
             # dropped and found again (warmup, capture); modules made elsewhere (a loss
             # module built inside the step, another model) change nothing here.
+            _refuse_fully_sharded(self._all_modules.values())
             tree = self._module_tree()
             trained = list(self._touched.values()) + ([p for _, p in self._given] if self._given else [])
             if tree != self._tree or any(_state_watch.was_displaced(t) for t in trained):
@@ -821,10 +851,7 @@ class GraphedStep:
             return
         self._all_modules[id(module)] = module
         self._modules_added += 1
-        # Not its parameter dict: FSDP2 puts its sharded and unsharded parameters straight
-        # into it at every forward (the step refuses FSDP2 at capture, by the parameters'
-        # type), and every call would take the tree as changed and run eagerly again.
-        if not _state_watch.watch_module(module, parameters=False):
+        if not _state_watch.watch_module(module):
             self._unwatched[id(module)] = module
 
     def _type_number(self, cls) -> int:
