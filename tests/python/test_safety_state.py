@@ -848,7 +848,7 @@ def test_state_saved_for_the_backward_changed_in_place_before_it_is_refused_as_e
     assert_same_grads_and_params(model, eager, "the microbatch after the refusal")
 
 
-def test_a_replay_bumps_the_version_counters_as_eager():
+def test_a_replay_bumps_the_version_counters_as_eager(device):
     # Note [Version counters at a replay]: a replay's kernels run below autograd; the
     # graph bumps the caller tensors' counters by what the captured region bumped them
     # (a view and its base share one counter), and leaves those it only read alone.
@@ -858,12 +858,12 @@ def test_a_replay_bumps_the_version_counters_as_eager():
             w.mul_(r)
             return w.sum()
 
-    w, r = torch.zeros(4, 4), torch.ones(4, 4)
+    w, r = torch.zeros(4, 4, device=device), torch.ones(4, 4, device=device)
     before = w._version, r._version
     region(w, r)
     eager = w._version - before[0], r._version - before[1]
     assert eager == (2, 0)
-    g = dwgraph.graphs.Graph("cpu")
+    g = dwgraph.graphs.Graph(device)
     with g.capture():
         region(w, r)
     for _ in range(2):
