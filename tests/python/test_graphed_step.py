@@ -1081,3 +1081,80 @@ def test_calls_past_max_captures_run_eagerly_as_the_undecorated_step():
     for p, q in zip(me.parameters(), mg.parameters()):
         assert torch.equal(p, q)
 
+
+
+def _sgd_body(model, opt, x):
+    opt.zero_grad(set_to_none=False)
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+class _RunningMean(torch.nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.lin = torch.nn.Linear(H, 1)
+        self.register_buffer("running", torch.zeros(H))
+
+    def forward(self, x):
+        if self.how == "assign":
+            self.running = 0.9 * self.running + 0.1 * x.mean(0).detach()
+        elif self.how == "iadd":
+            self.running += 0.1 * x.mean(0).detach()
+        else:
+            self.running.mul_(0.9).add_(0.1 * x.mean(0).detach())
+        return self.lin(x - self.running)
+
+
+@pytest.mark.parametrize("how", ["assign", "iadd", "in_place"])
+def test_a_buffer_given_another_tensor_by_the_step_is_refused_at_capture(how):
+    # Eagerly `self.running = 0.9 * self.running + ...` makes a new tensor at every call; a
+    # replay would read the tensor the capture met and write the one it made, so the buffer
+    # would stop moving (a review found loss, buffer and parameters silently apart from the
+    # first replay on). Refused at capture, the module holding what it held; updated in
+    # place (`+=`, mul_/add_) it is exact.
+    m = _RunningMean(how)
+    eager = copy.deepcopy(m)
+    om, oe = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+
+    step = dwgraph.graphed_step(warmup_iters=1)(lambda x: _sgd_body(m, om, x))
+    x = torch.randn(B, H)
+    assert torch.equal(step(x), _sgd_body(eager, oe, x))  # the warmup call, eager
+    if how == "assign":
+        held = m.running
+        with pytest.raises(dwgraph.GraphStateError, match="buffer 'running' another tensor.*in place"):
+            step(torch.randn(B, H))
+        assert m.running is held and torch.equal(m.running, eager.running)
+        return
+    for _ in range(4):
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), _sgd_body(eager, oe, x))
+        assert torch.equal(m.running, eager.running)
+    assert step.num_captures == 1
+
+
+def test_a_weight_tied_again_at_every_call_is_captured_once():
+    # Registering the same object again displaces nothing: the step used to take the tied
+    # weight as replaced at every call, drop its graphs and run eagerly for good, silently.
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = torch.nn.Linear(H, H, bias=False)
+            self.dec = torch.nn.Linear(H, H, bias=False)
+            self.dec.weight = self.enc.weight
+
+        def forward(self, x):
+            self.dec.weight = self.enc.weight
+            return self.dec(torch.tanh(self.enc(x)))
+
+    m = Tied()
+    eager = copy.deepcopy(m)
+    om, oe = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+
+    step = dwgraph.graphed_step(warmup_iters=1)(lambda x: _sgd_body(m, om, x))
+    for _ in range(6):
+        x = torch.randn(B, H)
+        assert torch.equal(step(x), _sgd_body(eager, oe, x))
+    assert step.num_captures == 1 and step.stats()["replays"] == 5  # the capture replays too

@@ -337,9 +337,14 @@ def install() -> None:
         Module = torch.nn.Module
 
         def registration_hook(table):
-            def hook(module, name, _value):
+            def hook(module, name, value):
                 old = getattr(module, table, {}).get(name)
-                if isinstance(old, torch.nn.Module):
+                if old is value:
+                    # Registered again (a forward re-tying a weight at every call: self.dec.weight
+                    # = self.enc.weight): nothing displaced. Noted as displaced, it made a graphed
+                    # step that trains it drop its graphs at every call and run eagerly for good.
+                    pass
+                elif isinstance(old, torch.nn.Module):
                     for t in list(old.parameters()) + list(old.buffers()):
                         _note_displaced(t)
                 elif isinstance(old, torch.Tensor):

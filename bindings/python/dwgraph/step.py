@@ -518,6 +518,39 @@ def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
+def _bound_tensors(module) -> Dict[tuple, object]:
+    """What `module` holds by name: its own parameters and buffers (the objects)."""
+    out = {("parameter", n): t for n, t in module._parameters.items()}
+    out.update({("buffer", n): t for n, t in module._buffers.items()})
+    return out
+
+
+def _refuse_rebound_tensors(bound: Optional[Dict[int, tuple]]) -> None:
+    """Raises GraphStateError (at capture) when the step gave a module's parameter or buffer
+    another tensor (``self.running = 0.9 * self.running + 0.1 * x.mean(0)``). Eagerly every
+    call makes a new tensor from the one the module holds; a replay runs no Python, so it
+    would read the tensor the capture met at every replay and write the one the capture
+    made: the buffer would stop moving (a review found it, loss and parameters silently
+    apart from eager from the first replay on). What the module held is put back."""
+    for module, before in (bound or {}).values():
+        now = _bound_tensors(module)
+        changed = [key for key in set(before) | set(now) if now.get(key) is not before.get(key)]
+        if not changed:
+            continue
+        for kind, name in changed:
+            table = module._parameters if kind == "parameter" else module._buffers
+            if (kind, name) in before:
+                table[name] = before[(kind, name)]
+            else:
+                table.pop(name, None)
+        kind, name = sorted(changed)[0]
+        raise GraphStateError(
+            f"dwgraph.graphed_step: the step gives {type(module).__name__}'s {kind} '{name}' another tensor "
+            f"(an assignment such as self.{name} = 0.9 * self.{name} + ...); a graph replays no Python, so every "
+            f"replay would read the {kind} the capture met and the module would keep the one the capture made. "
+            f"Update it in place (self.{name}.mul_(0.9).add_(...)), or outside the step")
+
+
 def _refuse_fully_sharded(modules) -> None:
     """FSDP2 (``fully_shard``) puts its sharded and unsharded parameters straight into the
     module's parameter dict at every forward, which a watched tree sees as a change at every
@@ -633,6 +666,8 @@ class GraphedStep:
         self._warmup_iters = int(warmup_iters)
         self._native_max_graphs = int(max_graphs)
         self._handed_modules: Optional[set] = None  # the modules the capture was told about
+        # Capturing: what each module the step runs holds (_bound_tensors), as the capture met it.
+        self._bound_at_capture: Optional[Dict[int, tuple]] = None
         self._touched: Dict[int, torch.Tensor] = {}  # what the warmup calls trained
         self._modules: Dict[int, torch.nn.Module] = {}
         # Weak: an optimizer the caller replaced (a new phase) and dropped leaves the key's
@@ -847,6 +882,8 @@ class GraphedStep:
         parameters' types get the setter watch (grad_dtype); where that cannot be done (a
         hook registered before the step saw the module, a parameter type with its own
         __setattr__), the module is looked at every call."""
+        if self._bound_at_capture is not None and id(module) not in self._bound_at_capture:
+            self._bound_at_capture[id(module)] = (module, _bound_tensors(module))  # before its forward runs
         if id(module) in self._all_modules:
             return
         self._all_modules[id(module)] = module
@@ -1145,6 +1182,8 @@ class GraphedStep:
         seeing = (self, watcher)
         _watch.seeing.append(seeing)
         _module_hook.enter()
+        self._bound_at_capture = {i: (m, _bound_tensors(m)) for i, m in self._all_modules.items()} \
+            if handed is not None else None
         try:
             # Capturing: torch.optim's SGD and Adam implementations read the routed
             # optimizers' hyperparameters from their buffers (Note [Hyperparameters a
@@ -1189,6 +1228,7 @@ class GraphedStep:
                     "after the graphed step returns") from e
             raise
         finally:
+            bound, self._bound_at_capture = self._bound_at_capture, None
             _module_hook.leave()
             _watch.seeing.remove(seeing)
             _watch.step, _watch.optimizer, _optim.active.steps, _optim.active.refused = saved
@@ -1208,6 +1248,7 @@ class GraphedStep:
                 "after the graphed step returns")
         if handed is not None:
             _refuse_changed_arguments((caller_args, caller_kwargs), (args, kwargs), given, tensors)
+            _refuse_rebound_tensors(bound)
         changed = [type(o).__name__ for o, before in self._hyper_before.values() if _hyperparameters([o]) != before]
         self._changes_own_hyperparameters = changed[0] if changed else None  # as of the latest call
         if changed:
