@@ -1158,3 +1158,15 @@ def test_a_weight_tied_again_at_every_call_is_captured_once():
         x = torch.randn(B, H)
         assert torch.equal(step(x), _sgd_body(eager, oe, x))
     assert step.num_captures == 1 and step.stats()["replays"] == 5  # the capture replays too
+
+
+@pytest.mark.parametrize("bad", [dict(warmup_iters="2"), dict(warmup_iters=2.9), dict(warmup_iters=True),
+                                 dict(warmup_iters=None), dict(warmup_iters=-3), dict(max_graphs="8"),
+                                 dict(max_captures=True), dict(max_graphs=0)],
+                         ids=lambda bad: f"{next(iter(bad))}={next(iter(bad.values()))!r}")
+def test_a_count_of_another_type_or_out_of_range_is_refused_naming_it(bad):
+    # A review found "2" and 2.9 read as 2, True as 1, -3 raised to 1 unseen, and None or
+    # "8" reaching int()'s TypeError: each is an ArgumentError naming the argument.
+    name = next(iter(bad))
+    with pytest.raises(dwgraph.ArgumentError, match=f"argument '{name}' must be"):
+        dwgraph.graphed_step(lambda x: x * 2, **bad)

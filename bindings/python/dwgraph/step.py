@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 
 from . import _C, _optim, _spec
 from . import _watch as _state_watch
-from .errors import ArgumentError, GraphStateError, _CreatesState, _FoundMore
+from .errors import ArgumentError, GraphStateError, _CreatesState, _FoundMore, count
 from .graphs import torch_code_as_captured as _torch_code_as_captured
 from .nn import _step_context
 
@@ -657,14 +657,20 @@ class GraphedStep:
     def __init__(self, fn: Callable, *, warmup_iters: int = 3, pool=None, params=None, max_graphs: int = 8,
                  max_captures: int = 128):
         functools.update_wrapper(self, fn)
+        # Counts as counts (errors.count); their ranges are the core's to check.
+        api = "dwgraph.graphed_step"
+        warmup_iters, max_graphs, max_captures = (count(api, "warmup_iters", warmup_iters),
+                                                  count(api, "max_graphs", max_graphs),
+                                                  count(api, "max_captures", max_captures))
         _install_optimizer_hooks()
         self._fn = fn
         self._given = self._named(params) if params is not None else None
-        if self._given is None:
-            # What the step touches is found by running it: one eager call at least.
-            warmup_iters = max(int(warmup_iters), 1)
-        self._warmup_iters = int(warmup_iters)
-        self._native_max_graphs = int(max_graphs)
+        if self._given is None and warmup_iters == 0:
+            # What the step touches is found by running it: one eager call at least (a
+            # negative count goes to the core, which refuses it; it was raised to 1 unseen).
+            warmup_iters = 1
+        self._warmup_iters = warmup_iters
+        self._native_max_graphs = max_graphs
         self._handed_modules: Optional[set] = None  # the modules the capture was told about
         # Capturing: what each module the step runs holds (_bound_tensors), as the capture met it.
         self._bound_at_capture: Optional[Dict[int, tuple]] = None
@@ -731,7 +737,7 @@ class GraphedStep:
             _weakly(self, "_run_flat", name), warmup_iters=warmup_iters, pool=pool, max_graphs=max_graphs,
             params=_weakly(self, "_params", name), modules=_weakly(self, "_module_specs", name),
             buffers=_weakly(self, "_buffers", name), variant_state=_weakly(self, "_variant_state", name),
-            name=name, describe_state=_weakly(self, "_describe_state", name), max_captures=int(max_captures))
+            name=name, describe_state=_weakly(self, "_describe_state", name), max_captures=max_captures)
 
     @staticmethod
     def _named(params):
