@@ -24,7 +24,7 @@ from .nn import _DeferredWgradModule
 
 __all__ = ["is_dwgraph_module", "weak", "module_specs", "dwgraph_module_spec", "around_calls", "first_hook",
            "user_global_hooks", "refuse_hooks", "refuse_autocast_cache", "call_mode_reader", "slot_reader",
-           "submodules_changed", "saved_state_seen", "HOOK_KINDS"]
+           "submodules_changed", "saved_state_seen", "bound_tensors", "rebound", "HOOK_KINDS"]
 
 HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
@@ -349,3 +349,27 @@ def saved_state_seen(module: torch.nn.Module, found: Dict[int, Tuple[str, torch.
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+def bound_tensors(module: torch.nn.Module) -> Dict[tuple, object]:
+    """What `module` holds by name: its own parameters and buffers (the objects), keyed
+    ("parameter" or "buffer", name)."""
+    out = {("parameter", n): t for n, t in module._parameters.items()}
+    out.update({("buffer", n): t for n, t in module._buffers.items()})
+    return out
+
+
+def rebound(module: torch.nn.Module, before: Dict[tuple, object]) -> List[tuple]:
+    """The (kind, name) of what `module` holds now that is not the object it held in
+    `before` (bound_tensors), put back as it was: a forward that gives a buffer another
+    tensor (``self.running = 0.9 * self.running + ...``), seen at a capture, which a replay
+    cannot follow (it runs no Python: it would read the tensor the capture met)."""
+    now = bound_tensors(module)
+    changed = sorted(key for key in set(before) | set(now) if now.get(key) is not before.get(key))
+    for kind, name in changed:
+        table = module._parameters if kind == "parameter" else module._buffers
+        if (kind, name) in before:
+            table[name] = before[(kind, name)]
+        else:
+            table.pop(name, None)
+    return changed

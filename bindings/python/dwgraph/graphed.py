@@ -661,9 +661,32 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
 
     pool = _resolve_pool(options.pop("pool"))
     fp8_before = _fp8_made_state(modules)
+    bound = {id(m): (m, f"callable {i}'s '{name or type(m).__name__}'", _spec.bound_tensors(m))
+             for i, module in enumerate(modules) if isinstance(module, torch.nn.Module)
+             for name, m in module.named_modules()}
     natives = _C.graphs.make_graphed_callables(specs, flat_args, schedule=schedule, pool=pool, **options)
     _refuse_fp8_state_made(fp8_before, fp8_as_given, natives)
+    _refuse_rebound_tensors(bound, natives)
     return specs, forwards, out_sigs, natives
+
+
+def _refuse_rebound_tensors(bound, natives) -> None:
+    """A forward that gives a parameter or buffer another tensor during warmup or capture
+    (``self.running = 0.9 * self.running + ...``) would leave the module holding the
+    capture's tensor, every later call refused as a buffer replaced since capture: refused
+    here, the graphs released, what the modules held put back (`bound`: what each held as
+    the core began)."""
+    for m, where, before in bound.values():
+        changed = _spec.rebound(m, before)
+        if changed:
+            for native in natives:
+                native.reset()
+            kind, name = changed[0]
+            raise ArgumentError(
+                f"dwgraph.make_graphed_callables: {where} gives its {kind} '{name}' another tensor during warmup or "
+                f"capture (an assignment such as self.{name} = 0.9 * self.{name} + ... in its forward); a graph "
+                f"replays no Python, so every replay would read the {kind} the capture met. Update it in place "
+                f"(self.{name}.mul_(0.9).add_(...)), or outside the graphed callable. Nothing was graphed")
 
 
 def _fp8_made_state(modules):

@@ -518,13 +518,6 @@ def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-def _bound_tensors(module) -> Dict[tuple, object]:
-    """What `module` holds by name: its own parameters and buffers (the objects)."""
-    out = {("parameter", n): t for n, t in module._parameters.items()}
-    out.update({("buffer", n): t for n, t in module._buffers.items()})
-    return out
-
-
 def _refuse_rebound_tensors(bound: Optional[Dict[int, tuple]]) -> None:
     """Raises GraphStateError (at capture) when the step gave a module's parameter or buffer
     another tensor (``self.running = 0.9 * self.running + 0.1 * x.mean(0)``). Eagerly every
@@ -533,17 +526,10 @@ def _refuse_rebound_tensors(bound: Optional[Dict[int, tuple]]) -> None:
     made: the buffer would stop moving (a review found it, loss and parameters silently
     apart from eager from the first replay on). What the module held is put back."""
     for module, before in (bound or {}).values():
-        now = _bound_tensors(module)
-        changed = [key for key in set(before) | set(now) if now.get(key) is not before.get(key)]
+        changed = _spec.rebound(module, before)
         if not changed:
             continue
-        for kind, name in changed:
-            table = module._parameters if kind == "parameter" else module._buffers
-            if (kind, name) in before:
-                table[name] = before[(kind, name)]
-            else:
-                table.pop(name, None)
-        kind, name = sorted(changed)[0]
+        kind, name = changed[0]
         raise GraphStateError(
             f"dwgraph.graphed_step: the step gives {type(module).__name__}'s {kind} '{name}' another tensor "
             f"(an assignment such as self.{name} = 0.9 * self.{name} + ...); a graph replays no Python, so every "
@@ -672,7 +658,7 @@ class GraphedStep:
         self._warmup_iters = warmup_iters
         self._native_max_graphs = max_graphs
         self._handed_modules: Optional[set] = None  # the modules the capture was told about
-        # Capturing: what each module the step runs holds (_bound_tensors), as the capture met it.
+        # Capturing: what each module the step runs holds (_spec.bound_tensors), as the capture met it.
         self._bound_at_capture: Optional[Dict[int, tuple]] = None
         self._touched: Dict[int, torch.Tensor] = {}  # what the warmup calls trained
         self._modules: Dict[int, torch.nn.Module] = {}
@@ -889,7 +875,7 @@ class GraphedStep:
         hook registered before the step saw the module, a parameter type with its own
         __setattr__), the module is looked at every call."""
         if self._bound_at_capture is not None and id(module) not in self._bound_at_capture:
-            self._bound_at_capture[id(module)] = (module, _bound_tensors(module))  # before its forward runs
+            self._bound_at_capture[id(module)] = (module, _spec.bound_tensors(module))  # before its forward runs
         if id(module) in self._all_modules:
             return
         self._all_modules[id(module)] = module
@@ -1188,7 +1174,7 @@ class GraphedStep:
         seeing = (self, watcher)
         _watch.seeing.append(seeing)
         _module_hook.enter()
-        self._bound_at_capture = {i: (m, _bound_tensors(m)) for i, m in self._all_modules.items()} \
+        self._bound_at_capture = {i: (m, _spec.bound_tensors(m)) for i, m in self._all_modules.items()} \
             if handed is not None else None
         try:
             # Capturing: torch.optim's SGD and Adam implementations read the routed
