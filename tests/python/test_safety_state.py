@@ -1117,3 +1117,28 @@ def test_a_forward_that_gives_its_buffer_another_tensor_is_refused_at_capture(in
         x = torch.randn(SMALL_B, SMALL_H)
         assert torch.equal(m(x.clone().requires_grad_()), eager(x.clone().requires_grad_()))
         assert torch.equal(m.running, eager.running)
+
+
+class _MaskOnFirstForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(SMALL_H, SMALL_H)
+
+    def forward(self, x):
+        if "mask" not in self._buffers:
+            self.register_buffer("mask", (torch.arange(SMALL_H) % 2).float())
+        return self.lin(x) * self.mask
+
+
+def test_a_buffer_made_by_the_first_forward_is_refused_at_capture_and_made_eagerly_first_is_exact():
+    # The refusal says what works (a review found it advising an in-place update of a buffer
+    # that did not exist): run one forward eagerly first.
+    m = _MaskOnFirstForward()
+    with pytest.raises(dwgraph.ArgumentError, match="registers its buffer 'mask'.*Run one forward eagerly"):
+        dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),))
+    assert "mask" not in m._buffers
+    m(torch.randn(SMALL_B, SMALL_H))
+    eager = copy.deepcopy(m)
+    dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),))
+    x = torch.randn(SMALL_B, SMALL_H)
+    assert torch.equal(m(x.clone().requires_grad_()), eager(x.clone().requires_grad_()))

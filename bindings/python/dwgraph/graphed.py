@@ -682,6 +682,11 @@ def _refuse_rebound_tensors(bound, natives) -> None:
             for native in natives:
                 native.reset()
             kind, name = changed[0]
+            if (kind, name) not in before:  # made by the first forward (a mask, a rotary cache)
+                raise ArgumentError(
+                    f"dwgraph.make_graphed_callables: {where} registers its {kind} '{name}' during warmup or capture "
+                    f"(made by its first forward); the graphs would hold one the module did not have. Run one forward "
+                    f"eagerly before capturing, so that it exists. Nothing was graphed")
             raise ArgumentError(
                 f"dwgraph.make_graphed_callables: {where} gives its {kind} '{name}' another tensor during warmup or "
                 f"capture (an assignment such as self.{name} = 0.9 * self.{name} + ... in its forward); a graph "
