@@ -127,6 +127,24 @@ def test_graphed_callable_with_a_checkpoint_matches_eager(kind):
         _assert_equal(_grads(m.lin, xg), _grads(eager.lin, xe), f"call {call}")
 
 
+def test_a_reentrant_checkpoint_in_a_graphed_callable_is_a_typed_error_naming_the_fix():
+    # torch's reentrant checkpoint refuses torch.autograd.grad with inputs, which warmup and
+    # capture call; eager's loss.backward() does not. torch's RuntimeError reached the user
+    # untyped; the typed error names use_reentrant=False, which the test above graphs exactly.
+    class Reentrant(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(H, H)
+
+        def forward(self, u):
+            return checkpoint(lambda t: torch.tanh(self.lin(t)), u, use_reentrant=True)
+
+    m = Reentrant()
+    m(torch.randn(B, H, requires_grad=True)).sum().backward()  # eager runs it
+    with pytest.raises(dwgraph.ArgumentError, match="use_reentrant=True.*Pass use_reentrant=False"):
+        dwgraph.make_graphed_callables(m, (torch.randn(B, H, requires_grad=True),))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_graphed_step_with_a_checkpoint_matches_eager(kind):
     eager = _layer(deferred=True)

@@ -528,10 +528,19 @@ def make_graphed_callables(
             backward_under_autocast=backward_under_autocast, pre_warmup_hook=pre_warmup_hook,
             post_warmup_hook=post_warmup_hook, plan_placement=plan_placement,
             unsafe_capture_with_caller_grad=_unsafe_capture_with_caller_grad)
-    except BaseException:
+    except BaseException as e:
         for m, saved in zip(modules, previous):
             if saved:
                 m.__dict__.update(saved)
+        if isinstance(e, RuntimeError) and "use_reentrant=True" in str(e) and ".grad()" in str(e):
+            # torch's reentrant checkpoint refuses a backward that asks for some gradients
+            # only, which warmup and capture make (torch.autograd.grad over the inputs and
+            # parameters); eager's loss.backward() does not ask.
+            raise ArgumentError(
+                "dwgraph.make_graphed_callables: a callable's forward runs torch.utils.checkpoint(use_reentrant=True), "
+                "whose backward refuses the gradient call of warmup and capture (torch.autograd.grad over the inputs "
+                "and parameters). Pass use_reentrant=False (torch's recommended setting), which is graphed exactly. "
+                "Nothing was graphed") from e
         raise
     handles = []
     for native in natives:
