@@ -24,7 +24,7 @@ from .nn import _DeferredWgradModule
 
 __all__ = ["is_dwgraph_module", "weak", "module_specs", "dwgraph_module_spec", "around_calls", "first_hook",
            "user_global_hooks", "refuse_hooks", "refuse_autocast_cache", "call_mode_reader", "slot_reader",
-           "submodules_changed", "saved_state_seen", "bound_tensors", "rebound", "HOOK_KINDS"]
+           "submodules_changed", "saved_state_seen", "bound_tensors", "rebound", "rebound_message", "HOOK_KINDS"]
 
 HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
@@ -373,3 +373,17 @@ def rebound(module: torch.nn.Module, before: Dict[tuple, object]) -> List[tuple]
         else:
             table.pop(name, None)
     return changed
+
+
+def rebound_message(api: str, who: str, before: Dict[tuple, object], key: tuple, outside: str) -> str:
+    """Why a capture is refused for `key` of rebound(): a parameter or buffer the region
+    made (a mask or cache made by a first forward: run one forward eagerly first), or one it
+    gave another tensor (update it in place)."""
+    kind, name = key
+    if key not in before:
+        return (f"{api}: {who} registers its {kind} '{name}' during the capture (made by its first forward); the "
+                f"graphs would hold one the module did not have. Run one forward eagerly before capturing, so that "
+                f"it exists")
+    return (f"{api}: {who} gives its {kind} '{name}' another tensor during the capture (an assignment such as "
+            f"self.{name} = 0.9 * self.{name} + ...); a graph replays no Python, so every replay would read the "
+            f"{kind} the capture met. Update it in place (self.{name}.mul_(0.9).add_(...)), or {outside}")

@@ -669,86 +669,68 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
         out_sigs.append(out_sig)
 
     pool = _resolve_pool(options.pop("pool"))
-    fp8_before = _fp8_made_state(modules)
     bound = {id(m): (m, f"callable {i}'s '{name or type(m).__name__}'", _spec.bound_tensors(m))
              for i, module in enumerate(modules) if isinstance(module, torch.nn.Module)
              for name, m in module.named_modules()}
     natives = _C.graphs.make_graphed_callables(specs, flat_args, schedule=schedule, pool=pool, **options)
-    _refuse_fp8_state_made(fp8_before, fp8_as_given, natives)
-    _refuse_rebound_tensors(bound, natives)
+    _refuse_state_made(bound, fp8_as_given, natives)
     return specs, forwards, out_sigs, natives
 
 
-def _refuse_rebound_tensors(bound, natives) -> None:
-    """A forward that gives a parameter or buffer another tensor during warmup or capture
-    (``self.running = 0.9 * self.running + ...``) would leave the module holding the
-    capture's tensor, every later call refused as a buffer replaced since capture: refused
-    here, the graphs released, what the modules held put back (`bound`: what each held as
-    the core began)."""
-    for m, where, before in bound.values():
-        changed = _spec.rebound(m, before)
-        if changed:
-            for native in natives:
-                native.reset()
-            kind, name = changed[0]
-            if (kind, name) not in before:  # made by the first forward (a mask, a rotary cache)
-                raise ArgumentError(
-                    f"dwgraph.make_graphed_callables: {where} registers its {kind} '{name}' during warmup or capture "
-                    f"(made by its first forward); the graphs would hold one the module did not have. Run one forward "
-                    f"eagerly before capturing, so that it exists. Nothing was graphed")
-            raise ArgumentError(
-                f"dwgraph.make_graphed_callables: {where} gives its {kind} '{name}' another tensor during warmup or "
-                f"capture (an assignment such as self.{name} = 0.9 * self.{name} + ... in its forward); a graph "
-                f"replays no Python, so every replay would read the {kind} the capture met. Update it in place "
-                f"(self.{name}.mul_(0.9).add_(...)), or outside the graphed callable. Nothing was graphed")
-
-
 def _fp8_made_state(modules):
-    """The FP8 state of every dwgraph module of the callables as capture starts (after the
-    state their FP8 arguments ask for was made): its buffer names and its _fp8_ attributes,
-    with where it is ("callable 0's 'lin'")."""
+    """The FP8 state of every dwgraph module of the callables as given: its buffer names and
+    its _fp8_ attributes (a refused capture puts them back, the state the FP8 arguments
+    asked for before warmup included)."""
     out = {}
-    for i, module in enumerate(modules):
+    for module in modules:
         if isinstance(module, torch.nn.Module):
-            for name, m in module.named_modules():
+            for m in module.modules():
                 if _spec.is_dwgraph_module(m) and id(m) not in out:
-                    out[id(m)] = (m, set(m._buffers), {k: v for k, v in m.__dict__.items() if k.startswith("_fp8_")},
-                                  f"callable {i}'s '{name or type(m).__name__}'")
+                    out[id(m)] = (m, set(m._buffers), {k: v for k, v in m.__dict__.items() if k.startswith("_fp8_")})
     return out
 
 
-def _refuse_fp8_state_made(before, as_given, natives) -> None:
-    """A forward that made a module's FP8 scaling state during warmup or capture (it enters
-    fp8_autocast itself, or passes is_first_microbatch without cache_quantized_params)
-    would leave graphs over buffers the caller never had, holding the warmup's amaxes, and
-    every later call refused as a buffer added since capture (a review found the advice
-    then, reset() and capture again, training silently apart from eager). Refused here,
-    the graphs released and the modules as they were given (`as_given`)."""
-    made = [(where, sorted(set(m._buffers) - names)) for m, names, _, where in before.values()]
-    made = [(where, names) for where, names in made if names]
-    if not made:
+def _refuse_state_made(bound, fp8_as_given, natives) -> None:
+    """A forward that registered or gave another tensor to a module's parameter or buffer
+    during warmup or capture would leave graphs over state the caller never had, every later
+    call refused as a buffer added or replaced since capture: refused here, the graphs
+    released, the modules as given (`bound`: what each held as the core began;
+    `fp8_as_given`: the FP8 state before the one the FP8 arguments asked for). Made by
+    dwgraph's FP8 (the forward enters an fp8_autocast of its own, or passes
+    is_first_microbatch without cache_quantized_params), the warmup's amaxes would be in it,
+    and reset() and capture again trained apart from eager (a review found it)."""
+    found = [(m, where, before, changed) for m, where, before in bound.values()
+             for changed in [_spec.rebound(m, before)] if changed]
+    if not found:
         return
     for native in natives:
         native.reset()
-    for m, names, attributes, _ in as_given.values():
+    for m, names, attributes in fp8_as_given.values():
         for name in set(m._buffers) - names:
             del m._buffers[name]
         for k in [k for k in m.__dict__ if k.startswith("_fp8_") and k not in attributes]:
             del m.__dict__[k]
         m.__dict__.update(attributes)
-    where, names = made[0]
-    cache = any(n.startswith("_fp8_weight_cache") or n == "_fp8_first_microbatch" for n in names)
-    raise ArgumentError(
-        f"dwgraph.make_graphed_callables: {where} made FP8 state during warmup or capture "
-        f"({', '.join(names)}): "
-        + ("a sample argument passes is_first_microbatch, which caches the FP8 weights; pass "
-           "cache_quantized_params=True (with enabled=True and the recipe), which makes the cache before warmup "
-           "and takes is_first_microbatch at every call, or leave is_first_microbatch out of the sample arguments"
-           if cache else
-           "its forward runs under an fp8_autocast of its own. Pass enabled=True and the recipe (and "
-           "amax_reduction_group) to make_graphed_callables, which makes the FP8 state before warmup, or run one "
-           "forward eagerly before capturing")
-        + ". Nothing was graphed; the modules are as they were")
+    api = "dwgraph.make_graphed_callables"
+    for m, where, before, changed in found:
+        fp8 = [n for kind, n in changed if (kind, n) not in before and kind == "buffer" and
+               _spec.is_dwgraph_module(m) and n in m._fp8_state_buffer_names()]
+        if fp8:
+            cache = any(n.startswith("_fp8_weight_cache") or n == "_fp8_first_microbatch" for n in fp8)
+            raise ArgumentError(
+                f"{api}: {where} made FP8 state during warmup or capture ({', '.join(fp8)}): "
+                + ("a sample argument passes is_first_microbatch, which caches the FP8 weights; pass "
+                   "cache_quantized_params=True (with enabled=True and the recipe), which makes the cache before "
+                   "warmup and takes is_first_microbatch at every call, or leave is_first_microbatch out of the "
+                   "sample arguments"
+                   if cache else
+                   "its forward runs under an fp8_autocast of its own. Pass enabled=True and the recipe (and "
+                   "amax_reduction_group) to make_graphed_callables, which makes the FP8 state before warmup, or run "
+                   "one forward eagerly before capturing")
+                + ". Nothing was graphed; the modules are as they were")
+    m, where, before, changed = found[0]
+    raise ArgumentError(_spec.rebound_message(api, where, before, changed[0], "outside the graphed callable")
+                        + ". Nothing was graphed")
 
 
 def summary(graphed) -> str:

@@ -282,6 +282,10 @@ class _DeferredWgradModule(torch.nn.Module):
                       host_first=None if is_first_microbatch is None else bool(is_first_microbatch))
         return dict(fp8=_C.fp8.Meta(**kw))
 
+    def _fp8_state_buffer_names(self) -> List[str]:
+        """Every buffer of the FP8 state: the scaling state, then the weight cache's."""
+        return ["fp8_amax_history", "fp8_scale"] + self._fp8_cache_buffer_names()
+
     def _fp8_cache_buffer_names(self) -> List[str]:
         """The weight cache's buffers (non-persistent), as _prepare_fp8_cache names them."""
         return ([f"_fp8_weight_cache{i}" for i in range(self._fp8_gemms)]
@@ -363,7 +367,7 @@ class _DeferredWgradModule(torch.nn.Module):
 
     def reset_fp8_state(self) -> None:
         """Forgets the FP8 scaling state (the next FP8 forward starts from unit scales)."""
-        for name in ["fp8_amax_history", "fp8_scale"] + self._fp8_cache_buffer_names():
+        for name in self._fp8_state_buffer_names():
             self._buffers.pop(name, None)
         self._fp8_cache_versions = self._fp8_filling = None
         self._fp8_recipe = None  # _fp8_ran stays: a checkpointed FP8 forward may still be pending

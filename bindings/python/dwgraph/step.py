@@ -527,14 +527,9 @@ def _refuse_rebound_tensors(bound: Optional[Dict[int, tuple]]) -> None:
     apart from eager from the first replay on). What the module held is put back."""
     for module, before in (bound or {}).values():
         changed = _spec.rebound(module, before)
-        if not changed:
-            continue
-        kind, name = changed[0]
-        raise GraphStateError(
-            f"dwgraph.graphed_step: the step gives {type(module).__name__}'s {kind} '{name}' another tensor "
-            f"(an assignment such as self.{name} = 0.9 * self.{name} + ...); a graph replays no Python, so every "
-            f"replay would read the {kind} the capture met and the module would keep the one the capture made. "
-            f"Update it in place (self.{name}.mul_(0.9).add_(...)), or outside the step")
+        if changed:
+            raise GraphStateError(_spec.rebound_message("dwgraph.graphed_step", type(module).__name__, before,
+                                                        changed[0], "outside the step"))
 
 
 def _refuse_fully_sharded(modules) -> None:
