@@ -1170,3 +1170,16 @@ def test_a_count_of_another_type_or_out_of_range_is_refused_naming_it(bad):
     name = next(iter(bad))
     with pytest.raises(dwgraph.ArgumentError, match=f"argument '{name}' must be"):
         dwgraph.graphed_step(lambda x: x * 2, **bad)
+
+
+def test_an_abandoned_capture_puts_back_a_buffer_the_step_rebinds():
+    # With params= and warmup_iters=0 the first capture is abandoned and retried (it meets
+    # the optimizer); the retry's snapshot held the abandoned attempt's buffer, so the
+    # refusal left the module's buffer moved on (a review found it).
+    m = _RunningMean("assign")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    held, value = m.running, m.running.clone()
+    step = dwgraph.graphed_step(warmup_iters=0, params=list(m.parameters()))(lambda x: _sgd_body(m, opt, x))
+    with pytest.raises(dwgraph.GraphStateError, match="buffer 'running' another tensor"):
+        step(torch.randn(B, H))
+    assert m.running is held and torch.equal(m.running, value)

@@ -1142,3 +1142,32 @@ def test_a_buffer_made_by_the_first_forward_is_refused_at_capture_and_made_eager
     dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),))
     x = torch.randn(SMALL_B, SMALL_H)
     assert torch.equal(m(x.clone().requires_grad_()), eager(x.clone().requires_grad_()))
+
+
+class _OwnFp8AndReentrant(torch.nn.Module):
+    """A forward that makes its own FP8 state and rebinds a buffer, then fails to capture
+    for another reason (a reentrant checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = dwgraph.nn.Linear(SMALL_H, SMALL_H)
+        self.register_buffer("running", torch.zeros(SMALL_H))
+
+    def forward(self, x):
+        from dwgraph.fp8 import DelayedScaling, fp8_autocast
+        self.running = 0.9 * self.running + 0.1 * x.detach().mean(0)
+        with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+            return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+
+
+def test_a_capture_that_fails_for_another_reason_puts_back_what_its_forward_made_or_rebound():
+    # The put-back ran only when the capture finished; a capture failing for another reason
+    # left the forward's own FP8 state (with the failed warmup's amaxes) and the rebound
+    # buffer, and a retry after the fix then trained apart from eager (a review found it).
+    m = _OwnFp8AndReentrant()
+    held, value = m.running, m.running.clone()
+    keys, attributes = sorted(m.lin._buffers), {k for k in m.lin.__dict__ if k.startswith("_fp8_")}
+    with pytest.raises(dwgraph.ArgumentError, match="use_reentrant=False"):
+        dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),))
+    assert m.running is held and torch.equal(m.running, value)
+    assert sorted(m.lin._buffers) == keys and {k for k in m.lin.__dict__ if k.startswith("_fp8_")} == attributes

@@ -24,7 +24,7 @@ from .nn import _DeferredWgradModule
 
 __all__ = ["is_dwgraph_module", "weak", "module_specs", "dwgraph_module_spec", "around_calls", "first_hook",
            "user_global_hooks", "refuse_hooks", "refuse_autocast_cache", "call_mode_reader", "slot_reader",
-           "submodules_changed", "saved_state_seen", "bound_tensors", "rebound", "rebound_message", "HOOK_KINDS"]
+           "submodules_changed", "saved_state_seen", "bound_tensors", "rebinding", "rebound", "rebound_message", "HOOK_KINDS"]
 
 HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
@@ -359,13 +359,19 @@ def bound_tensors(module: torch.nn.Module) -> Dict[tuple, object]:
     return out
 
 
+def rebinding(module: torch.nn.Module, before: Dict[tuple, object]) -> List[tuple]:
+    """The (kind, name) of what `module` holds now that is not the object it held in
+    `before` (bound_tensors), by identity, sorted."""
+    now = bound_tensors(module)
+    return sorted(key for key in set(before) | set(now) if now.get(key) is not before.get(key))
+
+
 def rebound(module: torch.nn.Module, before: Dict[tuple, object]) -> List[tuple]:
     """The (kind, name) of what `module` holds now that is not the object it held in
     `before` (bound_tensors), put back as it was: a forward that gives a buffer another
     tensor (``self.running = 0.9 * self.running + ...``), seen at a capture, which a replay
     cannot follow (it runs no Python: it would read the tensor the capture met)."""
-    now = bound_tensors(module)
-    changed = sorted(key for key in set(before) | set(now) if now.get(key) is not before.get(key))
+    changed = rebinding(module, before)
     for kind, name in changed:
         table = module._parameters if kind == "parameter" else module._buffers
         if (kind, name) in before:
@@ -375,15 +381,15 @@ def rebound(module: torch.nn.Module, before: Dict[tuple, object]) -> List[tuple]
     return changed
 
 
-def rebound_message(api: str, who: str, before: Dict[tuple, object], key: tuple, outside: str) -> str:
+def rebound_message(api: str, who: str, before: Dict[tuple, object], key: tuple, when: str, outside: str) -> str:
     """Why a capture is refused for `key` of rebound(): a parameter or buffer the region
     made (a mask or cache made by a first forward: run one forward eagerly first), or one it
     gave another tensor (update it in place)."""
     kind, name = key
     if key not in before:
-        return (f"{api}: {who} registers its {kind} '{name}' during the capture (made by its first forward); the "
+        return (f"{api}: {who} registers its {kind} '{name}' during {when} (made by its first forward); the "
                 f"graphs would hold one the module did not have. Run one forward eagerly before capturing, so that "
                 f"it exists")
-    return (f"{api}: {who} gives its {kind} '{name}' another tensor during the capture (an assignment such as "
+    return (f"{api}: {who} gives its {kind} '{name}' another tensor during {when} (an assignment such as "
             f"self.{name} = 0.9 * self.{name} + ...); a graph replays no Python, so every replay would read the "
             f"{kind} the capture met. Update it in place (self.{name}.mul_(0.9).add_(...)), or {outside}")

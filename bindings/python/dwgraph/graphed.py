@@ -587,8 +587,24 @@ def _state_checker(module: torch.nn.Module, name: str):
 
 
 def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_cache, **options):
-    specs, forwards, out_sigs = [], [], []
+    # What the modules hold as given, put back if anything below fails or makes or rebinds
+    # module state (a review found a capture failing for another reason, a reentrant
+    # checkpoint, leaving a forward's own FP8 state with the failed warmup's amaxes in it).
     fp8_as_given = _fp8_made_state(modules)
+    bound: Dict[int, tuple] = {}
+    try:
+        specs, forwards, out_sigs, natives = _capture(modules, schedule, in_sigs, flat_args, hooks, fp8_states,
+                                                      fp8_cache, bound, **options)
+    except BaseException:
+        _put_back(bound, fp8_as_given)
+        raise
+    _refuse_state_made(bound, fp8_as_given, natives)
+    return specs, forwards, out_sigs, natives
+
+
+def _capture(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_cache, bound, **options):
+    """_capture_all's work; `bound` gets what every module holds as the core begins."""
+    specs, forwards, out_sigs = [], [], []
     for i, module in enumerate(modules):
         is_module = isinstance(module, torch.nn.Module)
         if is_module:
@@ -669,12 +685,27 @@ def _capture_all(modules, schedule, in_sigs, flat_args, hooks, fp8_states, fp8_c
         out_sigs.append(out_sig)
 
     pool = _resolve_pool(options.pop("pool"))
-    bound = {id(m): (m, f"callable {i}'s '{name or type(m).__name__}'", _spec.bound_tensors(m))
-             for i, module in enumerate(modules) if isinstance(module, torch.nn.Module)
-             for name, m in module.named_modules()}
+    bound.update({id(m): (m, f"callable {i}'s '{name or type(m).__name__}'", _spec.bound_tensors(m))
+                  for i, module in enumerate(modules) if isinstance(module, torch.nn.Module)
+                  for name, m in module.named_modules()})
     natives = _C.graphs.make_graphed_callables(specs, flat_args, schedule=schedule, pool=pool, **options)
-    _refuse_state_made(bound, fp8_as_given, natives)
     return specs, forwards, out_sigs, natives
+
+
+def _put_back(bound, fp8_as_given) -> List[tuple]:
+    """Puts back what the modules held (`bound`, _spec.rebound) and their FP8 state as given
+    (`fp8_as_given`: buffers and _fp8_ attributes, the state the FP8 arguments asked for
+    before warmup removed too). Returns, per module that had changed, (module, where,
+    before, changed)."""
+    found = [(m, where, before, changed) for m, where, before in bound.values()
+             for changed in [_spec.rebound(m, before)] if changed]
+    for m, names, attributes in fp8_as_given.values():
+        for name in set(m._buffers) - names:
+            del m._buffers[name]
+        for k in [k for k in m.__dict__ if k.startswith("_fp8_") and k not in attributes]:
+            del m.__dict__[k]
+        m.__dict__.update(attributes)
+    return found
 
 
 def _fp8_made_state(modules):
@@ -699,18 +730,11 @@ def _refuse_state_made(bound, fp8_as_given, natives) -> None:
     dwgraph's FP8 (the forward enters an fp8_autocast of its own, or passes
     is_first_microbatch without cache_quantized_params), the warmup's amaxes would be in it,
     and reset() and capture again trained apart from eager (a review found it)."""
-    found = [(m, where, before, changed) for m, where, before in bound.values()
-             for changed in [_spec.rebound(m, before)] if changed]
-    if not found:
+    if not any(_spec.rebinding(m, before) for m, _, before in bound.values()):
         return
     for native in natives:
         native.reset()
-    for m, names, attributes in fp8_as_given.values():
-        for name in set(m._buffers) - names:
-            del m._buffers[name]
-        for k in [k for k in m.__dict__ if k.startswith("_fp8_") and k not in attributes]:
-            del m.__dict__[k]
-        m.__dict__.update(attributes)
+    found = _put_back(bound, fp8_as_given)
     api = "dwgraph.make_graphed_callables"
     for m, where, before, changed in found:
         fp8 = [n for kind, n in changed if (kind, n) not in before and kind == "buffer" and
@@ -729,8 +753,8 @@ def _refuse_state_made(bound, fp8_as_given, natives) -> None:
                    "one forward eagerly before capturing")
                 + ". Nothing was graphed; the modules are as they were")
     m, where, before, changed = found[0]
-    raise ArgumentError(_spec.rebound_message(api, where, before, changed[0], "outside the graphed callable")
-                        + ". Nothing was graphed")
+    raise ArgumentError(_spec.rebound_message(api, where, before, changed[0], "warmup or capture",
+                                              "outside the graphed callable") + ". Nothing was graphed")
 
 
 def summary(graphed) -> str:

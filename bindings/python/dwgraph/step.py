@@ -529,7 +529,7 @@ def _refuse_rebound_tensors(bound: Optional[Dict[int, tuple]]) -> None:
         changed = _spec.rebound(module, before)
         if changed:
             raise GraphStateError(_spec.rebound_message("dwgraph.graphed_step", type(module).__name__, before,
-                                                        changed[0], "outside the step"))
+                                                        changed[0], "its capture", "outside the step"))
 
 
 def _refuse_fully_sharded(modules) -> None:
@@ -1184,6 +1184,11 @@ class GraphedStep:
         except Exception as e:
             opt = _watch.optimizer
             if handed is not None:
+                # A failed capture (retried with what it found, run eagerly instead, or
+                # refused) leaves the modules holding what they held: a buffer the step
+                # rebinds moved on by each abandoned attempt (a review found it).
+                for module, before in self._bound_at_capture.values():
+                    _spec.rebound(module, before)
                 # A GradScaler's step sets grad_scale/found_inf on the optimizer and removes
                 # them after the optimizer's step returns: a capture that failed inside it
                 # leaves the optimizers as it found them (a failed capture writes nothing).
