@@ -9,8 +9,14 @@ namespace dwgraph::graphs {
 
 void PoolOrder::assign(Intervals& map, uintptr_t begin, uintptr_t end, GraphId g) {
   if (begin >= end) return;
-  // Cut the intervals that straddle begin or end, then replace everything inside.
   auto it = map.lower_bound(begin);
+  // A step writes the same ranges again: an interval that is exactly [begin, end) changes
+  // its graph in place (no node freed and allocated per replay).
+  if (g != 0 && it != map.end() && it->first == begin && it->second.first == end) {
+    it->second.second = g;
+    return;
+  }
+  // Cut the intervals that straddle begin or end, then replace everything inside.
   if (it != map.begin()) {
     auto prev = std::prev(it);
     if (prev->second.first > begin) {
@@ -132,8 +138,15 @@ void PoolOrder::cover(Cover& map, uintptr_t begin, uintptr_t end, int64_t delta)
     }
     at = it->second.first;
     it->second.second += delta;
-    it = it->second.second == 0 ? map.erase(it) : std::next(it);
+    // A piece that no read covers any more stays, at zero, until the next compaction: a
+    // step re-arms the same reads over the same bytes, so keeping the pieces makes its
+    // adds and drops a lookup and a count, not a node allocated and freed per read.
+    ++it;
   }
+}
+
+void PoolOrder::drop_uncovered(Cover& map) {
+  for (auto it = map.begin(); it != map.end();) it = it->second.second == 0 ? map.erase(it) : std::next(it);
 }
 
 void PoolOrder::add_pending(uintptr_t begin, uintptr_t end, GraphId writer, GraphId reader) {
@@ -145,6 +158,7 @@ void PoolOrder::add_pending(uintptr_t begin, uintptr_t end, GraphId writer, Grap
   reads_of_[writer].push_back(slot);
   reads_of_[reader].push_back(slot);
   cover(cover_, begin, end, 1);
+  peak_live_reads_ = std::max(peak_live_reads_, reads_.size() - dead_reads_);
 }
 
 template <class Drop>
@@ -169,31 +183,45 @@ void PoolOrder::drop_pending(GraphId g, Drop drop) {
 
 void PoolOrder::compact_reads() {
   if (dead_reads_ < 64 || dead_reads_ * 2 < reads_.size()) return;
-  std::vector<size_t> renumber(reads_.size(), SIZE_MAX);
-  std::vector<PendingRead> live;
-  for (size_t i = 0; i < reads_.size(); ++i) {
-    if (!reads_[i].live) continue;
-    renumber[i] = live.size();
-    live.push_back(reads_[i]);
-  }
-  // Only the graphs party to a read have a list to renumber, each once (a stamp per id):
-  // the cost is the reads', not the pool's graphs' (compaction runs inside replays).
+  // In place, with the renumbering kept between compactions: a step's compaction allocates
+  // nothing, and reads_ keeps its capacity for the next step's reads.
+  std::vector<size_t>& renumber = renumber_;
+  renumber.assign(reads_.size(), SIZE_MAX);
+  // Only the graphs party to a read, live or dead (a dead read's slot may still be listed
+  // under its other party), have a list to renumber, each once (a stamp per id): the cost
+  // is the reads', not the pool's graphs' (compaction runs inside replays).
   ++compaction_;
   if (compacted_at_.size() < reads_of_.size()) compacted_at_.resize(reads_of_.size(), 0);
-  for (const auto& r : reads_) {
-    for (const GraphId id : {r.writer, r.reader}) {
+  std::vector<GraphId>& parties = parties_;
+  parties.clear();
+  size_t n = 0;
+  for (size_t i = 0; i < reads_.size(); ++i) {
+    for (const GraphId id : {reads_[i].writer, reads_[i].reader}) {
       if (id >= reads_of_.size() || compacted_at_[id] == compaction_) continue;
       compacted_at_[id] = compaction_;
-      auto& slots = reads_of_[id];
-      size_t kept = 0;
-      for (size_t slot : slots) {
-        if (renumber[slot] != SIZE_MAX) slots[kept++] = renumber[slot];
-      }
-      slots.resize(kept);
+      parties.push_back(id);
     }
+    if (!reads_[i].live) continue;
+    renumber[i] = n;
+    reads_[n++] = reads_[i];
   }
-  reads_ = std::move(live);
+  reads_.resize(n);
+  for (const GraphId id : parties) {
+    auto& slots = reads_of_[id];
+    size_t kept = 0;
+    for (size_t slot : slots) {
+      if (renumber[slot] != SIZE_MAX) slots[kept++] = renumber[slot];
+    }
+    slots.resize(kept);
+  }
   dead_reads_ = 0;
+  // The pieces at zero are kept for the next step's reads over the same bytes; dropped once
+  // they outnumber what the most reads live at once since the last drop could cover (each
+  // read adds at most two boundaries), so graphs released for good leave none behind.
+  if (cover_.size() > 4 * peak_live_reads_ + 64) {
+    drop_uncovered(cover_);
+    peak_live_reads_ = reads_.size();
+  }
 }
 
 PoolOrder::GraphInfo& PoolOrder::info(GraphId id) const {
@@ -276,6 +304,11 @@ std::string PoolOrder::name_of(GraphId g) const {
   return it->second.name.empty() ? c10::str("graph #", g) : it->second.name;
 }
 
+size_t PoolOrder::num_cover_pieces() const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  return cover_.size();
+}
+
 void PoolOrder::set_enforced(bool on) {
   const std::lock_guard<std::mutex> lock(mu_);
   end_run();
@@ -334,7 +367,7 @@ void PoolOrder::check_replay_locked(GraphId id) const {
     if (it != cover_.begin()) --it;
     for (; it != cover_.end() && it->first < e; ++it) {
       const uintptr_t pb = std::max(it->first, b), pe = std::min(it->second.first, e);
-      if (pe <= pb) continue;
+      if (pe <= pb || it->second.second == 0) continue;  // a piece no read covers now
       int64_t mine = 0;
       if (own != nullptr) {
         for (size_t slot : *own) {

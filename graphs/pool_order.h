@@ -67,6 +67,9 @@ class PoolOrder {
   // Test-only: with false, check_replay() lets every order through, so a test can show
   // the corruption the checks prevent (the negative control of SPEC C6).
   void set_enforced(bool on);
+  // Test-only: how many byte pieces the pending reads' cover holds (pieces no read covers
+  // any more included, until they are dropped).
+  size_t num_cover_pieces() const;
 
  private:
   struct Range {
@@ -118,7 +121,10 @@ class PoolOrder {
   };
   using Cover = std::map<uintptr_t, std::pair<uintptr_t, int64_t>>;  // start -> (end, reads), non-overlapping
   static Cover::iterator split_at(Cover& map, uintptr_t at);
+  // Adds `delta` reads over [begin, end); pieces that fall to zero stay until
+  // drop_uncovered() (run at each compaction of the reads).
   static void cover(Cover& map, uintptr_t begin, uintptr_t end, int64_t delta);
+  static void drop_uncovered(Cover& map);
   void add_pending(uintptr_t begin, uintptr_t end, GraphId writer, GraphId reader);
   // Drops the live reads of `g` (as writer or reader) that `drop` selects.
   template <class Drop>
@@ -128,10 +134,13 @@ class PoolOrder {
   void compact_reads();
   std::vector<PendingRead> reads_;
   size_t dead_reads_ = 0;
+  size_t peak_live_reads_ = 0;  // since cover_'s pieces at zero were last dropped
   // Slots where the graph is writer or reader, indexed by GraphId (ids are dense: one per
   // graph ever added), so a replay finds its reads without a tree walk.
   std::vector<std::vector<size_t>> reads_of_;
   std::vector<uint64_t> compacted_at_;  // per id: the compaction that renumbered its list
+  std::vector<size_t> renumber_;        // compact_reads()' scratch: new slot per old one,
+  std::vector<GraphId> parties_;        // and the graphs whose lists it renumbers
   uint64_t compaction_ = 0;
   std::vector<size_t>* reads_of(GraphId g) { return g < reads_of_.size() ? &reads_of_[g] : nullptr; }
   const std::vector<size_t>* reads_of(GraphId g) const { return g < reads_of_.size() ? &reads_of_[g] : nullptr; }

@@ -91,6 +91,54 @@ TEST_CASE("PoolOrder: a removed graph releases its bytes and its readers", "[poo
   CHECK_THROWS_AS(order.check_replay(y), dwgraph::GraphStateError);  // z overwrote part of x's data
 }
 
+TEST_CASE("PoolOrder: a step re-arms its reads over the same pieces; pieces left uncovered are dropped",
+          "[pool_order][cpu]") {
+  PoolOrder order;
+  // One callable's step: a forward writing one block per layer, a part per layer reading
+  // its layer's block (as backward_dw()'s parts read the saved activations).
+  constexpr uintptr_t kLayers = 100;
+  const auto fwd = order.add_graph("fwd", {{0, 8 * kLayers, Kind::kWrite}});
+  std::vector<PoolOrder::GraphId> parts;
+  for (uintptr_t l = 0; l < kLayers; ++l) {
+    parts.push_back(order.add_graph("part", {{8 * l, 8 * l + 8, Kind::kRead}, {4096 + 8 * l, 4104 + 8 * l, Kind::kWrite}}));
+  }
+  const auto step = [&] {
+    order.check_replay(fwd);
+    order.replayed(fwd);
+    for (const auto p : parts) {
+      order.check_replay(p);
+      order.replayed(p);
+    }
+  };
+  step();
+  const size_t pieces = order.num_cover_pieces();
+  CHECK(pieces >= kLayers);  // one per layer's read, kept at zero after the parts read them
+  for (int i = 0; i < 50; ++i) step();
+  CHECK(order.num_cover_pieces() == pieces);  // the same pieces, no more
+  // The checks still see the reads: after the forward, rewriting a layer's block before its
+  // part ran is refused.
+  order.replayed(fwd);
+  const auto rewrite = order.add_graph("rewrite", {{16, 24, Kind::kWrite}});
+  CHECK_THROWS_AS(order.check_replay(rewrite), dwgraph::GraphStateError);
+  for (const auto p : parts) order.replayed(p);
+  order.check_replay(rewrite);
+
+  // Reads over ever new bytes, each read once and its graphs released (a long run that
+  // captures and frees): the pieces at zero are dropped at the compactions, not kept.
+  PoolOrder churn;
+  for (uintptr_t i = 0; i < 2000; ++i) {
+    const uintptr_t at = 1 << 20 | (i * 64);
+    const auto w = churn.add_graph("w", {{at, at + 32, Kind::kWrite}});
+    const auto r = churn.add_graph("r", {{at, at + 32, Kind::kRead}});
+    churn.replayed(w);
+    churn.check_replay(r);
+    churn.replayed(r);
+    churn.remove_graph(w);
+    churn.remove_graph(r);
+  }
+  CHECK(churn.num_cover_pieces() <= 200);
+}
+
 namespace {
 
 // A byte-by-byte model of Note [Replay order on a shared pool], independent of PoolOrder's
@@ -233,13 +281,17 @@ struct ModelledPool {
 TEST_CASE("PoolOrder refuses exactly what a byte-by-byte model of its rules refuses", "[pool_order][cpu]") {
   // Random graphs (reads, writes, read-writes of random ranges), replays in random orders,
   // abandons and removals; each check against the model. Note [Pending reads indexed by
-  // bytes] keeps its pending reads by ranges: this is the independent reference.
-  std::mt19937 rng(20261204);
+  // bytes] keeps its pending reads by ranges: this is the independent reference. Short
+  // runs on many pools, and long runs on a few (hundreds of dead reads: the compactions of
+  // the reads and the drops of the byte pieces no read covers any more happen many times
+  // inside them).
+  const auto [trials, ops] = GENERATE(std::pair<int, int>{400, 60}, std::pair<int, int>{12, 3000});
+  std::mt19937 rng(20261204 + static_cast<unsigned>(ops));
   int refusals = 0, replays = 0;
-  for (int trial = 0; trial < 400; ++trial) {
+  for (int trial = 0; trial < trials; ++trial) {
     ModelledPool pool(rng);
     for (int i = 0, n = 2 + random_below(rng, 10); i < n; ++i) pool.add();
-    for (int op = 0; op < 60; ++op) {
+    for (int op = 0; op < ops; ++op) {
       INFO("trial " << trial << ", op " << op);
       const auto step = pool.step(20, 1);
       refusals += step == ModelledPool::Step::kRefused ? 1 : 0;
