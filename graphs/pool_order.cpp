@@ -129,18 +129,38 @@ void PoolOrder::cover(Cover& map, uintptr_t begin, uintptr_t end, int64_t delta)
   split_at(map, end);
   auto it = map.lower_bound(begin);
   uintptr_t at = begin;
+  // A piece that no read covers any more stays, at zero (until drop_uncovered()): a step
+  // re-arms the same reads over the same bytes, so keeping the pieces makes its adds and
+  // drops a lookup and a count, not a node allocated and freed per read. An added read
+  // makes each run of bytes no read covered (gaps and pieces at zero, side by side) one
+  // piece, so pieces left by reads of another layout do not fragment it.
+  auto run = map.end();  // the piece holding the current such run (delta > 0)
   while (at < end) {
     if (it == map.end() || it->first > at) {  // a gap: only an added read makes a piece there
       const uintptr_t stop = (it == map.end()) ? end : std::min(end, it->first);
-      if (delta > 0) it = std::next(map.emplace_hint(it, at, std::make_pair(stop, delta)));
+      if (delta > 0) {
+        if (run != map.end() && run->second.first == at) {
+          run->second.first = stop;
+        } else {
+          run = map.emplace_hint(it, at, std::make_pair(stop, delta));
+        }
+      }
       at = stop;
       continue;
     }
     at = it->second.first;
+    if (delta > 0 && it->second.second == 0) {
+      if (run != map.end() && run->second.first == it->first) {
+        run->second.first = at;
+        it = map.erase(it);
+      } else {
+        it->second.second = delta;
+        run = it++;
+      }
+      continue;
+    }
     it->second.second += delta;
-    // A piece that no read covers any more stays, at zero, until the next compaction: a
-    // step re-arms the same reads over the same bytes, so keeping the pieces makes its
-    // adds and drops a lookup and a count, not a node allocated and freed per read.
+    run = map.end();
     ++it;
   }
 }
@@ -216,11 +236,16 @@ void PoolOrder::compact_reads() {
   }
   dead_reads_ = 0;
   // The pieces at zero are kept for the next step's reads over the same bytes; dropped once
-  // they outnumber what the most reads live at once since the last drop could cover (each
-  // read adds at most two boundaries), so graphs released for good leave none behind.
+  // they outnumber what the most reads live lately could cover (each read adds at most two
+  // boundaries), so graphs released for good leave none behind.
   if (cover_.size() > 4 * peak_live_reads_ + 64) {
     drop_uncovered(cover_);
     peak_live_reads_ = reads_.size();
+  } else {
+    // The peak fades by an eighth a compaction (a step of many layers compacts a few
+    // times, and its next step's reads raise it again), so one large step long ago does
+    // not keep the pieces at zero for good.
+    peak_live_reads_ = std::max(reads_.size(), peak_live_reads_ - peak_live_reads_ / 8);
   }
 }
 

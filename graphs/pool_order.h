@@ -122,7 +122,7 @@ class PoolOrder {
   using Cover = std::map<uintptr_t, std::pair<uintptr_t, int64_t>>;  // start -> (end, reads), non-overlapping
   static Cover::iterator split_at(Cover& map, uintptr_t at);
   // Adds `delta` reads over [begin, end); pieces that fall to zero stay until
-  // drop_uncovered() (run at each compaction of the reads).
+  // drop_uncovered() (run at a compaction of the reads once they are many).
   static void cover(Cover& map, uintptr_t begin, uintptr_t end, int64_t delta);
   static void drop_uncovered(Cover& map);
   void add_pending(uintptr_t begin, uintptr_t end, GraphId writer, GraphId reader);
@@ -134,7 +134,7 @@ class PoolOrder {
   void compact_reads();
   std::vector<PendingRead> reads_;
   size_t dead_reads_ = 0;
-  size_t peak_live_reads_ = 0;  // since cover_'s pieces at zero were last dropped
+  size_t peak_live_reads_ = 0;  // the most live reads lately (fading at each compaction)
   // Slots where the graph is writer or reader, indexed by GraphId (ids are dense: one per
   // graph ever added), so a replay finds its reads without a tree walk.
   std::vector<std::vector<size_t>> reads_of_;

@@ -91,7 +91,7 @@ TEST_CASE("PoolOrder: a removed graph releases its bytes and its readers", "[poo
   CHECK_THROWS_AS(order.check_replay(y), dwgraph::GraphStateError);  // z overwrote part of x's data
 }
 
-TEST_CASE("PoolOrder: a step re-arms its reads over the same pieces; pieces left uncovered are dropped",
+TEST_CASE("PoolOrder: a step re-arms its reads over the same pieces, and pieces left uncovered are dropped",
           "[pool_order][cpu]") {
   PoolOrder order;
   // One callable's step: a forward writing one block per layer, a part per layer reading
@@ -123,6 +123,20 @@ TEST_CASE("PoolOrder: a step re-arms its reads over the same pieces; pieces left
   for (const auto p : parts) order.replayed(p);
   order.check_replay(rewrite);
 
+  // Another layout on the same bytes (the step's graphs released, a graph reading all of
+  // them at once): its read makes the pieces at zero one piece, at its first replay.
+  for (const auto p : parts) order.remove_graph(p);
+  order.remove_graph(fwd);
+  order.remove_graph(rewrite);
+  const auto w = order.add_graph("w", {{0, 8 * kLayers, Kind::kWrite}});
+  const auto r = order.add_graph("r", {{0, 8 * kLayers, Kind::kRead}});
+  const auto x = order.add_graph("x", {{16, 24, Kind::kWrite}});
+  order.replayed(w);
+  CHECK(order.num_cover_pieces() == 1);
+  CHECK_THROWS_AS(order.check_replay(x), dwgraph::GraphStateError);  // r has not read yet
+  order.replayed(r);
+  order.check_replay(x);
+
   // Reads over ever new bytes, each read once and its graphs released (a long run that
   // captures and frees): the pieces at zero are dropped at the compactions, not kept.
   PoolOrder churn;
@@ -145,13 +159,14 @@ namespace {
 // intervals: who wrote each byte at capture and at replay, and which (writer, reader) reads
 // pend on each byte.
 struct ByteModel {
-  static constexpr int kBytes = 96;
+  explicit ByteModel(int n = 96) : bytes(n), captured(static_cast<size_t>(n)), replayed(static_cast<size_t>(n)) {}
+  int bytes;
   struct G {
     std::map<int, uint64_t> expects;  // byte -> capture-time writer
     std::set<int> writes;
   };
   std::map<uint64_t, G> graphs;
-  std::array<uint64_t, kBytes> captured{}, replayed{};
+  std::vector<uint64_t> captured, replayed;
   std::set<std::tuple<int, uint64_t, uint64_t>> pending;  // (byte, writer, reader)
 
   void add(uint64_t id, const std::vector<MemoryAccess>& accesses) {
@@ -211,20 +226,24 @@ struct ByteModel {
 int random_below(std::mt19937& rng, int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); }
 
 // One to four accesses (read, write or read-write) of random ranges inside the model's bytes.
-std::vector<MemoryAccess> random_model_accesses(std::mt19937& rng) {
+std::vector<MemoryAccess> random_model_accesses(std::mt19937& rng, int base, int bytes) {
   std::vector<MemoryAccess> out;
   const int n = 1 + random_below(rng, 4);
   for (int i = 0; i < n; ++i) {
-    const int b = random_below(rng, ByteModel::kBytes - 1);
-    const int e = b + 1 + random_below(rng, std::min(16, ByteModel::kBytes - b));
-    out.push_back(MemoryAccess{static_cast<uintptr_t>(b), static_cast<uintptr_t>(e), static_cast<Kind>(random_below(rng, 3))});
+    const int b = random_below(rng, bytes - 1);
+    const int e = b + 1 + random_below(rng, std::min(16, bytes - b));
+    out.push_back(MemoryAccess{static_cast<uintptr_t>(base + b), static_cast<uintptr_t>(base + e),
+                               static_cast<Kind>(random_below(rng, 3))});
   }
   return out;
 }
 
 // A PoolOrder and the byte model, given the same graphs and the same operations.
 struct ModelledPool {
-  explicit ModelledPool(std::mt19937& r) : rng(r) {}
+  // Accesses fall in a window of 96 bytes, which moves by `slide` bytes at each capture
+  // through the model's bytes (captures over new memory as older graphs go).
+  explicit ModelledPool(std::mt19937& r, int bytes = 96, int slide = 0) : rng(r), model(bytes), slide(slide) {}
+  int slide, base = 0;
   std::mt19937& rng;
   PoolOrder order;
   ByteModel model;
@@ -232,7 +251,8 @@ struct ModelledPool {
 
   uint64_t any() { return ids[static_cast<size_t>(random_below(rng, static_cast<int>(ids.size())))]; }
   void add() {
-    const auto acc = random_model_accesses(rng);
+    const auto acc = random_model_accesses(rng, base, std::min(96, model.bytes));
+    if (slide > 0) base = (base + slide) % (model.bytes - 96 + 1);
     const auto id = order.add_graph("g", acc);
     model.add(id, acc);
     ids.push_back(id);
@@ -282,18 +302,21 @@ TEST_CASE("PoolOrder refuses exactly what a byte-by-byte model of its rules refu
   // Random graphs (reads, writes, read-writes of random ranges), replays in random orders,
   // abandons and removals; each check against the model. Note [Pending reads indexed by
   // bytes] keeps its pending reads by ranges: this is the independent reference. Short
-  // runs on many pools, and long runs on a few (hundreds of dead reads: the compactions of
-  // the reads and the drops of the byte pieces no read covers any more happen many times
-  // inside them).
-  const auto [trials, ops] = GENERATE(std::pair<int, int>{400, 60}, std::pair<int, int>{12, 3000});
-  std::mt19937 rng(20261204 + static_cast<unsigned>(ops));
+  // runs on many pools over 96 bytes, and long runs on a few (hundreds of dead reads: the
+  // reads' compactions happen inside them), the last with captures moving through 4096
+  // bytes, so that the pieces no read covers any more pile up behind and are dropped.
+  // (trials, ops, bytes, slide, choices: one in `choices` steps captures, one removes)
+  const auto [trials, ops, bytes, slide, choices] =
+      GENERATE(std::tuple<int, int, int, int, int>{400, 60, 96, 0, 20}, std::tuple<int, int, int, int, int>{12, 3000, 96, 0, 20},
+               std::tuple<int, int, int, int, int>{12, 3000, 4096, 8, 6});
+  std::mt19937 rng(20261204 + static_cast<unsigned>(ops + bytes));
   int refusals = 0, replays = 0;
   for (int trial = 0; trial < trials; ++trial) {
-    ModelledPool pool(rng);
+    ModelledPool pool(rng, bytes, slide);
     for (int i = 0, n = 2 + random_below(rng, 10); i < n; ++i) pool.add();
     for (int op = 0; op < ops; ++op) {
       INFO("trial " << trial << ", op " << op);
-      const auto step = pool.step(20, 1);
+      const auto step = pool.step(choices, 1);
       refusals += step == ModelledPool::Step::kRefused ? 1 : 0;
       replays += step == ModelledPool::Step::kReplayed ? 1 : 0;
     }
