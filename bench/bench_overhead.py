@@ -13,17 +13,33 @@ a backward over an edge per parameter, which eager code and torch's make_graphed
 by side with such a no-op ``torch.autograd.Function`` that hands each parameter what the
 graphed backward hands it (a gradient, which AccumulateGrad sets as .grad, or None; until
 2026-12-05 it handed None to all, so the net counted AccumulateGrad's work on every
-non-deferred parameter as dwgraph's) and subtracted ("net"). On CPU the
-clock is the calling thread's CPU time (``time.thread_time`` and the core's phase clock set
-to the same), so a loaded machine does not inflate the figures. Contract C10 asks for overhead that does
+non-deferred parameter as dwgraph's) and subtracted ("net"). Contract C10 asks for overhead that does
 not grow with the tree (the largest at most 1.2x the smallest) and at most 5 us. A last row
 runs the one-layer tree with the caches evicted before each call (a 64 MiB tensor rewritten
 outside the timed region): the work of the first row in the memory state a large tree's
 calls meet. bench_overhead_instructions.py counts the work itself.
 
-A second table gives whole steps against the same modules run eagerly.
+The clock (2026-12-05): on CPU the wall clock by default (``time.perf_counter`` and the
+core's steady clock, tens of nanoseconds a read). The calling thread's CPU time
+(``--thread-clock``, the default before) does not count time spent waiting for a core on a
+loaded machine, but on this VM each read is a system call of about 0.6 us, and a call
+reads it eight times (twice around the call, twice around its replay and each copy): a
+few microseconds of every phase's figure were the clock's own. Run on an idle machine, or
+pass ``--thread-clock`` on a loaded one and read the clock's cost (printed) into it.
 
-    python bench/bench_overhead.py [--quick]     (--device cuda: the same on a GPU)
+A second table sets each phase beside torch's own mechanism over the same kernels
+(contract C10's "over Graph.replay() of the same graph"): torch.cuda.make_graphed_callables'
+autograd.Function (copy the input into a static input, ``Graph.replay()`` the forward,
+return a copy of the static output; on backward copy the gradient in, replay the backward
+graph, return copies of the static gradients) over dwgraph Graphs captured from an
+identical copy of the tree, called alternately with the graphed callable in one loop, the
+difference taken call by call. Replays of the same kernels in two graphs differ by their
+memory placement (by up to a third at 1024 layers on this machine), so the large trees'
+differences carry that, not the wrappers'.
+
+A third table gives whole steps against the same modules run eagerly.
+
+    python bench/bench_overhead.py [--quick] [--thread-clock]   (--device cuda: the same on a GPU)
 """
 
 from __future__ import annotations
@@ -34,8 +50,9 @@ import time
 import torch
 
 import dwgraph
-from common import bench_args
 from dwgraph import _C
+from common import bench_args
+from dwgraph.graphs import Graph, graph_pool_handle
 
 SIZES = (1, 16, 128, 1024)
 
@@ -70,20 +87,35 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
+THREAD_CLOCK = False  # --thread-clock: the calling thread's CPU time on CPU (see the docstring)
+
+
 def _clock(dev, kind="time"):
-    """The calling thread's CPU time on CPU (the whole call, autograd's backward included,
-    runs on it; time spent waiting for a core on a loaded machine is not counted), the
-    wall clock on CUDA (autograd runs the backward on its device thread). kind
-    "instructions": the core's counter of the calling thread's user-space instructions, in
-    the unit the totals use (count / 1e9)."""
+    """The wall clock (on CPU with --thread-clock the calling thread's CPU time: the whole
+    call, autograd's backward included, runs on it, and time spent waiting for a core on a
+    loaded machine is not counted; on CUDA autograd runs the backward on its device thread,
+    so the wall clock always). kind "instructions": the core's counter of the calling
+    thread's user-space instructions, in the unit the totals use (count / 1e9)."""
     if kind == "instructions":
         read = _C.graphs.phase_clock
         return lambda: read() * 1e-9
-    return time.thread_time if dev == "cpu" else time.perf_counter
+    return time.thread_time if dev == "cpu" and THREAD_CLOCK else time.perf_counter
 
 
 def _core_clock(dev, kind):
-    return "instructions" if kind == "instructions" else ("thread_cpu" if dev == "cpu" else "wall")
+    if kind == "instructions":
+        return "instructions"
+    return "thread_cpu" if dev == "cpu" and THREAD_CLOCK else "wall"
+
+
+def _clock_cost_us(dev):
+    """What one read of the Python-side clock costs (the core's costs the same)."""
+    read = _clock(dev)
+    n = 20000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        read()
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 def _instructions_available():
@@ -123,6 +155,21 @@ def _engine_floor(model, given, dev, reps, n, kind="time"):
     return statistics.median(best) * 1e6
 
 
+def _graphed_phases(g, x, dy, clock, dev):
+    """One graphed call, its backward and backward_dw(): the time of each."""
+    t0 = clock()
+    y = g(x)
+    _sync(dev)
+    t1 = clock()
+    y.backward(dy)
+    _sync(dev)
+    t2 = clock()
+    g.backward_dw()
+    _sync(dev)
+    t3 = clock()
+    return t1 - t0, t2 - t1, t3 - t2
+
+
 def _overheads(model, g, x, dy, dev, reps, n, kind="time", evict=None):
     """`evict` (a tensor larger than the caches): rewritten before each call, outside the
     timed region, so the call finds its data evicted, as after a large graph's replays."""
@@ -135,20 +182,9 @@ def _overheads(model, g, x, dy, dev, reps, n, kind="time", evict=None):
             if evict is not None:
                 evict.add_(1)
                 _sync(dev)
-            t0 = clock()
-            y = g(x)
-            _sync(dev)
-            t1 = clock()
-            y.backward(dy)
-            _sync(dev)
-            t2 = clock()
-            g.backward_dw()
-            _sync(dev)
-            t3 = clock()
+            for k, t in zip(per, _graphed_phases(g, x, dy, clock, dev)):
+                wall[k] += t
             model.zero_grad(set_to_none=True)
-            wall["call"] += t1 - t0
-            wall["backward"] += t2 - t1
-            wall["backward_dw"] += t3 - t2
         totals = _C.graphs.phase_totals()
         _C.graphs.set_phase_timing(False)
         for k in per:
@@ -156,14 +192,104 @@ def _overheads(model, g, x, dy, dev, reps, n, kind="time", evict=None):
     return {k: statistics.median(v) for k, v in per.items()}
 
 
+class _TorchStyle(torch.autograd.Function):
+    """torch.cuda.make_graphed_callables' mechanics over dwgraph Graphs: the forward copies
+    the input into the static input, replays the forward graph and returns a copy of the
+    static output (dwgraph's call returns a copy too); the backward copies the gradient in,
+    replays the backward graph and returns copies of the static gradients."""
+
+    @staticmethod
+    def forward(ctx, x, run, *params):
+        ctx.run = run
+        run["sx"].copy_(x)
+        run["fwd"].replay()
+        return run["sy"].clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        run = ctx.run
+        run["sdy"].copy_(dy)
+        run["bwd"].replay()
+        return (None, None) + tuple(None if g is None else g.clone() for g in run["grads"])
+
+
+def _tree(size, dev):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True, device=dev)
+                                 for _ in range(size)])
+
+
+def _torch_style(size, x, dy, dev):
+    """Forward and backward graphs of an identical tree, captured as torch's
+    make_graphed_callables captures them (torch.autograd.grad of the static output over the
+    parameters; the deferred weights get None there, as in the graphed backward)."""
+    twin = _tree(size, dev)
+    params = [p for p in twin.parameters() if p.requires_grad]
+    sx, sdy = x.clone().requires_grad_(True), dy.clone()
+    pool = graph_pool_handle(dev)
+
+    def warm():
+        torch.autograd.grad(twin(sx), params, sdy, allow_unused=True)
+        for m in twin:
+            m.backward_dw()
+
+    if dev == "cuda":  # warmup on a side stream, as torch's make_graphed_callables does
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                warm()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+    else:
+        for _ in range(2):
+            warm()
+    fwd, bwd = Graph(dev), Graph(dev)
+    with fwd.capture(pool):
+        sy = twin(sx)
+    with bwd.capture(pool):
+        grads = torch.autograd.grad(sy, params, sdy, allow_unused=True)
+    return {"sx": sx, "sy": sy, "sdy": sdy, "fwd": fwd, "bwd": bwd, "grads": grads, "twin": twin,
+            "params": params}
+
+
+def _against_torch_style(size, dev, reps):
+    """Per call and per backward: the graphed callable and torch's mechanism over graphs of
+    the same kernels, alternated in one loop; the median of the call-by-call differences."""
+    model = _tree(size, dev)
+    x, dy = torch.randn(4, 8, device=dev), torch.randn(4, 8, device=dev)
+    g = dwgraph.make_graphed_callables(model, (x,))
+    run = _torch_style(size, x, dy, dev)
+    xr = x.clone().requires_grad_(True)
+    clock = _clock(dev)
+    ours, theirs = [], []
+    for i in range(5 + reps * max(10, 600 // size)):
+        call, backward, _ = _graphed_phases(g, x, dy, clock, dev)
+        model.zero_grad(set_to_none=True)
+        t0 = clock()
+        yb = _TorchStyle.apply(xr, run, *run["params"])
+        _sync(dev)
+        t1 = clock()
+        yb.backward(dy)
+        _sync(dev)
+        t2 = clock()
+        run["twin"].zero_grad(set_to_none=True)
+        xr.grad = None
+        if i >= 5:  # the first calls warm up
+            ours.append((call, backward))
+            theirs.append((t1 - t0, t2 - t1))
+    out = {}
+    for k, phase in enumerate(("call", "backward")):
+        a = statistics.median(o[k] for o in ours) * 1e6
+        b = statistics.median(t[k] for t in theirs) * 1e6
+        d = statistics.median((o[k] - t[k]) * 1e6 for o, t in zip(ours, theirs))
+        out[phase] = (a, b, d)
+    return out
+
+
 def _step_ratio(size, dev, reps):
     """A whole step (forward, backward, backward_dw, zero_grad) graphed against eager."""
-    torch.manual_seed(0)
-    eager = torch.nn.Sequential(*[dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True, device=dev)
-                                  for _ in range(size)])
-    graphed_model = torch.nn.Sequential(*[dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True, device=dev)
-                                          for _ in range(size)])
-    graphed_model.load_state_dict(eager.state_dict())
+    eager, graphed_model = _tree(size, dev), _tree(size, dev)  # the same weights (seeded)
     x = torch.randn(4, 8, device=dev)
     g = dwgraph.make_graphed_callables(graphed_model, (x,))
 
@@ -206,17 +332,18 @@ def _ratios(rows, floors):
 
 
 def main() -> None:
-    args = bench_args(__doc__)
+    global THREAD_CLOCK
+    args = bench_args(__doc__, lambda p: p.add_argument(
+        "--thread-clock", action="store_true", help="on CPU, time by the calling thread's CPU time (a loaded machine)"))
     dev = args.device
+    THREAD_CLOCK = args.thread_clock
     reps = 3 if args.quick else 7
     counted = dev == "cpu" and _instructions_available()
     kinds = ("time", "instructions") if counted else ("time",)
     rows = {k: {} for k in kinds}
     floors = {k: {} for k in kinds}
     for size in SIZES:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True, device=dev)
-                                      for _ in range(size)])
+        model = _tree(size, dev)
         x = torch.randn(4, 8, device=dev)
         dy = torch.randn(4, 8, device=dev)
         g = dwgraph.make_graphed_callables(model, (x,))
@@ -237,16 +364,16 @@ def main() -> None:
 
     # One layer again, its caches evicted before each call: the same work as the first row,
     # the memory state the largest tree's calls meet.
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(dwgraph.nn.Linear(8, 8, delay_wgrad_compute=True, device=dev))
+    model = _tree(1, dev)
     x, dy = torch.randn(4, 8, device=dev), torch.randn(4, 8, device=dev)
     g = dwgraph.make_graphed_callables(model, (x,))
     evict = torch.zeros(64 << 20, dtype=torch.uint8, device=dev)  # 64 MiB
     cold = _overheads(model, g, x, dy, dev, reps, 200 if args.quick else 800, "time", evict)
     del evict
 
-    print(f"# make_graphed_callables per-call host work over the replays ({dev}, "
-          f"{'thread CPU time' if dev == 'cpu' else 'wall time'})\n")
+    clock_name = "thread CPU time" if dev == "cpu" and THREAD_CLOCK else "wall time"
+    print(f"# make_graphed_callables per-call host work over the replays ({dev}, {clock_name}; "
+          f"one clock read {_clock_cost_us(dev):.3f} us, about eight per call)\n")
     print("| modules | call us | backward us (net) | backward us (raw) | autograd floor us | backward_dw us |")
     print("|---:|---:|---:|---:|---:|---:|")
     for size in SIZES:
@@ -274,6 +401,16 @@ def main() -> None:
         print("\n| phase | largest / smallest (instructions) |\n|---|---:|")
         for k in r:
             print(f"| {k} | {r[k]} |")
+
+    print(f"\n# against torch's make_graphed_callables mechanism over graphs of the same kernels ({clock_name}; "
+          "median of the call-by-call differences)\n")
+    print("| modules | call us | torch-style call us | difference us | backward us | torch-style backward us | "
+          "difference us |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for size in SIZES:
+        r = _against_torch_style(size, dev, reps)
+        print(f"| {size} | " + " | ".join(f"{a:.1f} | {b:.1f} | {d:.1f}" for a, b, d in (r["call"], r["backward"])) + " |",
+              flush=True)
 
     print("\n| modules | eager step us | graphed step us | graphed / eager |\n|---:|---:|---:|---:|")
     for size in SIZES if not args.quick else SIZES[:3]:

@@ -13,7 +13,11 @@ outside the graphs' replays (a replay includes its checks: those of backward_dw(
 together before the first of them, ``Graph::check_run``), and apart the gradient hand-off (``Landing::land`` and
 ``Landing::check``: one checked ``.grad`` per parameter, which eager's AccumulateGrad pays
 as well). Contract C10 asks the
-rest not to grow with the tree.
+rest not to grow with the tree. Two last columns count what the replays of a step execute
+besides their kernels (``Graph::replay()`` less ``HostGraph::launch()``: the pool scope, the
+profiler range, the version bumps and the pool's replay-order bookkeeping,
+``PoolOrder::replayed``), one replay per call and per backward and one per deferring
+module's part in backward_dw(): that part grows with the deferring modules.
 
 The Python front end and pybind's call are not counted here (bench_overhead.py's time covers
 them; they do not depend on the tree).
@@ -45,6 +49,8 @@ ENTRY = {
     "backward_dw": "dwgraph::graphs::GraphManager::backward_dw(",
 }
 REPLAY = "dwgraph::graphs::Graph::replay()"
+LAUNCH = "dwgraph::graphs::HostGraph::launch()"
+ORDER = "dwgraph::graphs::PoolOrder::replayed("
 # The checks of a run of graphs replayed together (backward_dw()'s parts), done before the
 # first of them so that a refusal runs nothing; each replay of the run then skips its own
 # (Note [A checked run of consecutive captures]): counted with the replays.
@@ -154,6 +160,14 @@ def _measure(size: int, steps: int, workdir: str):
     tree = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--tree=calling", "--threshold=100", out],
                           check=True, capture_output=True, text=True).stdout
     row = {}
+    # What each replay does besides running its kernels (HostGraph::launch): the pool scope,
+    # its checks, the profiler range, the version bumps and the pool's replay-order
+    # bookkeeping (PoolOrder::replayed), summed over every replay of a step: one per call and
+    # per backward, one per part in backward_dw() (so it grows with the deferring modules).
+    total, kids = _children(tree, REPLAY)
+    launch = sum(v for k, v in kids.items() if LAUNCH in k)
+    order = sum(v for k, v in kids.items() if ORDER in k)
+    row["replays"] = ((total - launch) / steps, order / steps)
     for phase, entry in ENTRY.items():
         total, kids = _children(tree, entry)
         replay = sum(v for k, v in kids.items() if REPLAY in k or RUN_CHECK in k)
@@ -169,14 +183,15 @@ def main() -> None:
         return
     steps = 5 if args.quick else 20
     print("# make_graphed_callables: instructions per call outside the graph replay (callgrind, after warmup)\n")
-    print("| modules | call | backward | backward_dw | backward_dw hand-off (Landing::land, ::check) |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| modules | call | backward | backward_dw | backward_dw hand-off (Landing::land, ::check) | "
+          "replays besides their kernels, per step | of which the pool's replay order |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     rows = {}
     with tempfile.TemporaryDirectory() as d:
         for size in SIZES:
             r = rows[size] = _measure(size, steps, d)
             print(f"| {size} | {r['call'][0]:,.0f} | {r['backward'][0]:,.0f} | {r['backward_dw'][0]:,.0f} | "
-                  f"{r['backward_dw'][1]:,.0f} |", flush=True)
+                  f"{r['backward_dw'][1]:,.0f} | {r['replays'][0]:,.0f} | {r['replays'][1]:,.0f} |", flush=True)
     print("\n| phase | largest / smallest |\n|---|---:|")
     for phase in ENTRY:
         a, b = rows[SIZES[0]][phase][0], rows[SIZES[-1]][phase][0]

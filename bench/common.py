@@ -20,8 +20,9 @@ def median_time(fn, *, warmup, samples, sync=lambda: None, iters=1, scale=1e3):
     return statistics.median(out)
 
 
-def bench_args(doc):
-    """--device cpu|cuda and --quick, refusing cuda without a usable device."""
+def bench_args(doc, extra=None):
+    """--device cpu|cuda and --quick, refusing cuda without a usable device; `extra(parser)`
+    adds a benchmark's own options."""
     import argparse
 
     import dwgraph
@@ -29,6 +30,8 @@ def bench_args(doc):
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--quick", action="store_true")
+    if extra is not None:
+        extra(p)
     args = p.parse_args()
     if args.device == "cuda" and not dwgraph.cuda_available():
         p.error("--device cuda needs a usable CUDA device")
