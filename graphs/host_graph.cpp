@@ -141,7 +141,10 @@ void HostGraph::after_capture() {
     const auto& rec = records_[r];
     std::vector<c10::IValue> args;
     for (size_t a = 0; a < rec.args.size(); ++a) {
-      args.push_back(rebuild(rec.args[a]));
+      // The same tensor where the call had one tensor twice (Note [The same tensor twice in
+      // a call], recorder.cpp).
+      const int64_t same = rec.args[a].same_as;
+      args.push_back(same >= 0 ? args.at(static_cast<size_t>(same)) : rebuild(rec.args[a]));
     }
     std::vector<std::pair<size_t, at::Tensor>> outs;
     size_t flat = 0;

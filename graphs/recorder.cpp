@@ -289,6 +289,18 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
           }
         }
       }
+      // Note [The same tensor twice in a call]: kernels branch on argument identity
+      // (native multi-head attention takes its self-attention path when query, key and
+      // value are one tensor): the replay passes one tensor again where the call did.
+      if (v.isTensor() && v.toTensor().defined()) {
+        for (size_t j = 0; j < i; ++j) {
+          const c10::IValue& w = (*stack)[base + j];
+          if (w.isTensor() && w.toTensor().unsafeGetTensorImpl() == v.toTensor().unsafeGetTensorImpl()) {
+            s.same_as = static_cast<int64_t>(j);
+            break;
+          }
+        }
+      }
       rec.args.push_back(std::move(s));
     }
     snapshot_constants(rec, *stack, base);

@@ -63,6 +63,7 @@ struct ValueSlot {
   std::vector<TensorSlot> tensors; // one per tensor (undefined for None)
   std::vector<bool> fresh;         // returns: the tensor was not an alias of an input
   bool written = false;            // arguments: the schema says the kernel writes it
+  int64_t same_as = -1;            // arguments: an earlier argument that was the same tensor
 };
 
 struct OpRecord {
