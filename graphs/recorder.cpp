@@ -373,13 +373,27 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   rec.skip_at_replay = (!any_write && !any_fresh) || is_allocation(schema.operator_name());
   if (!rec.skip_at_replay && records_.size() > first_child) {
     // Everything this call wrote was written by its children (a composite such as
-    // layer_norm): replaying them is replaying it.
-    std::unordered_set<size_t> child_writes;
+    // layer_norm): replaying them is replaying it. An allocation writes nothing (Note
+    // [A kernel's own writes]).
+    std::unordered_set<size_t> child_writes, child_allocations;
     for (size_t r = first_child; r < records_.size(); ++r) {
-      for (size_t e : written_entries(records_[r])) child_writes.insert(e);
+      const bool allocation = is_allocation(records_[r].op.schema().operator_name());
+      for (size_t e : written_entries(records_[r])) (allocation ? child_allocations : child_writes).insert(e);
     }
     const auto mine = written_entries(rec);
     rec.skip_at_replay = !mine.empty() && std::all_of(mine.begin(), mine.end(), [&](size_t e) { return child_writes.count(e) > 0; });
+    // Note [A kernel's own writes]: bytes a child only allocated and this call wrote were
+    // filled by its own kernel through the data pointer (a C++ kernel with no autograd
+    // kernel: torch's autograd fallback runs it without leaving autograd, so its inner calls
+    // reach the capture as children). Skipped, it left its output as the capture made it at
+    // every replay. It replays whole; its children ran inside it and do not replay again.
+    const bool own_writes = std::any_of(mine.begin(), mine.end(), [&](size_t e) {
+      return child_allocations.count(e) > 0 && child_writes.count(e) == 0;
+    });
+    if (own_writes) {
+      rec.skip_at_replay = false;
+      for (size_t r = first_child; r < records_.size(); ++r) records_[r].skip_at_replay = true;
+    }
   }
   if (!is_allocation(schema.operator_name())) {
     for (size_t e : written_entries(rec)) mark_defined(e);

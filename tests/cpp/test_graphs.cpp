@@ -7,7 +7,10 @@
 #include "graphs/graph.h"
 #include "ops/gemm.h"
 
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/layer_norm.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
 
 using dwgraph::testing::randn;
 
@@ -29,7 +32,89 @@ struct Mlp {
   }
 };
 
+// A C++ kernel with no autograd kernel that fills its output through the data pointer, as
+// extension kernels do, and branches on argument identity, as native multi-head attention
+// does (its self-attention path when query, key and value are one tensor): a + 1 when given
+// one tensor twice, a + 0 for two.
+at::Tensor marks_identity(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor out = at::empty_like(a);
+  const float add = a.is_same(b) ? 1.f : 0.f;
+  const float* in = a.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < a.numel(); ++i) o[i] = in[i] + add;
+  return out;
+}
+
+// The same kind of kernel, which also calls ATen inside: it counts its calls in `calls`
+// (in place) and fills its output (2a) itself.
+at::Tensor counts_calls(const at::Tensor& a, at::Tensor& calls) {
+  at::Tensor out = at::empty_like(a);
+  calls.add_(1);
+  const float* in = a.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < a.numel(); ++i) o[i] = 2.f * in[i];
+  return out;
+}
+
 }  // namespace
+
+TORCH_LIBRARY(dwgraph_test_kernels, m) {
+  m.def("marks_identity(Tensor a, Tensor b) -> Tensor");
+  m.def("counts_calls(Tensor a, Tensor(a!) calls) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(dwgraph_test_kernels, CPU, m) {
+  m.impl("marks_identity", TORCH_FN(marks_identity));
+  m.impl("counts_calls", TORCH_FN(counts_calls));
+}
+
+TEST_CASE("host replay reruns a kernel that writes its own output, given the same tensors", "[graphs][cpu]") {
+  // Note [A kernel's own writes]: recorded as a composite of its aten::empty_like, it was
+  // skipped, and its output kept the capture's values at every replay. Note [The same tensor
+  // twice in a call]: each argument rebuilt as its own tensor took the kernel's other path.
+  const auto op = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("dwgraph_test_kernels::marks_identity", "")
+                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  const c10::Device cpu(c10::kCPU);
+  for (const bool twice : {true, false}) {
+    INFO("one tensor twice: " << twice);
+    auto static_x = randn({4}, at::kFloat, cpu);
+    const auto other = randn({4}, at::kFloat, cpu);
+    auto graph = dwgraph::graphs::make_graph(cpu);
+    graph->capture_begin();
+    const at::Tensor out = op.call(static_x, twice ? static_x : other);
+    graph->capture_end();
+    CHECK(graph->num_kernels() == 1);
+    for (int round = 0; round < 2; ++round) {
+      const auto x = randn({4}, at::kFloat, cpu);
+      static_x.copy_(x);
+      graph->replay();
+      CHECK(at::equal(out, op.call(x, twice ? x : other)));
+    }
+  }
+}
+
+TEST_CASE("host replay reruns such a kernel once, not its inner calls again", "[graphs][cpu]") {
+  // Note [A kernel's own writes]: the kernel replays whole; its inner calls, recorded as its
+  // children, do not replay on their own (the count would move by two a replay).
+  const auto op = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("dwgraph_test_kernels::counts_calls", "")
+                      .typed<at::Tensor(const at::Tensor&, at::Tensor&)>();
+  const c10::Device cpu(c10::kCPU);
+  auto static_x = randn({4}, at::kFloat, cpu);
+  auto calls = at::zeros({1});
+  auto graph = dwgraph::graphs::make_graph(cpu);
+  graph->capture_begin();
+  const at::Tensor out = op.call(static_x, calls);
+  graph->capture_end();
+  CHECK(calls.item<float>() == 0.f);  // a capture changes nothing the caller sees
+  for (int round = 1; round <= 3; ++round) {
+    const auto x = randn({4}, at::kFloat, cpu);
+    static_x.copy_(x);
+    graph->replay();
+    CHECK(at::equal(out, 2 * x));
+    CHECK(calls.item<float>() == static_cast<float>(round));
+  }
+}
 
 DWGRAPH_DEVICE_TEST("graph replay equals eager, bitwise, on fresh inputs", "[graphs]") {
   at::manual_seed(21);
