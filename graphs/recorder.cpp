@@ -390,7 +390,14 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     const bool own_writes = std::any_of(mine.begin(), mine.end(), [&](size_t e) {
       return child_allocations.count(e) > 0 && child_writes.count(e) == 0;
     });
-    if (own_writes) {
+    // The same for any call that replays and has no autograd kernel of its own (a custom
+    // kernel, C++ or Python, that torch's autograd fallback runs): its children are calls
+    // inside it, not its autograd layer's, and replaying them too would run them twice
+    // (an in-place count inside it moving by two a replay).
+    const bool fallback = !op.hasKernelForDispatchKey(c10::DispatchKey::Autograd) &&
+                          !op.hasKernelForDispatchKey(c10::DispatchKey::AutogradCPU) &&
+                          !op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+    if (own_writes || (!rec.skip_at_replay && fallback)) {
       rec.skip_at_replay = false;
       for (size_t r = first_child; r < records_.size(); ++r) records_[r].skip_at_replay = true;
     }

@@ -998,3 +998,38 @@ def test_compiled_code_in_a_capture_records_its_kernels():
             x.copy_(torch.randn(4, 8))
             g.replay()
             assert torch.equal(y, model(x))
+
+
+_KERNELS = torch.library.Library("dwgraph_test_py_kernels", "DEF")
+_KERNELS.define("counts_calls(Tensor x, Tensor(a!) calls) -> Tensor")
+
+
+def _counts_calls(x, calls):
+    # A Python kernel with no autograd kernel that counts its calls in place and fills its
+    # output (2x) through the data pointer, not through a dispatched call.
+    import ctypes
+
+    calls.add_(1)
+    out, twice = torch.empty_like(x), x.detach() * 2
+    ctypes.memmove(out.data_ptr(), twice.data_ptr(), twice.nbytes)
+    return out
+
+
+_KERNELS.impl("counts_calls", _counts_calls, "CPU")
+
+
+def test_a_kernel_run_by_the_autograd_fallback_replays_once_not_its_inner_calls_again():
+    # Note [A kernel's own writes] (helper-43): the kernel replays whole, and its inner calls
+    # (recorded as its children: torch's autograd fallback runs it without leaving autograd)
+    # do not replay on their own; they moved the count by two a replay.
+    static, calls = torch.randn(4), torch.zeros(1)
+    g = Graph("cpu")
+    with g.capture():
+        out = torch.ops.dwgraph_test_py_kernels.counts_calls(static, calls)
+    assert calls.item() == 0  # a capture changes nothing the caller sees
+    for k in range(1, 4):
+        x = torch.randn(4)
+        static.copy_(x)
+        g.replay()
+        assert torch.equal(out, x * 2)
+        assert calls.item() == k
