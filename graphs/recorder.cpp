@@ -375,30 +375,24 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     // Everything this call wrote was written by its children (a composite such as
     // layer_norm): replaying them is replaying it. An allocation writes nothing (Note
     // [A kernel's own writes]).
-    std::unordered_set<size_t> child_writes, child_allocations;
+    std::unordered_set<size_t> child_writes;
     for (size_t r = first_child; r < records_.size(); ++r) {
-      const bool allocation = is_allocation(records_[r].op.schema().operator_name());
-      for (size_t e : written_entries(records_[r])) (allocation ? child_allocations : child_writes).insert(e);
+      if (is_allocation(records_[r].op.schema().operator_name())) continue;
+      for (size_t e : written_entries(records_[r])) child_writes.insert(e);
     }
     const auto mine = written_entries(rec);
     rec.skip_at_replay = !mine.empty() && std::all_of(mine.begin(), mine.end(), [&](size_t e) { return child_writes.count(e) > 0; });
-    // Note [A kernel's own writes]: bytes a child only allocated and this call wrote were
-    // filled by its own kernel through the data pointer (a C++ kernel with no autograd
-    // kernel: torch's autograd fallback runs it without leaving autograd, so its inner calls
-    // reach the capture as children). Skipped, it left its output as the capture made it at
-    // every replay. It replays whole; its children ran inside it and do not replay again.
-    const bool own_writes = std::any_of(mine.begin(), mine.end(), [&](size_t e) {
-      return child_allocations.count(e) > 0 && child_writes.count(e) == 0;
-    });
-    // The same for any call that replays and has no autograd kernel of its own (a custom
-    // kernel, C++ or Python, that torch's autograd fallback runs): its children are calls
-    // inside it, not its autograd layer's, and replaying them too would run them twice
-    // (an in-place count inside it moving by two a replay).
+    // Note [A kernel's own writes]: a call that replays (its children did not write all it
+    // wrote: it filled its output through the data pointer) and has no autograd kernel of
+    // its own is a custom kernel, C++ or Python, that torch's autograd fallback runs without
+    // leaving autograd, so its inner calls reached the capture as its children. It replays
+    // whole; its children ran inside it and do not replay again (an in-place count inside
+    // it moved by two a replay). Before allocations were told apart, such a call was taken
+    // for a composite of its aten::empty_like and skipped: its output stayed stale.
     const bool fallback = !op.hasKernelForDispatchKey(c10::DispatchKey::Autograd) &&
                           !op.hasKernelForDispatchKey(c10::DispatchKey::AutogradCPU) &&
                           !op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
-    if (own_writes || (!rec.skip_at_replay && fallback)) {
-      rec.skip_at_replay = false;
+    if (!rec.skip_at_replay && fallback) {
       for (size_t r = first_child; r < records_.size(); ++r) records_[r].skip_at_replay = true;
     }
   }
