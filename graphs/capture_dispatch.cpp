@@ -33,14 +33,12 @@ void pass_through(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::
 }
 
 void capture_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  if (tls_depth > 0 && c10::impl::tls_is_dispatch_keyset_excluded(c10::autograd_dispatch_keyset)) {
-    // Inside a kernel, below autograd: part of the call being recorded, not a call of its own.
-    pass_through(op, ks, stack);
-    return;
-  }
+  // Inside a kernel, below autograd: part of the call being recorded, not a call of its
+  // own, unless that call is a body of calls (Note [Calls in a kernel's body]).
+  const bool in_kernel = tls_depth > 0 && c10::impl::tls_is_dispatch_keyset_excluded(c10::autograd_dispatch_keyset);
   Recorder* rec = claiming_recorder();
-  if (rec == nullptr) {
-    pass_through(op, ks, stack);  // inherited the key, belongs to no capture
+  if (rec == nullptr || (in_kernel && !rec->records_calls_below_autograd())) {
+    pass_through(op, ks, stack);  // part of a kernel, or inherited the key and belongs to no capture
     return;
   }
   rec->on_call(op, stack, [&] { op.redispatchBoxed(ks.remove(kCaptureModeKey), stack); });

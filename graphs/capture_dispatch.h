@@ -57,7 +57,8 @@ Recorder* claiming_recorder();
 void note_refused_here(const std::string& what);
 
 // Runs `call` as a recorded call's own dispatch: calls it makes through its autograd layer
-// are recorded as its children, calls below autograd (inside its kernels) are not.
+// are recorded as its children, calls below autograd (inside its kernels) are not, unless
+// the call has no autograd kernel (Note [Calls in a kernel's body], recorder.cpp).
 void run_recorded_call(const std::function<void()>& call);
 
 }  // namespace dwgraph::graphs::detail

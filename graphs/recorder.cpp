@@ -63,6 +63,62 @@ bool is_allocation(const c10::OperatorName& name) {
 
 }  // namespace
 
+AutogradLayer Recorder::autograd_layer(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                                       size_t base) const {
+  // A kernel that torch's autograd fallback (or a fallthrough) runs with gradients to
+  // compute: the fallback leaves autograd on inside it, and its inner calls' autograd is
+  // its gradient (torch warns that it has no autograd kernel). Its children, and the
+  // tensors they save for the backward, are its computation: a composite.
+  auto differentiated = [&] {
+    if (!c10::GradMode::is_enabled()) return false;
+    for (size_t i = base; i < stack.size(); ++i) {
+      const c10::IValue& v = stack[i];
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad()) return true;
+      if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList()) {
+          if (t.defined() && t.requires_grad()) return true;
+        }
+      }
+    }
+    return false;
+  };
+  const bool cuda = device_type_ == c10::DeviceType::CUDA;
+  const auto key = cuda ? c10::DispatchKey::AutogradCUDA : c10::DispatchKey::AutogradCPU;
+  // A kernel for the backend (or CompositeExplicitAutograd, which serves every backend):
+  // torch runs it, not a CompositeImplicitAutograd one registered beside it.
+  const bool backend_kernel = op.hasKernelForDispatchKey(cuda ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU) ||
+                              op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+                              op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+  if (!op.hasKernelForDispatchKey(c10::DispatchKey::Autograd) && !op.hasKernelForDispatchKey(key)) {
+    if (!backend_kernel && op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+      return AutogradLayer::kComposite;
+    }
+    return differentiated() ? AutogradLayer::kComposite : AutogradLayer::kNone;
+  }
+  const c10::KernelFunction& k = op.lookup(c10::DispatchKeySet(key));
+  if (k.isFallthrough()) return differentiated() ? AutogradLayer::kComposite : AutogradLayer::kFallthrough;
+  // ATen's generated autograd kernels and C++ custom ones are unboxed (SymInt ones by their
+  // SymInt signature). Boxed only: a Python kernel, or torch's "not implemented" autograd
+  // kernel, which ATen registers for its non-differentiable operators (out= overloads,
+  // randperm) and which runs their kernel below autograd.
+  if (k.isValidUnboxed() || k.isValidSymUnboxed()) return AutogradLayer::kKernel;
+  if (k._equalsBoxedAndUnboxed(not_implemented_autograd_kernel())) return AutogradLayer::kKernel;
+  // A Python autograd kernel over a kernel for the backend (torch.library.custom_op's,
+  // which runs it below autograd): that kernel is the op's, and the op replays whole like
+  // an ATen one. Without one, the Python kernel is all of the op's body.
+  return backend_kernel ? AutogradLayer::kKernel : AutogradLayer::kPython;
+}
+
+const c10::KernelFunction& not_implemented_autograd_kernel() {
+  // ATen's randperm is one of the operators torch gives that kernel (a test checks that
+  // out= overloads share it).
+  static const c10::KernelFunction kernel = [] {
+    const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::randperm", "");
+    return op.lookup(c10::DispatchKeySet(c10::DispatchKey::AutogradCPU));
+  }();
+  return kernel;
+}
+
 Recorder::Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> owned, bool execute,
                    std::function<int64_t(const void*)> serial, int64_t first_serial)
     : ledger_(ledger),
@@ -71,22 +127,34 @@ Recorder::Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> o
       serial_(std::move(serial)),
       first_serial_(first_serial),
       reseed_epoch_(t_reseeds) {
-  note_generator();
+  advance_generator_mark();
 }
 
-void Recorder::note_generator() {
-  if (!execute_) return;
-  const at::Generator gen = at::detail::getDefaultCPUGenerator();
-  generator_state_ = gen.get_state();
+bool GeneratorPosition::operator==(const GeneratorPosition& o) const {
+  return engine.seed_ == o.engine.seed_ && engine.left_ == o.engine.left_ && engine.seeded_ == o.engine.seeded_ &&
+         engine.next_ == o.engine.next_ && engine.state_ == o.engine.state_ && next_float == o.next_float &&
+         next_double == o.next_double;
 }
 
-void Recorder::check_generator(const char* where) const {
-  if (!execute_ || !generator_state_.defined()) return;
-  const at::Generator gen = at::detail::getDefaultCPUGenerator();
-  const at::Tensor now = gen.get_state();
-  const bool same = now.nbytes() == generator_state_.nbytes() &&
-                    std::memcmp(now.const_data_ptr(), generator_state_.const_data_ptr(), now.nbytes()) == 0;
-  DWGRAPH_CHECK_STATE(same, "dwgraph graph capture: the default random number generator changed ", where,
+// Host: where the default CPU generator stands now (Note [The generator between kernels]).
+// Read without copying a state tensor: every recorded call of a host capture reads it twice.
+bool Recorder::advance_generator_mark() {
+  if (!execute_) return false;
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  // Not under the generator's mutex: a kernel holds it while it calls other operators
+  // (randperm's CPU kernel resizes its output), which reach this read.
+  GeneratorPosition now;
+  auto* cpu = at::check_generator<at::CPUGeneratorImpl>(gen);
+  now.engine = cpu->engine().data();
+  now.next_float = cpu->next_float_normal_sample();
+  now.next_double = cpu->next_double_normal_sample();
+  const bool moved = !(now == generator_mark_);
+  generator_mark_ = now;
+  return moved;
+}
+
+void Recorder::check_generator(const char* where) {
+  DWGRAPH_CHECK_STATE(!advance_generator_mark(), "dwgraph graph capture: the default random number generator changed ", where,
                       " outside the captured kernels (torch.manual_seed, torch.set_rng_state, torch.random.fork_rng "
                       "around random work, torch.utils.checkpoint recomputing dropout, or another thread drawing). "
                       "A replay runs no Python: its kernels draw on from wherever the generator stands, so its "
@@ -319,26 +387,54 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   // calls inside its kernels are not (see capture_fallback). The kernel's allocations
   // follow the capture's routing (the pool on the host graph).
   const size_t first_child = records_.size();
+  // Note [Calls in a kernel's body]: a call whose autograd-level code is a body of calls (a
+  // custom kernel run by torch's autograd fallback, a CompositeImplicitAutograd one, a
+  // Python kernel registered for Autograd) is described by the calls that body makes, and
+  // those include calls made below autograd (torch's factory functions, torch.rand_like
+  // among them, run their ATen call so): they are recorded as its children too, where
+  // they would otherwise pass as part of a kernel and their output replay as a constant.
+  // A call with an ATen or C++ autograd kernel whose kernel draws below autograd and that
+  // its children replay is refused below.
+  const AutogradLayer layer = autograd_layer(op, *stack, base);
+  const bool fallback_kernel = layer == AutogradLayer::kComposite && !op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+  // This call ran inside its parent's kernel, below the parent's autograd layer: a parent
+  // that replays whole runs it again (Note [A kernel's own writes]).
+  rec.first_child = first_child;
+  rec.below_autograd = c10::impl::tls_is_dispatch_keyset_excluded(c10::autograd_dispatch_keyset);
+  rec.in_parent_kernel = !frames_.empty() && frames_.back().layer != AutogradLayer::kKernel;
+  // Note [The generator between kernels], inside a call: the generator moved since the
+  // last recorded call began or ended, so the call being recorded drew in its own kernel.
+  if (advance_generator_mark() && !frames_.empty()) frames_.back().drew = true;
   exclude.reset();
   ++depth_;
-  try {
-    run_recorded_call(redispatch);
-  } catch (const c10::Error& e) {
+  frames_.push_back(Frame{layer, false});
+  bool drew = false;
+  auto leave = [&] {
     --depth_;
+    drew = frames_.back().drew;
+    frames_.pop_back();
+  };
+  try {
+    const uint64_t reseeds = t_reseeds;
+    run_recorded_call(redispatch);
+    // A reseed or restore inside it (torch.random.fork_rng around a draw leaves the
+    // generator where it was) counts as a draw: a replay must run it again.
+    if (advance_generator_mark() || t_reseeds != reseeds) frames_.back().drew = true;
+  } catch (const c10::Error& e) {
+    leave();
     note_raised(op_name, e.what_without_backtrace());
     throw;
   } catch (const std::exception& e) {
-    --depth_;
+    leave();
     note_raised(op_name, e.what());
     throw;
   } catch (...) {
-    --depth_;
+    leave();
     note_raised(op_name, "");
     throw;
   }
-  --depth_;
+  leave();
   exclude.emplace(kCaptureModeKey);
-  if (depth_ == 0) note_generator();
 
   bool any_fresh = false;
   bool any_write = std::any_of(rec.args.begin(), rec.args.end(), [](const ValueSlot& s) { return s.written; });
@@ -371,33 +467,76 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     rec.returns.push_back(std::move(s));
   }
   rec.skip_at_replay = (!any_write && !any_fresh) || is_allocation(schema.operator_name());
-  if (!rec.skip_at_replay && records_.size() > first_child) {
-    // Everything this call wrote was written by its children (a composite such as
-    // layer_norm): replaying them is replaying it. An allocation writes nothing (Note
-    // [A kernel's own writes]).
-    std::unordered_set<size_t> child_writes;
-    for (size_t r = first_child; r < records_.size(); ++r) {
-      if (is_allocation(records_[r].op.schema().operator_name())) continue;
-      for (size_t e : written_entries(records_[r])) child_writes.insert(e);
-    }
-    const auto mine = written_entries(rec);
-    rec.skip_at_replay = !mine.empty() && std::all_of(mine.begin(), mine.end(), [&](size_t e) { return child_writes.count(e) > 0; });
-    // Note [A kernel's own writes]: a call that replays (its children did not write all it
-    // wrote: it filled its output through the data pointer) and has no autograd kernel of
-    // its own is a custom kernel, C++ or Python, that torch's autograd fallback runs without
-    // leaving autograd, so its inner calls reached the capture as its children. It replays
-    // whole; its children ran inside it and do not replay again (an in-place count inside
-    // it moved by two a replay). Before allocations were told apart, such a call was taken
-    // for a composite of its aten::empty_like and skipped: its output stayed stale.
-    const bool fallback = !op.hasKernelForDispatchKey(c10::DispatchKey::Autograd) &&
-                          !op.hasKernelForDispatchKey(c10::DispatchKey::AutogradCPU) &&
-                          !op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
-    if (!rec.skip_at_replay && fallback) {
-      for (size_t r = first_child; r < records_.size(); ++r) records_[r].skip_at_replay = true;
+  // Note [A kernel's own writes]: a custom kernel that torch's autograd fallback runs
+  // (kNone; a fallthrough alike) runs without leaving autograd, so the calls it makes
+  // through the dispatcher reach the capture as its children, but not what it does
+  // besides them. Where they do not write all it wrote (it filled its output through the
+  // data pointer), or the generator moved outside them (it drew through torch's factory
+  // functions, which call ATen below autograd, or reseeded), it replays whole, below
+  // autograd: its kernel runs again, and its children, which ran inside it, do not replay
+  // on their own (an in-place count inside it moved by two a replay). Taken for a
+  // composite of its children, it replayed stale values, or the capture's random numbers.
+  // One the fallback ran with gradients to compute (kComposite for that) whose outputs do
+  // not require grad was not differentiated through its inner calls after all (dwgraph's
+  // GEMMs under their modules' autograd nodes): the same.
+  bool outputs_require_grad = false;
+  for (size_t i = 0; i < nret; ++i) {
+    const c10::IValue& v = (*stack)[base + i];
+    if (v.isTensor()) outputs_require_grad = outputs_require_grad || v.toTensor().requires_grad();
+    if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) outputs_require_grad = outputs_require_grad || t.requires_grad();
     }
   }
+  const bool kernel = layer == AutogradLayer::kNone || layer == AutogradLayer::kFallthrough ||
+                      (layer == AutogradLayer::kComposite && fallback_kernel && !outputs_require_grad);
+  if (!rec.skip_at_replay && records_.size() > first_child) {
+    // Everything this call wrote was written by its children (a composite such as
+    // layer_norm): replaying them is replaying it. An allocation writes nothing. A child's
+    // write counts where it wrote the memory this call's tensor holds, not an earlier
+    // tensor freed from the same block (a temporary torch.ones(...) whose block the
+    // kernel's output then took).
+    // A kernel's own calls below autograd are its own work (recorded only where the
+    // fallback ran it with gradients to compute), not its children's.
+    const auto mine = written_entries(rec);
+    rec.skip_at_replay = !mine.empty() && std::all_of(mine.begin(), mine.end(), [&](size_t e) {
+      const int64_t w = last_writer(e);
+      return w >= static_cast<int64_t>(first_child) && !(kernel && records_[w].below_autograd);
+    });
+  }
+  if (kernel && drew && rec.skip_at_replay && (any_write || any_fresh)) rec.skip_at_replay = false;
+  // Below autograd, a replay has no kernel to run such a call by (it would run another).
+  DWGRAPH_CHECK_STATE(rec.skip_at_replay || layer != AutogradLayer::kPython, "dwgraph host graph capture: ", op_name,
+                      " has a Python autograd kernel and no kernel for the backend, and writes memory its inner calls "
+                      "do not (through the data pointer): a replay runs kernels below autograd and has none to run it "
+                      "by. Register its computation for the backend (torch.library.custom_op, or Library.impl with "
+                      "\"CPU\"), or write its results through dispatched calls");
+  // A call that replays (whole, or a body whose children did not write all it wrote: it
+  // filled its output through the data pointer) runs its kernel again, below autograd: the
+  // calls that kernel made, recorded as its children (those of a kernel torch's autograd
+  // fallback runs; those below a Python autograd kernel, Note [Calls in a kernel's body]),
+  // do not replay again. Calls its autograd layer made itself replay as before.
+  if (!rec.skip_at_replay) {
+    for (size_t end = records_.size(); end > first_child;) {
+      const OpRecord& child = records_[end - 1];
+      const size_t begin = child.first_child;  // the child and the calls it made
+      if (child.in_parent_kernel) {
+        for (size_t r = begin; r < end; ++r) records_[r].skip_at_replay = true;
+      }
+      end = begin;
+    }
+  }
+  // A call that drew random numbers in its own kernel and is not replayed (its children,
+  // which do not draw them, stand for it) would hand the capture's numbers to every replay.
+  DWGRAPH_CHECK_STATE(!drew || !rec.skip_at_replay, "dwgraph host graph capture: the default random number generator "
+                      "moved inside ", op_name, " outside the calls the host graph replays for it: its kernel drew "
+                      "through calls it makes below autograd (as torch::rand_like and torch's other factory functions "
+                      "do from C++), or reseeded or restored the generator (torch.manual_seed, set_rng_state). Every "
+                      "replay would repeat the capture's numbers. Draw through dispatched calls in a kernel registered "
+                      "for the backend (torch.library.custom_op, or Library.impl with \"CPU\") or as "
+                      "CompositeImplicitAutograd, seed outside the captured region, or make the random tensor outside "
+                      "the op and pass it in");
   if (!is_allocation(schema.operator_name())) {
-    for (size_t e : written_entries(rec)) mark_defined(e);
+    for (size_t e : written_entries(rec)) mark_defined(e, static_cast<int64_t>(records_.size()));
   }
   records_.push_back(std::move(rec));
 }
@@ -448,10 +587,19 @@ std::vector<size_t> Recorder::written_entries(const OpRecord& rec) const {
   return out;
 }
 
-void Recorder::mark_defined(size_t entry) {
+void Recorder::mark_defined(size_t entry, int64_t writer) {
+  if (writer_.size() <= entry) writer_.resize(entry + 1, -1);
+  writer_[entry] = writer;
   if (!serial_) return;
   if (defined_.size() <= entry) defined_.resize(entry + 1, -1);
   defined_[entry] = serial_(ledger_.entry(entry).data);
+}
+
+int64_t Recorder::last_writer(size_t entry) const {
+  if (writer_.size() <= entry) return -1;
+  // On the host, only a write into this very allocation (a reused block is new memory).
+  if (serial_ && !is_defined(entry)) return -1;
+  return writer_[entry];
 }
 
 bool Recorder::is_defined(size_t entry) const {
@@ -481,7 +629,7 @@ void Recorder::snapshot_constants(OpRecord& rec, const torch::jit::Stack& stack,
     const c10::Storage& st = stack[base + i].toTensor().storage();
     const auto* begin = static_cast<const uint8_t*>(st.data());
     rec.constants.emplace_back(t.entry, std::vector<uint8_t>(begin, begin + st.nbytes()));
-    mark_defined(t.entry);
+    mark_defined(t.entry, /*writer=*/-1);  // restored before the call: no record wrote it
   }
 }
 

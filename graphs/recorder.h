@@ -17,6 +17,7 @@
 #include "allocator/ledger.h"
 #include "graphs/host_calls.h"
 
+#include <ATen/core/MT19937RNGEngine.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
@@ -66,6 +67,28 @@ struct ValueSlot {
   int64_t same_as = -1;            // arguments: an earlier argument that was the same tensor
 };
 
+// Where the default CPU generator stands: its engine and cached normal samples.
+struct GeneratorPosition {
+  at::mt19937_data_pod engine{};
+  std::optional<float> next_float;
+  std::optional<double> next_double;
+  bool operator==(const GeneratorPosition& o) const;
+};
+
+// What runs a call at autograd's level. Note [Calls in a kernel's body]: kComposite and
+// kPython are bodies of calls the capture sees, calls below autograd included; kNone and
+// kFallthrough calls replay whole (Note [A kernel's own writes]).
+enum class AutogradLayer {
+  kNone,         // no autograd kernel: torch's autograd fallback runs the kernel (a custom one)
+  kFallthrough,  // a fallthrough autograd kernel: the kernel itself, directly
+  kComposite,    // CompositeImplicitAutograd, or a kNone kernel with gradients to compute: its body
+  kPython,       // a Python kernel registered for Autograd (custom_op's among them)
+  kKernel,       // an ATen or C++ autograd kernel: calls below it are inside kernels
+};
+
+// The boxed autograd kernel torch registers for ATen's non-differentiable operators.
+const c10::KernelFunction& not_implemented_autograd_kernel();
+
 struct OpRecord {
   c10::OperatorHandle op;
   std::vector<ValueSlot> args;
@@ -77,6 +100,11 @@ struct OpRecord {
   // Grad mode when it ran: some kernels branch on it (oneDNN's RNN keeps a training
   // workspace only with grad on), so a replay runs each call in it (below autograd).
   bool grad_enabled = false;
+  // The calls this call made are the records from first_child up to it. It ran inside its
+  // parent's kernel, below the parent's autograd layer (Note [A kernel's own writes]).
+  size_t first_child = 0;
+  bool in_parent_kernel = false;
+  bool below_autograd = false;  // made with autograd's keys excluded (inside a kernel)
 };
 
 class Recorder {
@@ -101,7 +129,7 @@ class Recorder {
   void restore_caller_writes();
   // Host: throws unless the default CPU generator is where the recorded kernels left it
   // (see check_generator); called at capture end.
-  void check_generator_at_end() const { check_generator("at the end of the captured region"); }
+  void check_generator_at_end() { check_generator("at the end of the captured region"); }
   // Host: throws if a recorded call raised and the region went on (see on_call); called
   // before each top-level call and at capture end.
   // `refusals`: also a call refused before it ran (at the region's end; before a later call
@@ -120,6 +148,13 @@ class Recorder {
   void set_pool(GraphPool* pool) { pool_ = pool; }
   GraphPool* pool() const { return pool_; }
   size_t num_records() const { return records_.size(); }
+  // Note [Calls in a kernel's body]: the innermost recorded call running has no autograd
+  // kernel, so calls below autograd inside it are its body's, recorded as its children.
+  bool records_calls_below_autograd() const {
+    if (frames_.empty()) return false;
+    const AutogradLayer layer = frames_.back().layer;
+    return layer == AutogradLayer::kComposite || layer == AutogradLayer::kPython;
+  }
 
  private:
   ValueSlot slot_for(const c10::IValue& v);
@@ -132,12 +167,18 @@ class Recorder {
   // a host capture (and at its end), the default CPU generator must be exactly where the
   // previous call left it: Python that reseeds, restores (fork_rng, set_state, activation
   // checkpointing's recompute) or draws outside the kernels would be lost at replay.
-  void check_generator(const char* where) const;
+  void check_generator(const char* where);
+  // Reads where the default CPU generator stands; true if it moved since the last read.
+  bool advance_generator_mark();
   void note_raised(const std::string& op_name, const char* what, bool refused = false);
   void refuse_uncapturable(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t base) const;
-  void note_generator();
+  // The layer that runs `op` with the arguments on `stack` from `base`.
+  AutogradLayer autograd_layer(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t base) const;
   std::vector<size_t> written_entries(const OpRecord& rec) const;
-  void mark_defined(size_t entry);
+  // `writer`: the index of the record that wrote it (-1: a constant, restored at replay).
+  void mark_defined(size_t entry, int64_t writer);
+  // The record that last wrote the memory the entry holds now (-1: none).
+  int64_t last_writer(size_t entry) const;
   bool is_defined(size_t entry) const;
   static void refuse_data_dependent(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                                     size_t base);
@@ -149,8 +190,15 @@ class Recorder {
   std::optional<c10::DeviceType> device_type_;
   int64_t first_serial_ = 0;
   uint64_t reseed_epoch_;  // this thread's reseeds when the capture began
-  at::Tensor generator_state_;  // host: the default CPU generator where the last top-level call left it
+  GeneratorPosition generator_mark_;  // host: where the last recorded call began or ended
   int depth_ = 0;               // nesting of recorded calls
+  // Per recorded call running: its autograd layer, and whether it drew random numbers in
+  // its own kernel, outside its recorded children.
+  struct Frame {
+    AutogradLayer layer;
+    bool drew;
+  };
+  std::vector<Frame> frames_;
   // Host: the first recorded call that raised ("" while none did), and its message.
   std::string raised_op_;
   std::string raised_what_;
@@ -161,6 +209,8 @@ class Recorder {
   std::map<size_t, std::pair<c10::Storage, std::vector<uint8_t>>> snapshots_;
   // Per ledger entry: the allocation serial of the block when a recorded kernel wrote it.
   std::vector<int64_t> defined_;
+  // Per ledger entry: the index of the record that last wrote it (-1: none).
+  std::vector<int64_t> writer_;
   // Note [Version counters at a replay]: per tensor a recorded call saw (by the tensor its
   // views share their counter with), its counter, its version then, and its ledger entry.
   struct SeenVersion {

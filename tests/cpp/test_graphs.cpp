@@ -5,9 +5,12 @@
 
 #include "common/check.h"
 #include "graphs/graph.h"
+#include "graphs/recorder.h"
 #include "ops/gemm.h"
 
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/rand.h>
+#include <ATen/ops/rand_like.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -56,15 +59,79 @@ at::Tensor counts_calls(const at::Tensor& a, at::Tensor& calls) {
   return out;
 }
 
+// a + noise, the noise drawn below autograd as torch's factory functions (torch::rand_like)
+// draw it. Registered as a CompositeImplicitAutograd kernel (its body is its children) and
+// as an autograd kernel of its own (ATen-like: an unboxed C++ kernel for Autograd).
+at::Tensor adds_noise(const at::Tensor& a) {
+  at::Tensor noise;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    noise = at::rand_like(a);
+  }
+  return a + noise;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dwgraph_test_kernels, m) {
   m.def("marks_identity(Tensor a, Tensor b) -> Tensor");
   m.def("counts_calls(Tensor a, Tensor(a!) calls) -> Tensor");
+  m.def("adds_noise_composite(Tensor a) -> Tensor");
+  m.def("adds_noise_autograd(Tensor a) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(dwgraph_test_kernels, CPU, m) {
   m.impl("marks_identity", TORCH_FN(marks_identity));
   m.impl("counts_calls", TORCH_FN(counts_calls));
+}
+TORCH_LIBRARY_IMPL(dwgraph_test_kernels, CompositeImplicitAutograd, m) {
+  m.impl("adds_noise_composite", TORCH_FN(adds_noise));
+}
+TORCH_LIBRARY_IMPL(dwgraph_test_kernels, Autograd, m) {
+  m.impl("adds_noise_autograd", TORCH_FN(adds_noise));
+}
+
+TEST_CASE("host replay draws as eager where a composite draws below autograd", "[graphs][cpu]") {
+  // Note [Calls in a kernel's body]: the draw, below autograd, passed as part of a kernel;
+  // its output replayed as a constant, the same numbers every replay.
+  const auto op = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("dwgraph_test_kernels::adds_noise_composite", "")
+                      .typed<at::Tensor(const at::Tensor&)>();
+  const c10::Device cpu(c10::kCPU);
+  auto static_x = randn({6}, at::kFloat, cpu);
+  auto graph = dwgraph::graphs::make_graph(cpu);
+  graph->capture_begin();
+  const at::Tensor out = op.call(static_x);
+  graph->capture_end();
+  for (int seed = 0; seed < 3; ++seed) {
+    const auto x = randn({6}, at::kFloat, cpu);
+    static_x.copy_(x);
+    at::manual_seed(seed);
+    graph->replay();
+    const at::Tensor next_after_replay = at::rand({1});
+    at::manual_seed(seed);
+    CHECK(at::equal(out, op.call(x)));
+    CHECK(at::equal(at::rand({1}), next_after_replay));
+  }
+}
+
+TEST_CASE("host capture refuses a draw in an autograd kernel that its children replay", "[graphs][cpu]") {
+  // The kernel's add, recorded as its child, writes all it returns, so the call replays
+  // through it alone; the draw below autograd would repeat the capture's numbers.
+  const auto op = c10::Dispatcher::singleton()
+                      .findSchemaOrThrow("dwgraph_test_kernels::adds_noise_autograd", "")
+                      .typed<at::Tensor(const at::Tensor&)>();
+  const c10::Device cpu(c10::kCPU);
+  auto static_x = randn({6}, at::kFloat, cpu);
+  auto graph = dwgraph::graphs::make_graph(cpu);
+  graph->capture_begin();
+  try {
+    op.call(static_x);
+    FAIL("the capture recorded the call");
+  } catch (const dwgraph::GraphStateError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("moved inside dwgraph_test_kernels::adds_noise_autograd outside the calls"));
+    graph->capture_abort();
+  }
+  CHECK_FALSE(graph->is_captured());
 }
 
 TEST_CASE("host replay reruns a kernel that writes its own output, given the same tensors", "[graphs][cpu]") {
@@ -360,4 +427,23 @@ TEST_CASE("a graph that refuses after-calls takes host bookkeeping after its rep
     CHECK(count == i);
   }
   CHECK(graph->num_after_calls() == 1);
+}
+
+TEST_CASE("torch gives ATen's non-differentiable operators one boxed autograd kernel", "[graphs][cpu]") {
+  // Note [Calls in a kernel's body]: the recorder tells that kernel (calls below it are
+  // inside an ATen kernel) from a Python autograd kernel (a body of calls) by comparing
+  // with randperm's. Should torch register them otherwise, this fails first. (Differentiable
+  // operators' out= overloads have generated, unboxed autograd kernels.)
+  auto& dispatcher = c10::Dispatcher::singleton();
+  const auto& ref = dwgraph::graphs::detail::not_implemented_autograd_kernel();
+  CHECK_FALSE(ref.isValidUnboxed());
+  for (const auto& [name, overload] : std::vector<std::pair<const char*, const char*>>{
+           {"aten::bitwise_and", "Tensor_out"}, {"aten::randperm", "generator_out"}, {"aten::randint", ""},
+           {"aten::_fused_adam", ""}}) {
+    INFO(name << "." << overload);
+    const auto op = dispatcher.findSchemaOrThrow(name, overload);
+    CHECK(op.lookup(c10::DispatchKeySet(c10::DispatchKey::AutogradCPU))._equalsBoxedAndUnboxed(ref));
+  }
+  const auto add = dispatcher.findSchemaOrThrow("aten::add", "Tensor");
+  CHECK_FALSE(add.lookup(c10::DispatchKeySet(c10::DispatchKey::AutogradCPU))._equalsBoxedAndUnboxed(ref));
 }

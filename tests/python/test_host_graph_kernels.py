@@ -1018,14 +1018,27 @@ def _counts_calls(x, calls):
 _KERNELS.impl("counts_calls", _counts_calls, "CPU")
 
 
-def test_a_kernel_run_by_the_autograd_fallback_replays_once_not_its_inner_calls_again():
+@torch.library.custom_op("dwgraph_test_py_kernels::co_counts_calls", mutates_args=["calls"])
+def _co_counts_calls(x: torch.Tensor, calls: torch.Tensor) -> torch.Tensor:
+    import ctypes
+
+    calls.add_(1)
+    out, twice = torch.empty_like(x), x.detach() * 2
+    ctypes.memmove(out.data_ptr(), twice.data_ptr(), twice.nbytes)
+    return out
+
+
+@pytest.mark.parametrize("registration", ["library_cpu", "custom_op"])
+def test_a_kernel_that_writes_through_the_data_pointer_replays_once_not_its_inner_calls_again(registration):
     # Note [A kernel's own writes] (helper-43): the kernel replays whole, and its inner calls
     # (recorded as its children: torch's autograd fallback runs it without leaving autograd)
-    # do not replay on their own; they moved the count by two a replay.
+    # do not replay on their own; they moved the count by two a replay. custom_op's kernel
+    # replays whole as ATen's do.
+    op = torch.ops.dwgraph_test_py_kernels.counts_calls if registration == "library_cpu" else _co_counts_calls
     static, calls = torch.randn(4), torch.zeros(1)
     g = Graph("cpu")
     with g.capture():
-        out = torch.ops.dwgraph_test_py_kernels.counts_calls(static, calls)
+        out = op(static, calls)
     assert calls.item() == 0  # a capture changes nothing the caller sees
     for k in range(1, 4):
         x = torch.randn(4)
@@ -1033,3 +1046,170 @@ def test_a_kernel_run_by_the_autograd_fallback_replays_once_not_its_inner_calls_
         g.replay()
         assert torch.equal(out, x * 2)
         assert calls.item() == k
+
+
+# Note [Calls in a kernel's body]: torch's factory functions (torch.rand_like, torch.randn,
+# torch.randperm, ...) run their ATen call below autograd; inside a custom kernel with no
+# autograd kernel of its own they were taken for part of that kernel, left unrecorded, and
+# their output replayed as a constant: the same "random" numbers every replay.
+def _noise_add(x):
+    return x + torch.rand_like(x)
+
+
+def _noise_mul(x):
+    return x * torch.randn(x.shape, dtype=x.dtype)
+
+
+def _noise_perm(x):
+    return x[torch.randperm(x.shape[0])] * 1.5
+
+
+def _noise_nested(x):
+    return torch.ops.dwgraph_test_py_kernels.noise_add_CPU(x) * 2
+
+
+_NOISE_BODIES = {"add": _noise_add, "mul": _noise_mul, "perm": _noise_perm}
+# A kernel for the backend, run by torch's autograd fallback; a composite; a Python kernel
+# registered for Autograd (its body runs at autograd's level).
+_NOISE_KEYS = ["CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd", "Autograd"]
+for _body_name, _body in _NOISE_BODIES.items():
+    for _key in _NOISE_KEYS:
+        _KERNELS.define(f"noise_{_body_name}_{_key}(Tensor x) -> Tensor")
+        _KERNELS.impl(f"noise_{_body_name}_{_key}", _body, _key)
+_KERNELS.define("noise_nested(Tensor x) -> Tensor")
+_KERNELS.impl("noise_nested", _noise_nested, "CPU")
+_NOISE_OPS = [f"noise_{b}_{k}" for b in _NOISE_BODIES for k in _NOISE_KEYS] + ["noise_nested"]
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("name", _NOISE_OPS)
+def test_random_factories_inside_a_custom_kernel_draw_as_eager_at_each_replay(name, requires_grad):
+    op = getattr(torch.ops.dwgraph_test_py_kernels, name)
+    # With gradients to compute, a kernel with no autograd kernel of its own is
+    # differentiated through its inner calls (torch's autograd fallback warns).
+    differentiable = requires_grad
+    static = torch.randn(6, requires_grad=requires_grad)
+    weights = torch.randn(6)
+    g = Graph("cpu")
+    with g.capture():
+        out = op(static)
+        if differentiable:
+            (out * weights).sum().backward()
+    for seed in range(3):
+        x = torch.randn(6)
+        with torch.no_grad():
+            static.copy_(x)
+        if differentiable:
+            static.grad.zero_()
+        torch.manual_seed(seed)
+        g.replay()
+        after_replay = torch.rand(1)
+        torch.manual_seed(seed)
+        ref_x = x.clone().requires_grad_(differentiable)
+        ref = op(ref_x)
+        assert torch.equal(torch.rand(1), after_replay)  # the replay drew as many numbers
+        assert torch.equal(out.detach(), ref.detach())
+        if differentiable:
+            (ref * weights).sum().backward()
+            assert torch.equal(static.grad, ref_x.grad)
+
+
+
+def _reseeds(x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(3)
+    return x + torch.rand_like(x)
+
+
+_co_reseeds = torch.library.custom_op("dwgraph_test_py_kernels::co_reseeds", mutates_args=())(_reseeds)
+_KERNELS.define("cia_reseeds(Tensor x) -> Tensor")
+_KERNELS.impl("cia_reseeds", _reseeds, "CompositeImplicitAutograd")
+
+
+@torch.library.custom_op("dwgraph_test_py_kernels::co_noise", mutates_args=())
+def _co_noise(x: torch.Tensor) -> torch.Tensor:
+    return F.dropout(x, 0.5, training=True) + torch.randn_like(x)
+
+
+def test_a_custom_op_with_dropout_and_a_random_factory_draws_as_eager():
+    static = torch.randn(8)
+    g = Graph("cpu")
+    with g.capture():
+        out = _co_noise(static)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        g.replay()
+        replayed = out.clone()
+        torch.manual_seed(seed)
+        assert torch.equal(replayed, _co_noise(static))
+
+
+def test_a_kernel_that_reseeds_replays_whole_or_is_refused():
+    # custom_op's kernel replays whole: it reseeds at each replay, as eager does at each call.
+    static = torch.randn(4)
+    g = Graph("cpu")
+    with g.capture():
+        out = _co_reseeds(static)
+    torch.manual_seed(0)
+    g.replay()
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(out, _co_reseeds(static)) and torch.equal(torch.rand(1), after)
+    # A composite replays through its inner calls, which do not reseed: refused.
+    g = Graph("cpu")
+    with pytest.raises(dwgraph.GraphStateError, match=r"moved inside dwgraph_test_py_kernels::cia_reseeds outside"):
+        with g.capture():
+            torch.ops.dwgraph_test_py_kernels.cia_reseeds(torch.randn(4))
+    assert not g.is_captured
+
+
+def _fill(out, src):
+    import ctypes
+
+    ctypes.memmove(out.data_ptr(), src.data_ptr(), src.nbytes)
+    return out
+
+
+def _reuses_a_freed_block(x):
+    # The temporary's block is freed before the output is allocated, which takes it: a
+    # recorded write to the temporary is no write to the output (helper-45).
+    n = x + torch.ones(x.shape)
+    out = torch.empty_like(x)
+    return _fill(out, n)
+
+
+def _draws_then_fills(x):
+    n = x + torch.rand_like(x)
+    return _fill(torch.empty_like(x), n)
+
+
+def _forks_the_generator(x):
+    with torch.random.fork_rng():
+        return x + torch.rand_like(x)
+
+
+for _name, _fn, _key in [("reuses_a_freed_block", _reuses_a_freed_block, "CPU"),
+                         ("draws_then_fills_CPU", _draws_then_fills, "CPU"),
+                         ("draws_then_fills_CIA", _draws_then_fills, "CompositeImplicitAutograd"),
+                         ("forks_the_generator", _forks_the_generator, "CPU")]:
+    _KERNELS.define(f"{_name}(Tensor x) -> Tensor")
+    _KERNELS.impl(_name, _fn, _key)
+
+
+@pytest.mark.parametrize("name", ["reuses_a_freed_block", "draws_then_fills_CPU", "draws_then_fills_CIA",
+                                  "forks_the_generator"])
+def test_kernels_the_capture_cannot_see_into_replay_as_eager(name):
+    # Each replays whole (its inner calls once, inside it) and draws as eager draws: the
+    # generator stands where eager leaves it.
+    op = getattr(torch.ops.dwgraph_test_py_kernels, name)
+    static = torch.randn(5)
+    g = Graph("cpu")
+    with g.capture():
+        out = op(static)
+    for seed in range(3):
+        x = torch.randn(5)
+        static.copy_(x)
+        torch.manual_seed(seed)
+        g.replay()
+        replayed, after = out.clone(), torch.rand(1)
+        torch.manual_seed(seed)
+        assert torch.equal(replayed, op(x)) and torch.equal(torch.rand(1), after)
