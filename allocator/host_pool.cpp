@@ -290,6 +290,15 @@ int64_t HostPool::allocation_serial(const void* p) const {
   return it->second.serial;
 }
 
+std::vector<int64_t> HostPool::live_serials_since(int64_t serial) const {
+  const std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> out;
+  for (const auto& [p, b] : blocks_) {
+    if (!b.free && b.serial > serial) out.push_back(b.serial);
+  }
+  return out;
+}
+
 PoolStats HostPool::stats() const {
   const std::lock_guard<std::mutex> lock(mu_);
   return stats_;

@@ -54,6 +54,8 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // whether a block was allocated since.
   int64_t allocation_serial(const void* p) const;
   PoolStats stats() const;
+  // The allocation numbers of the blocks live now that were allocated after `serial`.
+  std::vector<int64_t> live_serials_since(int64_t serial) const;
   // Note [Planned placement]: records the allocations made from now on (clearing any
   // earlier record) until stopped; recorded() returns them, in order.
   void record_allocations(bool on);

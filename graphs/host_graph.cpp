@@ -98,9 +98,12 @@ std::shared_ptr<GraphPool> HostGraph::adopt_pool(std::shared_ptr<GraphPool> requ
 
 std::unique_ptr<detail::Recorder> HostGraph::make_recorder() {
   auto hp = static_cast<HostGraphPool&>(*pool_).host_pool();
-  return std::make_unique<detail::Recorder>(
+  auto rec = std::make_unique<detail::Recorder>(
       ledger_, [hp](const void* p) { return hp->owns(p); }, /*execute=*/true,
       [hp](const void* p) { return hp->allocation_serial(p); }, hp->stats().num_allocations);
+  rec->probe_pool([hp] { return hp->stats().num_allocations; },
+                  [hp](int64_t serial) { return hp->live_serials_since(serial); });
+  return rec;
 }
 
 std::function<bool()> HostGraph::claim() { return detail::claim_this_thread(); }
@@ -116,6 +119,7 @@ void HostGraph::end_backend() {
   recorder_->restore_caller_writes();
   recorder_->check_none_raised("at the end of the captured region");
   recorder_->check_generator_at_end();
+  recorder_->check_kernel_internals();
 }
 
 void HostGraph::abort_backend() noexcept {

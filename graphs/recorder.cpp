@@ -416,7 +416,9 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   };
   try {
     const uint64_t reseeds = t_reseeds;
+    if (allocations_) rec.allocations_before = allocations_();
     run_recorded_call(redispatch);
+    if (allocations_) rec.allocations_after = allocations_();
     // A reseed or restore inside it (torch.random.fork_rng around a draw leaves the
     // generator where it was) counts as a draw: a replay must run it again.
     if (advance_generator_mark() || t_reseeds != reseeds) frames_.back().drew = true;
@@ -503,7 +505,19 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
       return w >= static_cast<int64_t>(first_child) && !(kernel && records_[w].below_autograd);
     });
   }
-  if (kernel && drew && rec.skip_at_replay && (any_write || any_fresh)) rec.skip_at_replay = false;
+  // Its inner calls read memory it filled itself, outside them (an intermediate it wrote
+  // through the data pointer: read as a constant, allocated while it ran).
+  auto reads_its_own_fill = [&] {
+    for (size_t r = first_child; r < records_.size(); ++r) {
+      for (int64_t s : records_[r].constant_serials) {
+        if (s > rec.allocations_before && s <= rec.allocations_after) return true;
+      }
+    }
+    return false;
+  };
+  if (kernel && rec.skip_at_replay && (any_write || any_fresh) && (drew || reads_its_own_fill())) {
+    rec.skip_at_replay = false;
+  }
   // Below autograd, a replay has no kernel to run such a call by (it would run another).
   DWGRAPH_CHECK_STATE(rec.skip_at_replay || layer != AutogradLayer::kPython, "dwgraph host graph capture: ", op_name,
                       " has a Python autograd kernel and no kernel for the backend, and writes memory its inner calls "
@@ -516,11 +530,20 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   // fallback runs; those below a Python autograd kernel, Note [Calls in a kernel's body]),
   // do not replay again. Calls its autograd layer made itself replay as before.
   if (!rec.skip_at_replay) {
+    const auto mine = written_entries(rec);
+    const std::unordered_set<size_t> own(mine.begin(), mine.end());
     for (size_t end = records_.size(); end > first_child;) {
       const OpRecord& child = records_[end - 1];
       const size_t begin = child.first_child;  // the child and the calls it made
       if (child.in_parent_kernel) {
-        for (size_t r = begin; r < end; ++r) records_[r].skip_at_replay = true;
+        for (size_t r = begin; r < end; ++r) {
+          records_[r].skip_at_replay = true;
+          // What it wrote besides this call's own results is no replayed call's write
+          // (Note [A kernel's own tensors outlive it]).
+          for (size_t e : written_entries(records_[r])) {
+            if (own.count(e) == 0 && e < defined_.size()) defined_[e] = -1;
+          }
+        }
       }
       end = begin;
     }
@@ -587,6 +610,57 @@ std::vector<size_t> Recorder::written_entries(const OpRecord& rec) const {
   return out;
 }
 
+// Note [A kernel's tensors outlive it]: a call that replays runs its kernel again, below
+// autograd, and the tensors that kernel makes besides its outputs are made anew, wherever
+// the allocator puts them then. A tensor the capture saw it make inside the pool and that
+// outlives the call (saved for the backward by a torch.library.custom_op's setup_context,
+// which runs below autograd unrecorded; kept by the kernel elsewhere) holds the capture's
+// values at every replay: refused when a later replayed call reads it, or when it is still
+// alive at the end of the region (eager code may read it after a replay).
+void Recorder::check_kernel_internals() const {
+  if (!execute_ || !allocations_ || !serial_) return;
+  // The replayed call whose kernel allocated block `serial`, innermost first, other than
+  // the call `reader` and the calls it is inside of; -1: none.
+  auto maker = [&](int64_t serial, int64_t reader) -> int64_t {
+    int64_t best = -1;
+    for (size_t r = 0; r < records_.size(); ++r) {
+      const OpRecord& rec = records_[r];
+      if (rec.skip_at_replay || serial <= rec.allocations_before || serial > rec.allocations_after) continue;
+      if (reader >= 0 && (static_cast<int64_t>(r) == reader ||
+                          (static_cast<int64_t>(rec.first_child) <= reader && reader < static_cast<int64_t>(r)))) {
+        continue;
+      }
+      if (best < 0 || rec.allocations_before >= records_[best].allocations_before) best = static_cast<int64_t>(r);
+    }
+    return best;
+  };
+  auto refuse = [&](int64_t m, const std::string& by) {
+    DWGRAPH_CHECK_STATE(false, "dwgraph host graph capture: ", records_[m].op.schema().operator_name().name,
+                        " made a tensor inside its kernel that is not one of its outputs and that ", by,
+                        " (a tensor a torch.library.custom_op's setup_context computes and saves for the backward, or "
+                        "one the kernel keeps elsewhere). A replay runs the call's kernel again, which makes that "
+                        "tensor anew elsewhere: the captured one would keep the capture's values. Save only the op's "
+                        "inputs and outputs for the backward (return what else it needs as an output), or compute it "
+                        "in the backward");
+  };
+  for (size_t r = 0; r < records_.size(); ++r) {
+    if (records_[r].skip_at_replay) continue;
+    for (int64_t s : records_[r].constant_serials) {
+      const int64_t m = maker(s, static_cast<int64_t>(r));
+      if (m >= 0) refuse(m, c10::str(records_[r].op.schema().operator_name().name, " reads later"));
+    }
+  }
+  std::unordered_set<int64_t> written;
+  for (int64_t s : defined_) {
+    if (s > 0) written.insert(s);
+  }
+  for (int64_t s : live_since_(first_serial_)) {
+    if (written.count(s) > 0) continue;
+    const int64_t m = maker(s, -1);
+    if (m >= 0) refuse(m, "is still alive at the end of the captured region");
+  }
+}
+
 void Recorder::mark_defined(size_t entry, int64_t writer) {
   if (writer_.size() <= entry) writer_.resize(entry + 1, -1);
   writer_[entry] = writer;
@@ -629,6 +703,7 @@ void Recorder::snapshot_constants(OpRecord& rec, const torch::jit::Stack& stack,
     const c10::Storage& st = stack[base + i].toTensor().storage();
     const auto* begin = static_cast<const uint8_t*>(st.data());
     rec.constants.emplace_back(t.entry, std::vector<uint8_t>(begin, begin + st.nbytes()));
+    rec.constant_serials.push_back(serial_(e.data));
     mark_defined(t.entry, /*writer=*/-1);  // restored before the call: no record wrote it
   }
 }

@@ -104,6 +104,11 @@ struct OpRecord {
   // parent's kernel, below the parent's autograd layer (Note [A kernel's own writes]).
   size_t first_child = 0;
   bool in_parent_kernel = false;
+  // Host: the pool's allocation count when it began and when it returned (the blocks its
+  // kernel allocated are numbered in between), and the allocation numbers of its constants.
+  int64_t allocations_before = 0;
+  int64_t allocations_after = 0;
+  std::vector<int64_t> constant_serials = {};
   bool below_autograd = false;  // made with autograd's keys excluded (inside a kernel)
 };
 
@@ -121,6 +126,15 @@ class Recorder {
   // Only storages on `device` enter the ledger (a CUDA capture ignores host scalars,
   // which CUDA bakes into the kernels' arguments).
   void only_device(c10::DeviceType type) { device_type_ = type; }
+  // Host: the pool's allocation count now, and the allocation numbers of its live blocks
+  // allocated after a given one (Note [A kernel's tensors outlive it]).
+  void probe_pool(std::function<int64_t()> allocations, std::function<std::vector<int64_t>(int64_t)> live_since) {
+    allocations_ = std::move(allocations);
+    live_since_ = std::move(live_since);
+  }
+  // Host, at capture end: throws if a tensor a replayed call computed inside its kernel,
+  // not one of its outputs, is read by a later replayed call or still alive.
+  void check_kernel_internals() const;
 
   // Records `op` with the arguments on `stack`; `redispatch` runs the call itself.
   void on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::function<void()>& redispatch);
@@ -209,6 +223,8 @@ class Recorder {
   std::map<size_t, std::pair<c10::Storage, std::vector<uint8_t>>> snapshots_;
   // Per ledger entry: the allocation serial of the block when a recorded kernel wrote it.
   std::vector<int64_t> defined_;
+  std::function<int64_t()> allocations_;
+  std::function<std::vector<int64_t>(int64_t)> live_since_;
   // Per ledger entry: the index of the record that last wrote it (-1: none).
   std::vector<int64_t> writer_;
   // Note [Version counters at a replay]: per tensor a recorded call saw (by the tensor its

@@ -1213,3 +1213,57 @@ def test_kernels_the_capture_cannot_see_into_replay_as_eager(name):
         replayed, after = out.clone(), torch.rand(1)
         torch.manual_seed(seed)
         assert torch.equal(replayed, op(x)) and torch.equal(torch.rand(1), after)
+
+
+def _fills_an_intermediate(x):
+    # The intermediate is written through the data pointer, the output by a dispatched call.
+    tmp = _fill(torch.empty_like(x), x.detach() * 2)
+    return tmp + 1
+
+
+_KERNELS.define("fills_an_intermediate(Tensor x) -> Tensor")
+_KERNELS.impl("fills_an_intermediate", _fills_an_intermediate, "CPU")
+
+
+def test_a_kernel_whose_inner_calls_read_what_it_filled_itself_replays_whole():
+    # Its inner add reads memory no recorded call wrote: replayed through the add, the
+    # intermediate would keep the capture's values.
+    op = torch.ops.dwgraph_test_py_kernels.fills_an_intermediate
+    static = torch.randn(5)
+    g = Graph("cpu")
+    with g.capture():
+        out = op(static)
+    for _ in range(3):
+        x = torch.randn(5)
+        static.copy_(x)
+        g.replay()
+        assert torch.equal(out, x * 2 + 1)
+
+
+@torch.library.custom_op("dwgraph_test_py_kernels::co_saves_a_new_tensor", mutates_args=())
+def _co_saves_a_new_tensor(x: torch.Tensor) -> torch.Tensor:
+    return x * x
+
+
+def _save_twice_x(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0] * 2)  # a tensor of its own, made below autograd
+
+
+_co_saves_a_new_tensor.register_autograd(lambda ctx, g: g * ctx.saved_tensors[0], setup_context=_save_twice_x)
+
+
+def test_a_custom_op_that_saves_a_tensor_of_its_own_for_the_backward_is_refused():
+    # Note [A kernel's tensors outlive it]: its kernel replays whole; the tensor its
+    # setup_context made would keep the capture's values for every replayed backward.
+    x = torch.randn(5, requires_grad=True)
+    g = Graph("cpu")
+    with pytest.raises(dwgraph.GraphStateError, match=r"co_saves_a_new_tensor made a tensor inside its kernel"):
+        with g.capture():
+            _co_saves_a_new_tensor(x).sum().backward()
+    assert not g.is_captured
+    # Forward only: the saved tensor outlives the region (the backward may run after a replay).
+    g = Graph("cpu")
+    with pytest.raises(dwgraph.GraphStateError, match=r"is still alive at the end of the captured region"):
+        with g.capture():
+            y = _co_saves_a_new_tensor(x)
+    del y
