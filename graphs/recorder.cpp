@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <string_view>
 #include <unordered_set>
 
 namespace dwgraph::graphs::detail {
@@ -59,6 +60,26 @@ bool is_allocation(const c10::OperatorName& name) {
                                                          "aten::empty_strided", "aten::new_empty",
                                                          "aten::new_empty_strided"};
   return kAlloc.count(name.name) > 0;
+}
+
+// Calls f(t, k) for each tensor of `v` (a tensor, or a list of tensors and Nones), k its
+// position in the list (its ValueSlot's index).
+template <typename F>
+void for_each_slot_tensor(const c10::IValue& v, F f) {
+  if (v.isTensor()) {
+    f(v.toTensor(), 0);
+    return;
+  }
+  size_t k = 0;
+  for (const auto& e : v.toListRef()) {
+    if (e.isTensor()) f(e.toTensor(), k);
+    ++k;
+  }
+}
+
+uint64_t hash_bytes(const c10::Storage& st) {
+  if (st.data() == nullptr) return 0;
+  return std::hash<std::string_view>{}(std::string_view(static_cast<const char*>(st.data()), st.nbytes()));
 }
 
 }  // namespace
@@ -317,6 +338,8 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   std::optional<c10::impl::ExcludeDispatchKeyGuard> exclude;
   OpRecord rec{op, {}, {}, false, {}};
   std::unordered_set<const void*> input_data;
+  // Host: the storages this call writes (written arguments, fresh returns), by ledger entry.
+  std::vector<std::pair<size_t, c10::Storage>> wrote;
   try {
     refuse_uncapturable(schema, *stack, base);
     if (depth_ == 0) {
@@ -335,27 +358,16 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
       ValueSlot s = slot_for(v);  // refuses what a graph cannot hold (another generator, sparse, nested)
       s.written = is_write(schema.arguments()[i]) || writes_undeclared(schema, i, *stack, base);
       if (s.kind != ValueSlot::Kind::kOther) {
-        size_t k = 0;
-        auto visit = [&](const at::Tensor& t) {
-          const TensorSlot& ts = s.tensors[k++];
+        for_each_slot_tensor(v, [&](const at::Tensor& t, size_t k) {
+          const TensorSlot& ts = s.tensors[k];
           if (!ts.defined) return;
           if (!ts.no_memory) {
             input_data.insert(t.storage().data());
             note_version(t, ts.entry);
           }
           if (s.written) snapshot_if_caller(ts, t);
-        };
-        if (v.isTensor()) {
-          visit(v.toTensor());
-        } else {
-          for (const auto& e : v.toListRef()) {
-            if (e.isTensor()) {
-              visit(e.toTensor());
-            } else {
-              ++k;
-            }
-          }
-        }
+          if (s.written && !ts.no_memory && execute_) wrote.emplace_back(ts.entry, t.storage());
+        });
       }
       // Note [The same tensor twice in a call]: kernels branch on argument identity
       // (native multi-head attention takes its self-attention path when query, key and
@@ -465,6 +477,12 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     } else if (s.kind != ValueSlot::Kind::kOther) {
       for (const auto& e : v.toListRef()) s.fresh.push_back(e.isTensor() && fresh_of(e.toTensor()));
     }
+    if (execute_ && s.kind != ValueSlot::Kind::kOther) {
+      for_each_slot_tensor(v, [&](const at::Tensor& t, size_t k) {
+        const TensorSlot& ts = s.tensors[k];
+        if (k < s.fresh.size() && s.fresh[k] && ts.defined && !ts.no_memory) wrote.emplace_back(ts.entry, t.storage());
+      });
+    }
     for (bool f : s.fresh) any_fresh = any_fresh || f;
     rec.returns.push_back(std::move(s));
   }
@@ -500,9 +518,15 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     // A kernel's own calls below autograd are its own work (recorded only where the
     // fallback ran it with gradients to compute), not its children's.
     const auto mine = written_entries(rec);
+    // And the kernel did not change it after that child returned (a clone it then rewrote
+    // through the data pointer, as C++ extensions do): its bytes are as that child left them.
     rec.skip_at_replay = !mine.empty() && std::all_of(mine.begin(), mine.end(), [&](size_t e) {
       const int64_t w = last_writer(e);
-      return w >= static_cast<int64_t>(first_child) && !(kernel && records_[w].below_autograd);
+      if (w < static_cast<int64_t>(first_child) || (kernel && records_[w].below_autograd)) return false;
+      if (!execute_) return true;
+      const auto left = child_bytes_.find(e);
+      const auto now = std::find_if(wrote.begin(), wrote.end(), [&](const auto& x) { return x.first == e; });
+      return left != child_bytes_.end() && now != wrote.end() && left->second == hash_bytes(now->second);
     });
   }
   // Its inner calls read memory it filled itself, outside them (an intermediate it wrote
@@ -560,6 +584,10 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
                       "the op and pass it in");
   if (!is_allocation(schema.operator_name())) {
     for (size_t e : written_entries(rec)) mark_defined(e, static_cast<int64_t>(records_.size()));
+    // A call inside another: what its writes left, for the enclosing call's coverage.
+    if (!frames_.empty()) {
+      for (const auto& [e, st] : wrote) child_bytes_[e] = hash_bytes(st);
+    }
   }
   records_.push_back(std::move(rec));
 }
@@ -641,10 +669,12 @@ void Recorder::check_kernel_internals() const {
                         "one the kernel keeps elsewhere). A replay runs the call's kernel again, which makes that "
                         "tensor anew elsewhere: the captured one would keep the capture's values. Save only the op's "
                         "inputs and outputs for the backward (return what else it needs as an output), or compute it "
-                        "in the backward");
+                        "in the backward. A table the kernel builds once and keeps (a cache) is made before the "
+                        "captured region by a first call outside it");
   };
+  // Every record's constants, skipped ones too: a replay restores them all, and the calls
+  // replaying in a skipped one's place (saved.float(): aten::to's _to_copy) read them.
   for (size_t r = 0; r < records_.size(); ++r) {
-    if (records_[r].skip_at_replay) continue;
     for (int64_t s : records_[r].constant_serials) {
       const int64_t m = maker(s, static_cast<int64_t>(r));
       if (m >= 0) refuse(m, c10::str(records_[r].op.schema().operator_name().name, " reads later"));

@@ -224,6 +224,9 @@ class Recorder {
   // Per ledger entry: the allocation serial of the block when a recorded kernel wrote it.
   std::vector<int64_t> defined_;
   std::function<int64_t()> allocations_;
+  // Host, per ledger entry: a hash of the bytes the last call made inside another left in
+  // it (Note [A kernel's own writes]).
+  std::unordered_map<size_t, uint64_t> child_bytes_;
   std::function<std::vector<int64_t>(int64_t)> live_since_;
   // Per ledger entry: the index of the record that last wrote it (-1: none).
   std::vector<int64_t> writer_;

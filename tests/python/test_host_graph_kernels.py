@@ -1048,6 +1048,23 @@ def test_a_kernel_that_writes_through_the_data_pointer_replays_once_not_its_inne
         assert calls.item() == k
 
 
+def _assert_replays_as_eager(op, shape, device="cpu"):
+    """Captures ``op(static)``; at three seeds, a replay on fresh values gives eager's output
+    and leaves the default generator where eager leaves it."""
+    static = torch.randn(*shape, device=device)
+    g = Graph(device)
+    with g.capture():
+        out = op(static)
+    for seed in range(3):
+        x = torch.randn(*shape, device=device)
+        static.copy_(x)
+        torch.manual_seed(seed)
+        g.replay()
+        replayed, after = out.clone(), torch.rand(1, device=device)
+        torch.manual_seed(seed)
+        assert torch.equal(replayed, op(x)) and torch.equal(torch.rand(1, device=device), after)
+
+
 # Note [Calls in a kernel's body]: torch's factory functions (torch.rand_like, torch.randn,
 # torch.randperm, ...) run their ATen call below autograd; inside a custom kernel with no
 # autograd kernel of its own they were taken for part of that kernel, left unrecorded, and
@@ -1131,29 +1148,12 @@ def _co_noise(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_custom_op_with_dropout_and_a_random_factory_draws_as_eager():
-    static = torch.randn(8)
-    g = Graph("cpu")
-    with g.capture():
-        out = _co_noise(static)
-    for seed in range(3):
-        torch.manual_seed(seed)
-        g.replay()
-        replayed = out.clone()
-        torch.manual_seed(seed)
-        assert torch.equal(replayed, _co_noise(static))
+    _assert_replays_as_eager(_co_noise, (8,))
 
 
 def test_a_kernel_that_reseeds_replays_whole_or_is_refused():
     # custom_op's kernel replays whole: it reseeds at each replay, as eager does at each call.
-    static = torch.randn(4)
-    g = Graph("cpu")
-    with g.capture():
-        out = _co_reseeds(static)
-    torch.manual_seed(0)
-    g.replay()
-    after = torch.rand(1)
-    torch.manual_seed(0)
-    assert torch.equal(out, _co_reseeds(static)) and torch.equal(torch.rand(1), after)
+    _assert_replays_as_eager(_co_reseeds, (4,))
     # A composite replays through its inner calls, which do not reseed: refused.
     g = Graph("cpu")
     with pytest.raises(dwgraph.GraphStateError, match=r"moved inside dwgraph_test_py_kernels::cia_reseeds outside"):
@@ -1200,19 +1200,7 @@ for _name, _fn, _key in [("reuses_a_freed_block", _reuses_a_freed_block, "CPU"),
 def test_kernels_the_capture_cannot_see_into_replay_as_eager(name):
     # Each replays whole (its inner calls once, inside it) and draws as eager draws: the
     # generator stands where eager leaves it.
-    op = getattr(torch.ops.dwgraph_test_py_kernels, name)
-    static = torch.randn(5)
-    g = Graph("cpu")
-    with g.capture():
-        out = op(static)
-    for seed in range(3):
-        x = torch.randn(5)
-        static.copy_(x)
-        torch.manual_seed(seed)
-        g.replay()
-        replayed, after = out.clone(), torch.rand(1)
-        torch.manual_seed(seed)
-        assert torch.equal(replayed, op(x)) and torch.equal(torch.rand(1), after)
+    _assert_replays_as_eager(getattr(torch.ops.dwgraph_test_py_kernels, name), (5,))
 
 
 def _fills_an_intermediate(x):
@@ -1228,16 +1216,7 @@ _KERNELS.impl("fills_an_intermediate", _fills_an_intermediate, "CPU")
 def test_a_kernel_whose_inner_calls_read_what_it_filled_itself_replays_whole():
     # Its inner add reads memory no recorded call wrote: replayed through the add, the
     # intermediate would keep the capture's values.
-    op = torch.ops.dwgraph_test_py_kernels.fills_an_intermediate
-    static = torch.randn(5)
-    g = Graph("cpu")
-    with g.capture():
-        out = op(static)
-    for _ in range(3):
-        x = torch.randn(5)
-        static.copy_(x)
-        g.replay()
-        assert torch.equal(out, x * 2 + 1)
+    _assert_replays_as_eager(torch.ops.dwgraph_test_py_kernels.fills_an_intermediate, (5,))
 
 
 @torch.library.custom_op("dwgraph_test_py_kernels::co_saves_a_new_tensor", mutates_args=())
@@ -1252,18 +1231,69 @@ def _save_twice_x(ctx, inputs, output):
 _co_saves_a_new_tensor.register_autograd(lambda ctx, g: g * ctx.saved_tensors[0], setup_context=_save_twice_x)
 
 
-def test_a_custom_op_that_saves_a_tensor_of_its_own_for_the_backward_is_refused():
+
+
+
+def _clone_then_poke(x):
+    # Filled by a dispatched call, then changed through the data pointer (as C++ extension
+    # kernels do): the clone's write does not stand for the kernel's (helper-46).
+    import ctypes
+
+    out = x.detach().clone()
+    ctypes.c_float.from_address(out.data_ptr()).value = 42.0
+    return out
+
+
+for _key in ["CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd"]:
+    _KERNELS.define(f"clone_then_poke_{_key}(Tensor x) -> Tensor")
+    _KERNELS.impl(f"clone_then_poke_{_key}", _clone_then_poke, _key)
+
+
+@pytest.mark.parametrize("key", ["CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd"])
+def test_a_kernel_that_changes_its_inner_calls_output_through_the_data_pointer_replays_whole(key):
+    _assert_replays_as_eager(getattr(torch.ops.dwgraph_test_py_kernels, f"clone_then_poke_{key}"), (4,))
+
+
+@torch.library.custom_op("dwgraph_test_py_kernels::co_saves_a_low_precision_copy", mutates_args=())
+def _co_saves_a_low_precision_copy(x: torch.Tensor) -> torch.Tensor:
+    return x * x
+
+
+_co_saves_a_low_precision_copy.register_autograd(
+    lambda ctx, g: 2 * g * ctx.saved_tensors[0].float(),
+    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0].to(torch.bfloat16)))
+
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("name", [f"noise_add_{k}" for k in ("CompositeExplicitAutograd", "CompositeImplicitAutograd",
+                                                             "Autograd")])  # the others draw on the CPU
+def test_cuda_random_factories_inside_a_custom_kernel_draw_as_eager_at_each_replay(name):
+    # A CUDA graph captures the draw's kernel whatever layer made it (the recorder only
+    # watches); torch's graph-safe generator gives each replay the offset eager would use.
+    op = getattr(torch.ops.dwgraph_test_py_kernels, name)
+    op(torch.randn(6, device="cuda"))  # warm-up
+    torch.cuda.synchronize()
+    _assert_replays_as_eager(op, (6,), device="cuda")
+
+
+@pytest.mark.parametrize("op, reader", [(_co_saves_a_new_tensor, "aten::mul"),
+                                        # read through aten::to, skipped: its _to_copy replays
+                                        # (helper-46); the constant is noted on the composite
+                                        (_co_saves_a_low_precision_copy, "aten::to")], ids=["direct", "composite"])
+def test_a_custom_op_that_saves_a_tensor_of_its_own_for_the_backward_is_refused(op, reader):
     # Note [A kernel's tensors outlive it]: its kernel replays whole; the tensor its
     # setup_context made would keep the capture's values for every replayed backward.
     x = torch.randn(5, requires_grad=True)
     g = Graph("cpu")
-    with pytest.raises(dwgraph.GraphStateError, match=r"co_saves_a_new_tensor made a tensor inside its kernel"):
+    with pytest.raises(dwgraph.GraphStateError, match=rf"made a tensor inside its kernel .* {reader} reads later"):
         with g.capture():
-            _co_saves_a_new_tensor(x).sum().backward()
+            op(x).sum().backward()
     assert not g.is_captured
     # Forward only: the saved tensor outlives the region (the backward may run after a replay).
     g = Graph("cpu")
     with pytest.raises(dwgraph.GraphStateError, match=r"is still alive at the end of the captured region"):
         with g.capture():
-            y = _co_saves_a_new_tensor(x)
+            y = op(x)
     del y
