@@ -192,6 +192,7 @@ c10::DataPtr HostPool::allocate(size_t nbytes) {
     stats_.live_blocks += 1;
     stats_.num_allocations += 1;
     b.serial = stats_.num_allocations;
+    b.empty = nbytes == 0;
     if (recording_) records_.push_back(AllocationRecord{b.size, record_clock_++, AllocationRecord::kLive});
   }
   {
@@ -294,7 +295,7 @@ std::vector<int64_t> HostPool::live_serials_since(int64_t serial) const {
   const std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> out;
   for (const auto& [p, b] : blocks_) {
-    if (!b.free && b.serial > serial) out.push_back(b.serial);
+    if (!b.free && !b.empty && b.serial > serial) out.push_back(b.serial);
   }
   return out;
 }

@@ -54,7 +54,8 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
   // whether a block was allocated since.
   int64_t allocation_serial(const void* p) const;
   PoolStats stats() const;
-  // The allocation numbers of the blocks live now that were allocated after `serial`.
+  // The allocation numbers of the blocks live now that were allocated after `serial`,
+  // blocks given for 0 bytes left out (they hold nothing).
   std::vector<int64_t> live_serials_since(int64_t serial) const;
   // Note [Planned placement]: records the allocations made from now on (clearing any
   // earlier record) until stopped; recorded() returns them, in order.
@@ -82,6 +83,7 @@ class HostPool : public std::enable_shared_from_this<HostPool> {
     size_t chunk;  // index of its segment in segments_
     bool free;
     int64_t serial = 0;
+    bool empty = false;  // allocated for 0 bytes (holds no data)
   };
   struct Segment {
     char* base;

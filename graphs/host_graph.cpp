@@ -167,7 +167,15 @@ void HostGraph::after_capture() {
                   ret.tensors[0].defined;
     }
     static const bool no_out = std::getenv("DWGRAPH_HOST_GRAPH_NO_OUT_OVERLOADS") != nullptr;
-    if (!no_out && !rec.skip_at_replay && all_fresh && n_tensor_returns == outs.size()) op_out = out_overload(rec.op);
+    // A call that also writes an argument (BatchNorm's running statistics) keeps its
+    // functional form: its out= overload is another kernel, and torch's
+    // native_batch_norm.out normalizes a strided input wrongly (BatchNorm1d over
+    // x.transpose(1, 2): 0.8 off eager, helper-47).
+    const bool writes_an_argument =
+        std::any_of(rec.args.begin(), rec.args.end(), [](const detail::ValueSlot& a) { return a.written; });
+    if (!no_out && !rec.skip_at_replay && all_fresh && !writes_an_argument && n_tensor_returns == outs.size()) {
+      op_out = out_overload(rec.op);
+    }
     std::vector<std::pair<size_t, at::Tensor>> targets;
     if (op_out) {
       for (auto& [index, target] : outs) args.emplace_back(target);

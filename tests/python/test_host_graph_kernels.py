@@ -1297,3 +1297,26 @@ def test_a_custom_op_that_saves_a_tensor_of_its_own_for_the_backward_is_refused(
         with g.capture():
             y = op(x)
     del y
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_batch_norm_over_a_sequence_replays_as_eager(layout, train):
+    # helper-47: BatchNorm1d over x.transpose(1, 2) (a [B, T, C] sequence) replayed 0.8 off
+    # eager (torch's native_batch_norm.out normalizes a strided input wrongly; a call that
+    # also writes an argument now keeps its functional form), and in eval mode the capture
+    # was refused (its empty save_mean and save_invstd taken for tensors its kernel keeps).
+    torch.manual_seed(0)
+    bn, ref = torch.nn.BatchNorm1d(8).train(train), torch.nn.BatchNorm1d(8).train(train)
+    ref.load_state_dict(bn.state_dict())
+    prep = (lambda t: t.transpose(1, 2)) if layout == "transposed" else (lambda t: t.transpose(1, 2).contiguous())
+    static = torch.randn(4, 6, 8)
+    g = Graph("cpu")
+    with g.capture():
+        out = bn(prep(static))
+    for _ in range(3):
+        x = torch.randn(4, 6, 8)
+        static.copy_(x)
+        g.replay()
+        assert torch.equal(out, ref(prep(x)))
+        assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
