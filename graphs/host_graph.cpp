@@ -120,11 +120,16 @@ void HostGraph::end_backend() {
   recorder_->check_none_raised("at the end of the captured region");
   recorder_->check_generator_at_end();
   recorder_->check_kernel_internals();
+  recorder_->restore_generator();
 }
 
 void HostGraph::abort_backend() noexcept {
   alloc_guard_.reset();
   recorder_->restore_caller_writes();
+  try {
+    recorder_->restore_generator();
+  } catch (...) {  // noexcept: an abort never throws (set_state checks the tensor it made)
+  }
 }
 
 void HostGraph::after_capture() {

@@ -149,6 +149,7 @@ Recorder::Recorder(allocator::Ledger& ledger, std::function<bool(const void*)> o
       first_serial_(first_serial),
       reseed_epoch_(t_reseeds) {
   advance_generator_mark();
+  if (execute_) generator_at_begin_ = at::Tensor(at::detail::getDefaultCPUGenerator().get_state());
 }
 
 bool GeneratorPosition::operator==(const GeneratorPosition& o) const {
@@ -767,6 +768,17 @@ void Recorder::restore_caller_writes() {
     std::memcpy(st.mutable_data(), snap.second.data(), snap.second.size());
   }
   snapshots_.clear();
+}
+
+void Recorder::restore_generator() {
+  // The capture's draws are the caller's no more than its writes (helper-47: a replay right
+  // after a raw capture drew the numbers of eager's next step).
+  if (generator_at_begin_.defined()) {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    const std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(generator_at_begin_);
+    generator_at_begin_ = at::Tensor();
+  }
 }
 
 }  // namespace dwgraph::graphs::detail

@@ -141,6 +141,8 @@ class Recorder {
 
   // Puts back the pre-capture contents of non-owned storages the capture wrote.
   void restore_caller_writes();
+  // Host: puts the default CPU generator back where it stood when the capture began.
+  void restore_generator();
   // Host: throws unless the default CPU generator is where the recorded kernels left it
   // (see check_generator); called at capture end.
   void check_generator_at_end() { check_generator("at the end of the captured region"); }
@@ -204,7 +206,8 @@ class Recorder {
   std::optional<c10::DeviceType> device_type_;
   int64_t first_serial_ = 0;
   uint64_t reseed_epoch_;  // this thread's reseeds when the capture began
-  GeneratorPosition generator_mark_;  // host: where the last recorded call began or ended
+  GeneratorPosition generator_mark_;
+  at::Tensor generator_at_begin_;  // host: the default CPU generator's state when the capture began  // host: where the last recorded call began or ended
   int depth_ = 0;               // nesting of recorded calls
   // Per recorded call running: its autograd layer, and whether it drew random numbers in
   // its own kernel, outside its recorded children.

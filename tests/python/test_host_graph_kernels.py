@@ -1320,3 +1320,19 @@ def test_batch_norm_over_a_sequence_replays_as_eager(layout, train):
         g.replay()
         assert torch.equal(out, ref(prep(x)))
         assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
+
+
+def test_a_capture_leaves_the_generator_where_it_was_and_the_first_replay_draws_eagers_first_numbers():
+    # helper-47: the capture's draws advanced the caller's generator, so a replay right after
+    # the capture drew the numbers of eager's second step.
+    torch.manual_seed(7)
+    x = torch.randn(4, 8)
+    before = torch.get_rng_state()
+    g = Graph("cpu")
+    with g.capture():
+        out = F.dropout(x, 0.5, training=True)
+    assert torch.equal(torch.get_rng_state(), before)
+    g.replay()
+    replayed, after = out.clone(), torch.get_rng_state()
+    torch.set_rng_state(before)
+    assert torch.equal(replayed, F.dropout(x, 0.5, training=True)) and torch.equal(torch.get_rng_state(), after)
