@@ -77,6 +77,20 @@ void for_each_slot_tensor(const c10::IValue& v, F f) {
   }
 }
 
+// Some tensor among stack[begin, end) (tensors and tensor lists) requires grad.
+bool any_requires_grad(const torch::jit::Stack& stack, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    const c10::IValue& v = stack[i];
+    if (v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad()) return true;
+    if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) {
+        if (t.defined() && t.requires_grad()) return true;
+      }
+    }
+  }
+  return false;
+}
+
 uint64_t hash_bytes(const c10::Storage& st) {
   if (st.data() == nullptr) return 0;
   return std::hash<std::string_view>{}(std::string_view(static_cast<const char*>(st.data()), st.nbytes()));
@@ -88,21 +102,8 @@ AutogradLayer Recorder::autograd_layer(const c10::OperatorHandle& op, const torc
                                        size_t base) const {
   // A kernel that torch's autograd fallback (or a fallthrough) runs with gradients to
   // compute: the fallback leaves autograd on inside it, and its inner calls' autograd is
-  // its gradient (torch warns that it has no autograd kernel). Its children, and the
-  // tensors they save for the backward, are its computation: a composite.
-  auto differentiated = [&] {
-    if (!c10::GradMode::is_enabled()) return false;
-    for (size_t i = base; i < stack.size(); ++i) {
-      const c10::IValue& v = stack[i];
-      if (v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad()) return true;
-      if (v.isTensorList()) {
-        for (const at::Tensor& t : v.toTensorList()) {
-          if (t.defined() && t.requires_grad()) return true;
-        }
-      }
-    }
-    return false;
-  };
+  // its gradient (torch warns that it has no autograd kernel).
+  auto differentiated = [&] { return c10::GradMode::is_enabled() && any_requires_grad(stack, base, stack.size()); };
   const bool cuda = device_type_ == c10::DeviceType::CUDA;
   const auto key = cuda ? c10::DispatchKey::AutogradCUDA : c10::DispatchKey::AutogradCPU;
   // A kernel for the backend (or CompositeExplicitAutograd, which serves every backend):
@@ -114,14 +115,14 @@ AutogradLayer Recorder::autograd_layer(const c10::OperatorHandle& op, const torc
     if (!backend_kernel && op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
       return AutogradLayer::kComposite;
     }
-    return differentiated() ? AutogradLayer::kComposite : AutogradLayer::kNone;
+    return differentiated() ? AutogradLayer::kNoneWithGrad : AutogradLayer::kNone;
   }
   const c10::KernelFunction& k = op.lookup(c10::DispatchKeySet(key));
-  if (k.isFallthrough()) return differentiated() ? AutogradLayer::kComposite : AutogradLayer::kFallthrough;
+  if (k.isFallthrough()) return differentiated() ? AutogradLayer::kNoneWithGrad : AutogradLayer::kFallthrough;
   // ATen's generated autograd kernels and C++ custom ones are unboxed (SymInt ones by their
-  // SymInt signature). Boxed only: a Python kernel, or torch's "not implemented" autograd
-  // kernel, which ATen registers for its non-differentiable operators (out= overloads,
-  // randperm) and which runs their kernel below autograd.
+  // SymInt signature). Boxed only: a Python kernel, or the one autograd kernel torch gives
+  // ATen's non-differentiable operators (out= overloads, randperm), which runs their kernel
+  // below autograd.
   if (k.isValidUnboxed() || k.isValidSymUnboxed()) return AutogradLayer::kKernel;
   if (k._equalsBoxedAndUnboxed(not_implemented_autograd_kernel())) return AutogradLayer::kKernel;
   // A Python autograd kernel over a kernel for the backend (torch.library.custom_op's,
@@ -409,7 +410,6 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   // A call with an ATen or C++ autograd kernel whose kernel draws below autograd and that
   // its children replay is refused below.
   const AutogradLayer layer = autograd_layer(op, *stack, base);
-  const bool fallback_kernel = layer == AutogradLayer::kComposite && !op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
   // This call ran inside its parent's kernel, below the parent's autograd layer: a parent
   // that replays whole runs it again (Note [A kernel's own writes]).
   rec.first_child = first_child;
@@ -497,19 +497,11 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   // autograd: its kernel runs again, and its children, which ran inside it, do not replay
   // on their own (an in-place count inside it moved by two a replay). Taken for a
   // composite of its children, it replayed stale values, or the capture's random numbers.
-  // One the fallback ran with gradients to compute (kComposite for that) whose outputs do
-  // not require grad was not differentiated through its inner calls after all (dwgraph's
-  // GEMMs under their modules' autograd nodes): the same.
-  bool outputs_require_grad = false;
-  for (size_t i = 0; i < nret; ++i) {
-    const c10::IValue& v = (*stack)[base + i];
-    if (v.isTensor()) outputs_require_grad = outputs_require_grad || v.toTensor().requires_grad();
-    if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList()) outputs_require_grad = outputs_require_grad || t.requires_grad();
-    }
-  }
+  // One the fallback ran with gradients to compute (kNoneWithGrad) whose outputs do not
+  // require grad was not differentiated through its inner calls after all (dwgraph's GEMMs
+  // under their modules' autograd nodes): the same.
   const bool kernel = layer == AutogradLayer::kNone || layer == AutogradLayer::kFallthrough ||
-                      (layer == AutogradLayer::kComposite && fallback_kernel && !outputs_require_grad);
+                      (layer == AutogradLayer::kNoneWithGrad && !any_requires_grad(*stack, base, base + nret));
   if (!rec.skip_at_replay && records_.size() > first_child) {
     // Everything this call wrote was written by its children (a composite such as
     // layer_norm): replaying them is replaying it. An allocation writes nothing. A child's
@@ -564,7 +556,7 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
         for (size_t r = begin; r < end; ++r) {
           records_[r].skip_at_replay = true;
           // What it wrote besides this call's own results is no replayed call's write
-          // (Note [A kernel's own tensors outlive it]).
+          // (Note [A kernel's tensors outlive it]).
           for (size_t e : written_entries(records_[r])) {
             if (own.count(e) == 0 && e < defined_.size()) defined_[e] = -1;
           }

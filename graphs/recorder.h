@@ -75,13 +75,15 @@ struct GeneratorPosition {
   bool operator==(const GeneratorPosition& o) const;
 };
 
-// What runs a call at autograd's level. Note [Calls in a kernel's body]: kComposite and
-// kPython are bodies of calls the capture sees, calls below autograd included; kNone and
-// kFallthrough calls replay whole (Note [A kernel's own writes]).
+// What runs a call at autograd's level. Note [Calls in a kernel's body]: kComposite,
+// kNoneWithGrad and kPython are bodies of calls the capture sees, calls below autograd
+// included; kNone and kFallthrough calls replay whole where their inner calls do not stand
+// for them (Note [A kernel's own writes]).
 enum class AutogradLayer {
   kNone,         // no autograd kernel: torch's autograd fallback runs the kernel (a custom one)
   kFallthrough,  // a fallthrough autograd kernel: the kernel itself, directly
-  kComposite,    // CompositeImplicitAutograd, or a kNone kernel with gradients to compute: its body
+  kNoneWithGrad, // kNone or kFallthrough run with gradients to compute through its inner calls
+  kComposite,    // CompositeImplicitAutograd: its body, made of other calls
   kPython,       // a Python kernel registered for Autograd (custom_op's among them)
   kKernel,       // an ATen or C++ autograd kernel: calls below it are inside kernels
 };
@@ -169,7 +171,8 @@ class Recorder {
   bool records_calls_below_autograd() const {
     if (frames_.empty()) return false;
     const AutogradLayer layer = frames_.back().layer;
-    return layer == AutogradLayer::kComposite || layer == AutogradLayer::kPython;
+    return layer == AutogradLayer::kComposite || layer == AutogradLayer::kNoneWithGrad ||
+           layer == AutogradLayer::kPython;
   }
 
  private:
