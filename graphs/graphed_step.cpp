@@ -853,7 +853,7 @@ std::vector<at::Tensor> GraphedStep::replay(Entry& e, Variant& v, const std::vec
   {
     const ScopedNs t(&copy_ns);
     out.reserve(v.static_outputs.size());
-    for (const auto& o : v.static_outputs) out.push_back(o.defined() ? o.clone() : at::Tensor());
+    for (const auto& o : v.static_outputs) out.push_back(o.defined() ? layout_copy(o) : at::Tensor());
   }
   add_phase_time(TimedPhase::kStep, replay_ns, copy_ns, true);
   return out;

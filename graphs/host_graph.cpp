@@ -279,6 +279,13 @@ void HostGraph::launch() {
     }
     for (auto& [index, target] : replay_outputs_[r]) {
       const at::Tensor& result = flat.at(index);
+      // A kernel that sizes its output from its inputs' values (found at capture where torch
+      // reads them with .item()): copy_ would broadcast a smaller result into the capture's
+      // output (a review found one silently wrong, another raising an untyped error).
+      DWGRAPH_CHECK_STATE(result.sizes() == target.sizes(), "dwgraph host graph replay: ", rec.op.schema().name(),
+                          " returned output ", index, " of shape ", result.sizes(), " where its capture returned ",
+                          target.sizes(), ": its output's shape depends on its inputs' values, which a graph cannot "
+                          "replay (a CUDA graph cannot capture such a kernel); move it out of the captured region");
       if (result.data_ptr() != target.data_ptr()) target.copy_(result);
     }
   }

@@ -259,7 +259,9 @@ std::vector<at::Tensor> GraphManager::backward_targets(size_t s, bool for_captur
     slot.param_fused.clear();
   }
   for (size_t i = 0; i < slot.buffers->inputs.tensors().size(); ++i) {
-    if (slot.buffers->inputs.tensors()[i].requires_grad()) {
+    // A tensor given in two positions gets its gradient once (Note [One tensor in two
+    // argument positions], graphs/replay_checks.cpp): its one autograd edge.
+    if (slot.buffers->inputs.tensors()[i].requires_grad() && slot.buffers->inputs.first_of_its_tensor(i)) {
       targets.push_back(slot.buffers->inputs.tensors()[i]);
       if (for_capture) slot.grad_input_indices.push_back(i);
     }

@@ -504,7 +504,7 @@ std::vector<at::Tensor> GraphManager::replay_call(size_t s, const std::vector<at
     const ScopedNs t(&copy_ns);
     slot.buffers->inputs.copy_back(inputs);
     outs.reserve(slot.static_outputs.size());
-    for (const auto& o : slot.static_outputs) outs.push_back(opts_.clone_outputs ? o.clone() : plain_alias(o));
+    for (const auto& o : slot.static_outputs) outs.push_back(opts_.clone_outputs ? layout_copy(o) : plain_alias(o));
   }
   add_phase_time(TimedPhase::kCall, replay_ns, copy_ns, true);
   bool needs_node = false;
@@ -634,6 +634,19 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
       if (!g.defined()) {
         dst.zero_();
       } else if (g.data_ptr() != dst.data_ptr()) {
+        // A dense gradient in another layout (a channels_last output's loss against a
+        // contiguous target, a loss over y.t()): the backward runs the kernels captured for
+        // the capture's layout, where eager runs them on this one, which can round
+        // differently (a review found 1.5e-8 that grew with the steps); an expanded one
+        // (y.sum()) is the documented common case and says nothing.
+        if (g.strides() != dst.strides() && g.is_non_overlapping_and_dense() &&
+            !warned_grad_layout_.exchange(true)) {
+          log::warning(w, ": the gradient of output ", i, " has strides ", g.strides(), " where the output has ",
+                       dst.strides(), "; the graphs copy it into the output's layout and run the backward captured "
+                       "for that one, where eager code runs it on this layout: results can differ in the last bits "
+                       "(docs/memory-contract.md, row 15). A loss whose gradient has the output's layout (e.g. a "
+                       "target in the output's memory format) is exact");
+        }
         dst.copy_(g);
       }
     }

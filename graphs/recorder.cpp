@@ -50,8 +50,25 @@ bool reads_value_on_host(const c10::OperatorName& name) {
   static const std::unordered_set<std::string> kSync = {
       "aten::_local_scalar_dense", "aten::item", "aten::equal", "aten::is_nonzero",
       "aten::allclose", "aten::nonzero", "aten::masked_select", "aten::unique_consecutive",
-      "aten::_unique2"};
-  return kSync.count(name.name) > 0;
+      "aten::_unique2", "aten::_unique", "aten::unique_dim", "aten::unique_dim_consecutive",
+      // Output sizes from the values (max + 1): CUDA's kernel reads the maximum with .item().
+      "aten::bincount"};
+  if (kSync.count(name.name) > 0) return true;
+  // Overloads that take integers as a tensor and read them on the host through the data
+  // pointer, not .item(): the capture would keep its call's integers (split points,
+  // sequence lengths) where eager reads the caller's (a review found both silently wrong).
+  return (name.name == "aten::tensor_split" && name.overload_name == "tensor_indices_or_sections") ||
+         (name.name == "aten::ctc_loss" && name.overload_name == "Tensor");
+}
+
+// A repeat_interleave with tensor repeats and no output_size sizes its output by the sum of
+// the repeats, read on the host (CUDA's kernel with .item()).
+bool sizes_output_from_values(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t base) {
+  if (schema.operator_name().name != "aten::repeat_interleave") return false;
+  const auto index = schema.argumentIndexWithName("output_size");
+  const auto repeats = schema.argumentIndexWithName("repeats");
+  if (!index || !repeats || base + *index >= stack.size() || base + *repeats >= stack.size()) return false;
+  return stack[base + *repeats].isTensor() && stack[base + *index].isNone();
 }
 
 // Calls that launch no kernel: their outputs' contents are undefined until written.
@@ -185,9 +202,11 @@ void Recorder::check_generator(const char* where) {
                       "checkpoint with preserve_rng_state=False (or without randomness in the checkpointed part)");
 }
 
-TensorSlot Recorder::tensor_slot(const at::Tensor& t) {
-  TensorSlot s;
-  if (!t.defined()) return s;
+namespace {
+
+// Before anything reads its storage (a sparse tensor has none: its access raised torch's
+// untyped error, where a review expected this one).
+void refuse_unstrided(const at::Tensor& t) {
   // A nested tensor (nn.TransformerEncoder's fast path over a padding mask) has no one
   // size and stride a replay could rebuild it by.
   DWGRAPH_CHECK_STATE(!t.is_nested(), "dwgraph graph capture: a nested tensor reaches a captured kernel; graphs "
@@ -196,6 +215,14 @@ TensorSlot Recorder::tensor_slot(const at::Tensor& t) {
   DWGRAPH_CHECK_STATE(t.layout() == at::kStrided, "dwgraph graph capture: a ", t.layout(), " ", t.scalar_type(),
                       " tensor of shape ", t.sizes(), " reaches a captured kernel; graphs capture strided tensors only "
                       "(for a sparse nn.Embedding, pass sparse=False or run it outside the captured region)");
+}
+
+}  // namespace
+
+TensorSlot Recorder::tensor_slot(const at::Tensor& t) {
+  TensorSlot s;
+  if (!t.defined()) return s;
+  refuse_unstrided(t);
   s.defined = true;
   s.sizes = t.sizes().vec();
   s.strides = t.strides().vec();
@@ -313,8 +340,14 @@ void Recorder::snapshot_if_caller(const TensorSlot& s, const at::Tensor& t) {
 void Recorder::refuse_uncapturable(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t base) const {
   const std::string& op_name = schema.operator_name().name;
   DWGRAPH_CHECK_STATE(!reads_value_on_host(schema.operator_name()), "dwgraph graph capture: ", op_name,
-                      " reads a tensor's value on the host (e.g. .item(), torch.equal, nonzero), "
-                      "which a CUDA graph cannot capture; move it out of the captured region");
+                      schema.overload_name().empty() ? std::string() : "." + schema.overload_name(),
+                      " reads a tensor's value on the host (e.g. .item(), torch.equal, nonzero, tensor split points "
+                      "or lengths), which a CUDA graph cannot capture and a replay would not read again; move it out "
+                      "of the captured region (or pass such integers as Python ints, which the capture bakes in)");
+  DWGRAPH_CHECK_STATE(!sizes_output_from_values(schema, stack, base), "dwgraph graph capture: ", op_name,
+                      " with tensor repeats and no output_size sizes its output by the repeats' sum, read on the "
+                      "host, which a CUDA graph cannot capture and a replay would not read again; pass output_size "
+                      "(a graph replays one output size), or move it out of the captured region");
   // Collectives (c10d::allreduce_, the functional collectives, torch DDP's reducer, which
   // calls them from its autograd hooks) talk to other processes: their effect is not a
   // kernel a graph can replay (the host graph would skip or repeat it alone, on one rank).
@@ -459,6 +492,7 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
     const c10::IValue& v = (*stack)[base + i];
     // A fresh output lives in memory the capture allocated: the graph's pool.
     auto mark_owned = [&](const at::Tensor& t) {
+      if (t.defined()) refuse_unstrided(t);
       if (t.defined() && t.storage().nbytes() > 0 && input_data.count(t.storage().data()) == 0 &&
           (!device_type_ || t.device().type() == *device_type_)) {
         ledger_.record(t.storage(), /*owned=*/true, /*fresh_output=*/true);

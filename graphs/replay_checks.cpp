@@ -205,24 +205,60 @@ bool elements_apart(const at::Tensor& t) {
   return true;
 }
 
-// A copy of `t` in its own layout, so that the kernels captured on the static input are
-// those eager code runs on the argument: clone() keeps the strides of a dense tensor only,
-// and one with gaps (t[:, ::2], a column slice) gets its strides over storage of its own.
-// A layout whose elements overlap (expanded) cannot be written into: a dense copy, which
-// the caller's same layout then cannot match (StaticInputs::check says so). Static inputs
-// moved into a pool (move_into) are dense.
+}  // namespace
+
 at::Tensor layout_copy(const at::Tensor& t) {
   if (t.layout() != at::kStrided || t.is_non_overlapping_and_dense() || !elements_apart(t)) return t.clone();
   return at::empty_strided(t.sizes(), t.strides(), t.options()).copy_(t);
 }
 
+namespace {
+
+// Per position, the first position holding the same tensor (TensorImpl identity, as
+// Python's `is`); empty when all are distinct. Argument counts are small: quadratic.
+std::vector<size_t> first_positions(const std::vector<at::Tensor>& ts) {
+  std::vector<size_t> first(ts.size());
+  bool any = false;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    first[i] = i;
+    if (!ts[i].defined()) continue;
+    for (size_t j = 0; j < i; ++j) {
+      if (ts[j].is_same(ts[i])) {
+        first[i] = first[j];
+        any = true;
+        break;
+      }
+    }
+  }
+  if (!any) first.clear();
+  return first;
+}
+
 }  // namespace
 
-StaticInputs::StaticInputs(const std::vector<at::Tensor>& samples) {
+// Note [One tensor in two argument positions]: kernels branch on whether two arguments are
+// one tensor (torch's MultiheadAttention takes its self-attention path when query is key is
+// value, and reads the query only). A sample tensor given in several positions is therefore
+// one static input, so the capture takes eager's path for it, and it gets its gradient once
+// (the captured backward sums its uses' contributions as eager's engine does). Calls must
+// pass their tensors the way the samples were: one tensor where they were one (else the
+// graph would ignore what the other positions hold) and distinct ones where they were
+// distinct (else eager would take the other path and round differently; a review found
+// self-attention 1.7e-10 off).
+StaticInputs::StaticInputs(const std::vector<at::Tensor>& samples) : first_of_(first_positions(samples)) {
   const at::NoGradGuard no_grad;
-  for (const auto& t : samples) {
-    tensors_.push_back(t.defined() ? layout_copy(t.detach()).requires_grad_(t.requires_grad()) : at::Tensor());
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const auto& t = samples[i];
+    tensors_.push_back(!t.defined() || !first_of_its_tensor(i) ? at::Tensor()
+                                                                : layout_copy(t.detach()).requires_grad_(t.requires_grad()));
     requires_grad_.push_back(t.defined() && t.requires_grad());
+  }
+  share_repeated();
+}
+
+void StaticInputs::share_repeated() {
+  for (size_t i = 0; i < first_of_.size(); ++i) {
+    if (first_of_[i] != i) tensors_[i] = tensors_[first_of_[i]];
   }
 }
 
@@ -233,14 +269,16 @@ void StaticInputs::move_into(GraphPool& pool) {
   for (size_t i = 0; i < tensors_.size(); ++i) {
     // Dense: the pool's replay order accounts for its blocks by what the kernels touch, which
     // a layout with gaps would under-count (a review found a copy into one passing the check).
-    if (tensors_[i].defined()) tensors_[i] = tensors_[i].clone().requires_grad_(requires_grad_[i]);
+    if (tensors_[i].defined() && first_of_its_tensor(i)) tensors_[i] = tensors_[i].clone().requires_grad_(requires_grad_[i]);
   }
+  share_repeated();
 }
 
 void StaticInputs::release() {
-  for (auto& t : tensors_) {
-    if (t.defined()) t = unowned_view(t);
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    if (tensors_[i].defined() && first_of_its_tensor(i)) tensors_[i] = unowned_view(tensors_[i]);
   }
+  share_repeated();
   released_ = true;
 }
 
@@ -269,7 +307,34 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
                       " requires grad but its sample did not, so the graphs compute no gradient for it; capture "
                       "with a sample that requires grad (or detach the input)");
   }
-  if (!written_.empty()) check_distinct_memory(inputs, written_, where);
+  // Note [One tensor in two argument positions]: no allocation, argument counts are small.
+  for (size_t i = 1; i < inputs.size(); ++i) {
+    size_t now = i;
+    if (inputs[i].defined()) {
+      for (size_t j = 0; j < i && now == i; ++j) now = inputs[j].is_same(inputs[i]) ? j : i;
+    }
+    const size_t then = first_of_.empty() ? i : first_of_[i];
+    if (now != then) {
+      const bool one_now = now != i;
+      DWGRAPH_CHECK_ARG(false, where, ": arguments ", one_now ? now : then, " and ", i,
+                        one_now ? " are one tensor, where the samples were two" :
+                                  " are two tensors, where the samples were one",
+                        "; kernels branch on that (torch's MultiheadAttention takes its self-attention path for one "
+                        "tensor, reading the query only), and a graph replays the path its capture took. Pass them "
+                        "as the samples were passed, or capture with samples passed as the calls pass them");
+    }
+  }
+  if (written_.empty()) return;
+  if (first_of_.empty()) {
+    check_distinct_memory(inputs, written_, where);
+    return;
+  }
+  // A repeated position is the same static input: a write through it reaches both, as eager's.
+  std::vector<at::Tensor> distinct(inputs);
+  for (size_t i = 0; i < distinct.size(); ++i) {
+    if (!first_of_its_tensor(i)) distinct[i] = at::Tensor();
+  }
+  check_distinct_memory(distinct, written_, where);
 }
 
 int64_t StaticInputs::first_gaining_grad(const std::vector<at::Tensor>& inputs) const {
@@ -282,7 +347,9 @@ int64_t StaticInputs::first_gaining_grad(const std::vector<at::Tensor>& inputs) 
 void StaticInputs::copy_in(const std::vector<at::Tensor>& inputs) const {
   const at::NoGradGuard no_grad;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].defined() && inputs[i].data_ptr() != tensors_[i].data_ptr()) tensors_[i].copy_(inputs[i]);
+    if (inputs[i].defined() && first_of_its_tensor(i) && inputs[i].data_ptr() != tensors_[i].data_ptr()) {
+      tensors_[i].copy_(inputs[i]);
+    }
   }
 }
 

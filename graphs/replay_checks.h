@@ -79,11 +79,17 @@ class StaticInputs {
   // ArgumentError naming the argument for a count, shape, strides, dtype or device that
   // differs from capture (eager code would run other kernels, with other rounding and
   // output layouts, for another layout), for an input that requires grad where the sample
-  // did not (the graph computes no gradient for it), and for an argument the graph writes
-  // in place that shares memory with another argument (eager's write would reach both).
+  // did not (the graph computes no gradient for it), for arguments that are one tensor
+  // where the samples were two or the other way round (Note [One tensor in two argument
+  // positions]), and for an argument the graph writes in place that shares memory with
+  // another argument (eager's write would reach both).
   void check(const std::vector<at::Tensor>& inputs, const std::string& where) const;
-  // Copies `inputs` in (skipping those already in place).
+  // Copies `inputs` in (skipping those already in place, and an argument position that
+  // repeats an earlier one's tensor).
   void copy_in(const std::vector<at::Tensor>& inputs) const;
+  // Whether argument i is the first position of its tensor among the samples (a later one
+  // is the same static input: it gets no gradient of its own).
+  bool first_of_its_tensor(size_t i) const { return first_of_.empty() || first_of_.at(i) == i; }
   // Note [Slots share the pool by liveness]: moves the buffers into blocks of `pool`
   // (their values kept), so that once released they are memory later captures may reuse.
   void move_into(class GraphPool& pool);
@@ -102,7 +108,11 @@ class StaticInputs {
   void clear() { tensors_.clear(); }
 
  private:
+  void share_repeated();  // Note [One tensor in two argument positions]
   std::vector<at::Tensor> tensors_;
+  // Per argument, the first argument holding the same sample tensor; empty when the samples
+  // are all distinct tensors.
+  std::vector<size_t> first_of_;
   std::vector<bool> requires_grad_;  // of the samples (released views do not require grad)
   std::vector<size_t> written_;
   bool released_ = false;
@@ -110,6 +120,15 @@ class StaticInputs {
 
 // A view of `t` that does not own its memory (same data, sizes, strides, dtype, device).
 at::Tensor unowned_view(const at::Tensor& t);
+
+// A copy of `t` in its own layout, so that what reads it runs as on `t`: clone() keeps the
+// strides of a dense tensor only, and one with gaps (t[:, ::2], a column slice, logits[:, :-1])
+// gets its strides over storage of its own. Static inputs are made so (the kernels captured
+// on them are those eager code runs on the argument), and the outputs a replay hands the
+// caller (a reduction over them adds in eager's order). A layout whose elements overlap
+// (expanded) cannot be written into: a dense copy, which StaticInputs::check then refuses
+// for an argument. Static inputs moved into a pool (move_into) are dense.
+at::Tensor layout_copy(const at::Tensor& t);
 
 // "a float tensor of shape [2, 3] on cpu"
 std::string describe(const at::Tensor& t);

@@ -684,3 +684,72 @@ def test_optimizer_replaced_behind_the_same_closure_is_seen():
         assert torch.equal(step(x), small_body(eager, cell["e"], x)), f"call {s}"
         assert_same(eager, graphed, cell["e"], cell["g"], f"call {s}")
     assert step.num_captures > captures
+
+
+def _scaled_pair(enabled=True):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+    return [(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+             torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2, enabled=enabled)) for m in (model, twin)]
+
+
+def test_a_grad_scalers_unscale_inside_the_step_is_refused_at_capture_before_it_runs():
+    """unscale_'s kernels would replay, its bookkeeping (the optimizer marked unscaled, its
+    found_inf) would not: scaler.step() after a replay unscaled the gradients again (a review
+    found the parameters 0.085 off eager's after eight steps)."""
+    (model, opt, scaler), _ = _scaled_pair()
+
+    def body(x):
+        loss = model(x).square().mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return loss.detach()
+
+    step = dwgraph.graphed_step(body)
+    x = torch.randn(3, 4)
+    for _ in range(3):  # warmup: eager, as the unwrapped loop
+        step(x)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(dwgraph.GraphStateError, match=r"GradScaler.unscale_\(\).*scaler.step\(\) after a replay"):
+        step(x)
+    assert step.num_captures == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is torch.amp.grad_scaler.OptState.READY
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["scaler", "disabled_scaler"])
+def test_a_grad_scalers_scale_inside_and_unscale_clip_step_update_outside_match_eager(enabled):
+    """The refusal's advice, with an overflowing step among them (the scaler skips it and
+    halves its scale, which the replays read); a disabled scaler's unscale_ inside is a no-op."""
+    pairs = _scaled_pair(enabled)
+
+    def body(model, opt, scaler, x):
+        loss = model(x).square().mean()
+        scaler.scale(loss).backward()
+        if not enabled:
+            scaler.unscale_(opt)
+        return loss.detach()
+
+    (me, oe, se), (mg, og, sg) = pairs
+    step = dwgraph.graphed_step(lambda x: body(mg, og, sg, x))
+    for i in range(8):
+        x = torch.randn(3, 4) * (1e30 if i == 5 else 1.0)
+        for run, (m, o, s) in ((lambda x: body(me, oe, se, x), pairs[0]), (step, pairs[1])):
+            loss = run(x)
+            s.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            s.step(o)
+            s.update()
+            o.zero_grad(set_to_none=True)
+        assert se.get_scale() == sg.get_scale(), f"step {i}"
+        for pe, pg in zip(me.parameters(), mg.parameters()):
+            assert torch.equal(pe, pg), f"step {i}"
+        for k, v in oe.state_dict()["state"].items():
+            assert torch.equal(v["momentum_buffer"], og.state_dict()["state"][k]["momentum_buffer"]), f"step {i}"
+    assert step.num_captures == 1

@@ -26,6 +26,7 @@ recomputed dropout in make_graphed_callables) refused at capture.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 from typing import Callable, List, Optional, Sequence
@@ -827,6 +828,88 @@ def test_other_host_syncs_inside_capture_are_refused(call):
             else:
                 torch.nonzero(x)
     assert not g.is_captured
+
+
+def _ctc_args():
+    logp = torch.randn(12, 2, 5).log_softmax(-1)
+    return logp, torch.randint(1, 5, (2, 4)), torch.tensor([12, 10]), torch.tensor([4, 3])
+
+
+# Calls that read integers a tensor holds on the host, not through .item() (a review found
+# each silently keeping its capture's integers, or later raising an untyped error).
+_HOST_INTEGER_READS = {
+    "tensor_split_by_tensor": (lambda x: torch.tensor_split(x, torch.tensor([2, 5]))[1].sum(), "tensor_split"),
+    "ctc_loss_tensor_lengths": (lambda x: F.ctc_loss(*_ctc_args()) + x.sum(), "ctc_loss"),
+    "repeat_interleave_by_tensor": (lambda x: x.repeat_interleave(torch.tensor([1, 0, 2, 1, 1, 0, 1, 2])), "repeat_interleave"),
+    "bincount": (lambda x: torch.bincount(torch.tensor([0, 3, 3, 1]), minlength=8).float() + x, "bincount"),
+    "unique_dim": (lambda x: torch.unique(x.view(4, 2).round(), dim=0), "unique_dim"),
+}
+
+
+@pytest.mark.parametrize("name", list(_HOST_INTEGER_READS))
+def test_calls_that_read_integers_from_a_tensor_on_the_host_are_refused_naming_the_op(name):
+    fn, op = _HOST_INTEGER_READS[name]
+    x = torch.randn(8)
+    g = Graph("cpu")
+    with pytest.raises(dwgraph.GraphStateError, match=rf"aten::{op}\b.*on the host"):
+        with g.capture():
+            fn(x)
+    assert not g.is_captured
+
+
+def test_a_sparse_gradient_is_refused_with_a_typed_error_leaving_the_module_as_it_was():
+    """nn.Embedding(sparse=True): its backward makes a sparse tensor, whose storage torch's
+    own error refused to show the recorder (a review found that untyped error instead)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 8, sparse=True), torch.nn.Linear(8, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(dwgraph.GraphStateError, match=r"a Sparse Float tensor .* pass sparse=False"):
+        dwgraph.make_graphed_callables(model, (torch.randint(0, 20, (4, 6)),))
+    assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, model.parameters()))
+
+
+def test_repeat_interleave_with_output_size_replays_as_eager():
+    """The refusal's advice: with output_size the output has one size, and the kernel reads
+    the repeats at each replay."""
+    x, counts = torch.randn(6, 3), torch.tensor([1, 2, 0, 1, 1, 0])
+    g = Graph("cpu")
+    with g.capture():
+        y = (x * 2).repeat_interleave(counts, dim=0, output_size=5)
+    for new in ([0, 0, 2, 1, 1, 1], [5, 0, 0, 0, 0, 0]):
+        x.copy_(torch.randn(6, 3))
+        counts.copy_(torch.tensor(new))
+        g.replay()
+        assert torch.equal(y, (x * 2).repeat_interleave(counts, dim=0, output_size=5))
+
+
+_sizes_lib = torch.library.Library("dwgraph_test_sizes", "DEF")
+_sizes_lib.define("first_rows(Tensor x, Tensor n) -> Tensor")
+
+
+def _first_rows_cpu(x, n):
+    # Reads n and fills its output through the data pointers (no dispatcher call): a kernel
+    # the capture cannot see into, whose output size follows n's value.
+    k = ctypes.c_int64.from_address(n.data_ptr()).value
+    out = torch.empty(k, x.shape[1], dtype=x.dtype)
+    ctypes.memmove(out.data_ptr(), x.data_ptr(), out.nbytes)
+    return out
+
+
+_sizes_lib.impl("first_rows", _first_rows_cpu, "CPU")
+
+
+def test_a_replayed_kernel_whose_output_changes_shape_raises_instead_of_broadcasting():
+    x, n = torch.randn(5, 3), torch.tensor([3])
+    g = Graph("cpu")
+    with g.capture():
+        y = torch.ops.dwgraph_test_sizes.first_rows(x, n) + 1
+    x.copy_(torch.randn(5, 3))
+    g.replay()
+    assert torch.equal(y, x[:3] + 1)
+    n.fill_(1)  # a result of one row would broadcast into the capture's three
+    with pytest.raises(dwgraph.GraphStateError, match=r"first_rows returned output 0 of shape \[1, 3\] where its "
+                       r"capture returned \[3, 3\]"):
+        g.replay()
 
 
 def test_released_caller_input_raises_dangling_capture_error_naming_the_kernel():

@@ -20,6 +20,9 @@ those checks can see:
 * ``Tensor.tolist``, ``numpy``, ``__array__`` and ``__dlpack__``, which read a value on the host without a
   dispatcher call the core could refuse: on a capturing thread they raise (the host-read
   watch; ``.item()``, ``bool(t)``, ``int(t)`` reach the core's own refusal);
+* ``torch.amp.GradScaler.unscale_`` (which its ``step()`` calls): on a capturing thread it
+  raises (the scaler watch): it keeps the optimizer's "unscaled" stage and its found_inf in
+  the scaler's Python state, which a replay does not redo;
 * per graphed module tree (:func:`watch_module_tree`): every submodule's parameter,
   buffer, child and hook dicts become watching dicts (a direct ``_parameters[name] = t``,
   as FSDP2 and ``torch.func.functional_call`` do, is seen too), and the parameters' types
@@ -327,6 +330,33 @@ def _install_host_read_watch() -> None:
             torch.to_dlpack = to_dlpack
 
 
+def _install_scaler_watch() -> None:
+    """Inside a capture, an enabled GradScaler's unscale_ raises before it runs: its kernels
+    would replay, its bookkeeping (the optimizer marked unscaled, found_inf kept for step())
+    would not, and scaler.step() after a replay would unscale the gradients a second time (a
+    review found a step under clipping silently 256 times off). Subclasses that override
+    unscale_ (FSDP's ShardedGradScaler) are not seen."""
+    capturing = _C.graphs.capturing
+    unscale = torch.amp.GradScaler.unscale_
+    if getattr(unscale, "_dwgraph_watch", False):
+        return
+
+    @functools.wraps(unscale)
+    def wrapper(self, optimizer):
+        if getattr(self, "_enabled", True) and capturing():
+            _C.graphs.note_refused("GradScaler.unscale_")  # refused again should the region catch it
+            raise GraphStateError(
+                "dwgraph graph capture: GradScaler.unscale_() (which GradScaler.step() calls) inside the captured "
+                "region: it marks the optimizer unscaled and keeps its found_inf in the scaler's Python state, "
+                "which a replay does not redo, so scaler.step() after a replay would unscale the gradients again. "
+                "Keep scaler.scale(loss).backward() inside; call scaler.unscale_(optimizer) (and gradient "
+                "clipping), scaler.step(optimizer) and scaler.update() after the graphed step returns")
+        return unscale(self, optimizer)
+
+    wrapper._dwgraph_watch = True
+    torch.amp.GradScaler.unscale_ = wrapper
+
+
 def install() -> None:
     """Once per process (import dwgraph)."""
     global _installed, _global_hooks_watched
@@ -398,6 +428,7 @@ def install() -> None:
                                     if n in vars(module_mod))
         _install_rng_watch()
         _install_host_read_watch()
+        _install_scaler_watch()
         _installed = True
 
 

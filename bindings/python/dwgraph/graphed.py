@@ -57,6 +57,10 @@ class _Signature:
                                    all(isinstance(a, torch.Tensor) for a in tree[0]))
         self.single_tensor = isinstance(tree, torch.Tensor)
         self.num_leaves = len(leaves)
+        # The keywords of an (args, kwargs) call, in their order: a pytree spec tells dicts
+        # apart by their key order, a call does not.
+        self.kwarg_order = (tuple(tree[1]) if isinstance(tree, tuple) and len(tree) == 2 and isinstance(tree[1], dict)
+                            else None)
 
     @staticmethod
     def tensors_of(tree) -> List[torch.Tensor]:
@@ -143,6 +147,9 @@ class GraphedCallable:
             if outs is not NotImplemented:
                 return outs if out_sig.single_tensor else out_sig.rebuild(outs)
         in_sig = self._in_sig
+        if kwargs and in_sig.kwarg_order is not None and tuple(kwargs) != in_sig.kwarg_order and \
+                set(kwargs) == set(in_sig.kwarg_order):
+            kwargs = {k: kwargs[k] for k in in_sig.kwarg_order}  # keywords in another order: the same call
         sig = _Signature((args, kwargs))
         if not sig.matches(in_sig):
             if not self._native.replays():
