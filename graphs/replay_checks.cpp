@@ -307,6 +307,20 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
                       " requires grad but its sample did not, so the graphs compute no gradient for it; capture "
                       "with a sample that requires grad (or detach the input)");
   }
+  // Before the identity check: where a call aliases what the samples did not and the graph
+  // writes one of them, that is the message to read.
+  if (!written_.empty()) {
+    if (first_of_.empty()) {
+      check_distinct_memory(inputs, written_, where);
+    } else {
+      // A repeated position is the same static input: a write through it reaches both, as eager's.
+      std::vector<at::Tensor> distinct(inputs);
+      for (size_t i = 0; i < distinct.size(); ++i) {
+        if (!first_of_its_tensor(i)) distinct[i] = at::Tensor();
+      }
+      check_distinct_memory(distinct, written_, where);
+    }
+  }
   // Note [One tensor in two argument positions]: no allocation, argument counts are small.
   for (size_t i = 1; i < inputs.size(); ++i) {
     size_t now = i;
@@ -324,17 +338,6 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
                         "as the samples were passed, or capture with samples passed as the calls pass them");
     }
   }
-  if (written_.empty()) return;
-  if (first_of_.empty()) {
-    check_distinct_memory(inputs, written_, where);
-    return;
-  }
-  // A repeated position is the same static input: a write through it reaches both, as eager's.
-  std::vector<at::Tensor> distinct(inputs);
-  for (size_t i = 0; i < distinct.size(); ++i) {
-    if (!first_of_its_tensor(i)) distinct[i] = at::Tensor();
-  }
-  check_distinct_memory(distinct, written_, where);
 }
 
 int64_t StaticInputs::first_gaining_grad(const std::vector<at::Tensor>& inputs) const {
