@@ -438,11 +438,20 @@ bool GraphManager::runs_eagerly(size_t s, const std::vector<at::Tensor>& inputs)
       why = c10::str("argument ", gaining, " requires grad but its sample did not, so the graphs hold no gradient for it");
     }
   }
+  const char* advice = "Capture in the grad mode of the calls, with samples that require grad where their inputs do";
+  if (why.empty() && !slot.buffers->inputs.writes_arguments()) {
+    // Note [One tensor in two argument positions] (graphs/replay_checks.cpp): eager's kernels
+    // may take another path than the captured ones; a module that does not branch on it
+    // loses nothing but the replay (a review found refusing such calls too strict). Graphs
+    // that write an argument refuse such calls (StaticInputs::check), as they refuse
+    // arguments sharing memory.
+    why = slot.buffers->inputs.identity_mismatch(inputs);
+    advice = "Give the samples as the calls give their tensors (one tensor where they pass one)";
+  }
   if (why.empty()) return false;
   if (!warned_eager_autograd_.exchange(true)) {
     log::warning(slot.where, ": ", why, "; such calls run eagerly (eager's results and gradients, nothing "
-                 "replayed). Capture in the grad mode of the calls, with samples that require grad where their "
-                 "inputs do, to replay them (docs/memory-contract.md)");
+                 "replayed). ", advice, ", to replay them (docs/memory-contract.md)");
   }
   return true;
 }
@@ -639,7 +648,13 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
         // the capture's layout, where eager runs them on this one, which can round
         // differently (a review found 1.5e-8 that grew with the steps); an expanded one
         // (y.sum()) is the documented common case and says nothing.
-        if (g.strides() != dst.strides() && g.is_non_overlapping_and_dense() &&
+        auto other_layout = [&] {  // a dimension of size 1 has no layout of its own
+          for (int64_t d = 0; d < g.dim(); ++d) {
+            if (g.size(d) > 1 && g.stride(d) != dst.stride(d)) return true;
+          }
+          return false;
+        };
+        if (g.is_non_overlapping_and_dense() && g.numel() > 1 && other_layout() &&
             !warned_grad_layout_.exchange(true)) {
           log::warning(w, ": the gradient of output ", i, " has strides ", g.strides(), " where the output has ",
                        dst.strides(), "; the graphs copy it into the output's layout and run the backward captured "

@@ -52,13 +52,21 @@ bool reads_value_on_host(const c10::OperatorName& name) {
       "aten::allclose", "aten::nonzero", "aten::masked_select", "aten::unique_consecutive",
       "aten::_unique2", "aten::_unique", "aten::unique_dim", "aten::unique_dim_consecutive",
       // Output sizes from the values (max + 1): CUDA's kernel reads the maximum with .item().
-      "aten::bincount"};
+      "aten::bincount",
+      // Packed sequences: the lengths and batch sizes are read through the data pointer (the
+      // packing's output size too); the backward and the unpacking keep a capture's batch
+      // sizes (a review found an input gradient 1.08 off).
+      "aten::_pack_padded_sequence", "aten::_pack_padded_sequence_backward", "aten::_pad_packed_sequence"};
   if (kSync.count(name.name) > 0) return true;
   // Overloads that take integers as a tensor and read them on the host through the data
   // pointer, not .item(): the capture would keep its call's integers (split points,
-  // sequence lengths) where eager reads the caller's (a review found both silently wrong).
+  // sequence lengths, a packed sequence's batch sizes) where eager reads the caller's (a
+  // review found each silently wrong).
+  static const std::unordered_set<std::string> kPackedData = {"aten::lstm", "aten::gru", "aten::rnn_tanh",
+                                                              "aten::rnn_relu"};
   return (name.name == "aten::tensor_split" && name.overload_name == "tensor_indices_or_sections") ||
-         (name.name == "aten::ctc_loss" && name.overload_name == "Tensor");
+         (name.name == "aten::ctc_loss" && name.overload_name == "Tensor") ||
+         (name.overload_name == "data" && kPackedData.count(name.name) > 0);
 }
 
 // A repeat_interleave with tensor repeats and no output_size sizes its output by the sum of

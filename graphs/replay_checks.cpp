@@ -5,6 +5,7 @@
 #include "graphs/state_epoch.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/core/grad_mode.h>
@@ -205,11 +206,27 @@ bool elements_apart(const at::Tensor& t) {
   return true;
 }
 
+// The elements from t's first to its last in its storage (0 for no element).
+int64_t extent(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t n = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) n += (t.size(d) - 1) * t.stride(d);
+  return n;
+}
+
+// The memory t's elements lie in, as a flat tensor over its storage.
+at::Tensor flat_extent(const at::Tensor& t) { return t.as_strided({extent(t)}, {1}, t.storage_offset()); }
+
 }  // namespace
 
 at::Tensor layout_copy(const at::Tensor& t) {
-  if (t.layout() != at::kStrided || t.is_non_overlapping_and_dense() || !elements_apart(t)) return t.clone();
-  return at::empty_strided(t.sizes(), t.strides(), t.options()).copy_(t);
+  if (t.layout() != at::kStrided || t.is_non_overlapping_and_dense()) return t.clone();
+  if (elements_apart(t)) return at::empty_strided(t.sizes(), t.strides(), t.options()).copy_(t);
+  // Overlapping (expanded, unfolded): a copy of the memory its elements lie in, with its
+  // strides over it (a review found expanded outputs made dense, and their sums 0.095 off).
+  // Not a view of that copy: nothing else holds it.
+  const at::Tensor memory = flat_extent(t).clone();
+  return at::empty({0}, t.options()).set_(memory.storage(), 0, t.sizes(), t.strides());
 }
 
 namespace {
@@ -247,10 +264,27 @@ std::vector<size_t> first_positions(const std::vector<at::Tensor>& ts) {
 // self-attention 1.7e-10 off).
 StaticInputs::StaticInputs(const std::vector<at::Tensor>& samples) : first_of_(first_positions(samples)) {
   const at::NoGradGuard no_grad;
+  overlapping_.assign(samples.size(), false);
   for (size_t i = 0; i < samples.size(); ++i) {
     const auto& t = samples[i];
-    tensors_.push_back(!t.defined() || !first_of_its_tensor(i) ? at::Tensor()
-                                                                : layout_copy(t.detach()).requires_grad_(t.requires_grad()));
+    // Before its storage is asked for (a sparse one has none: torch's untyped error, a review found).
+    DWGRAPH_CHECK_ARG(!t.defined() || (t.layout() == at::kStrided && !t.is_nested()), "dwgraph: tensor argument ", i,
+                      " is a ", t.defined() && t.is_nested() ? std::string("nested") : c10::str(t.layout()),
+                      " tensor; graphs capture strided tensors of fixed shape only (pass it dense, or use it outside "
+                      "the graphs)");
+    // An expanded sample (position ids, arange(S).expand(B, S)) keeps its layout, copied in
+    // through the memory it lies in; one that requires grad is made dense (its gradient is
+    // per element), which the call's same layout then cannot match (check says so).
+    const bool overlapping = t.defined() && t.layout() == at::kStrided && !t.is_non_overlapping_and_dense() &&
+                             !elements_apart(t) && !t.requires_grad();
+    overlapping_[i] = overlapping;
+    at::Tensor copy;
+    if (t.defined() && first_of_its_tensor(i)) {
+      const at::Tensor d = t.detach();
+      copy = overlapping || elements_apart(d) ? layout_copy(d) : d.clone();
+      copy.requires_grad_(t.requires_grad());
+    }
+    tensors_.push_back(copy);
     requires_grad_.push_back(t.defined() && t.requires_grad());
   }
   share_repeated();
@@ -269,7 +303,10 @@ void StaticInputs::move_into(GraphPool& pool) {
   for (size_t i = 0; i < tensors_.size(); ++i) {
     // Dense: the pool's replay order accounts for its blocks by what the kernels touch, which
     // a layout with gaps would under-count (a review found a copy into one passing the check).
-    if (tensors_[i].defined() && first_of_its_tensor(i)) tensors_[i] = tensors_[i].clone().requires_grad_(requires_grad_[i]);
+    if (tensors_[i].defined() && first_of_its_tensor(i)) {
+      tensors_[i] = tensors_[i].clone(at::MemoryFormat::Contiguous).requires_grad_(requires_grad_[i]);
+    }
+    overlapping_[i] = false;  // dense now: an expanded argument no longer matches (check says so)
   }
   share_repeated();
 }
@@ -321,23 +358,28 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
       check_distinct_memory(distinct, written_, where);
     }
   }
-  // Note [One tensor in two argument positions]: no allocation, argument counts are small.
-  for (size_t i = 1; i < inputs.size(); ++i) {
+  // Note [One tensor in two argument positions]: GraphManager::runs_eagerly runs such calls
+  // eagerly before this is reached; a caller that bypasses it is refused.
+  const std::string mismatch = identity_mismatch(inputs);
+  DWGRAPH_CHECK_ARG(mismatch.empty(), where, ": ", mismatch, "; kernels branch on that, and a graph replays the "
+                    "path its capture took");
+}
+
+std::string StaticInputs::identity_mismatch(const std::vector<at::Tensor>& inputs) const {
+  // No allocation: argument counts are small.
+  for (size_t i = 1; i < inputs.size() && i < tensors_.size(); ++i) {
     size_t now = i;
     if (inputs[i].defined()) {
       for (size_t j = 0; j < i && now == i; ++j) now = inputs[j].is_same(inputs[i]) ? j : i;
     }
     const size_t then = first_of_.empty() ? i : first_of_[i];
-    if (now != then) {
-      const bool one_now = now != i;
-      DWGRAPH_CHECK_ARG(false, where, ": arguments ", one_now ? now : then, " and ", i,
-                        one_now ? " are one tensor, where the samples were two" :
-                                  " are two tensors, where the samples were one",
-                        "; kernels branch on that (torch's MultiheadAttention takes its self-attention path for one "
-                        "tensor, reading the query only), and a graph replays the path its capture took. Pass them "
-                        "as the samples were passed, or capture with samples passed as the calls pass them");
-    }
+    if (now == then) continue;
+    const bool one_now = now != i;
+    return c10::str("arguments ", one_now ? now : then, " and ", i,
+                    one_now ? " are one tensor, where the samples were two" : " are two tensors, where the samples were one",
+                    " (torch's MultiheadAttention takes its self-attention path for one tensor, reading the query only)");
   }
+  return std::string();
 }
 
 int64_t StaticInputs::first_gaining_grad(const std::vector<at::Tensor>& inputs) const {
@@ -350,7 +392,10 @@ int64_t StaticInputs::first_gaining_grad(const std::vector<at::Tensor>& inputs) 
 void StaticInputs::copy_in(const std::vector<at::Tensor>& inputs) const {
   const at::NoGradGuard no_grad;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].defined() && first_of_its_tensor(i) && inputs[i].data_ptr() != tensors_[i].data_ptr()) {
+    if (!inputs[i].defined() || !first_of_its_tensor(i) || inputs[i].data_ptr() == tensors_[i].data_ptr()) continue;
+    if (overlapping_[i]) {
+      flat_extent(tensors_[i]).copy_(flat_extent(inputs[i]));  // same strides (check): the same extent
+    } else {
       tensors_[i].copy_(inputs[i]);
     }
   }

@@ -87,6 +87,12 @@ class StaticInputs {
   // Copies `inputs` in (skipping those already in place, and an argument position that
   // repeats an earlier one's tensor).
   void copy_in(const std::vector<at::Tensor>& inputs) const;
+  // Note [One tensor in two argument positions]: "arguments 0 and 2 are one tensor, where
+  // the samples were two" (or the other way round) for the first position `inputs` are
+  // passed otherwise than the samples were; empty when they are passed alike.
+  std::string identity_mismatch(const std::vector<at::Tensor>& inputs) const;
+  // Whether the graphs write an argument in place (note_writes).
+  bool writes_arguments() const { return !written_.empty(); }
   // Whether argument i is the first position of its tensor among the samples (a later one
   // is the same static input: it gets no gradient of its own).
   bool first_of_its_tensor(size_t i) const { return first_of_.empty() || first_of_.at(i) == i; }
@@ -114,6 +120,7 @@ class StaticInputs {
   // are all distinct tensors.
   std::vector<size_t> first_of_;
   std::vector<bool> requires_grad_;  // of the samples (released views do not require grad)
+  std::vector<bool> overlapping_;    // an expanded sample's layout, kept (copied in by its memory)
   std::vector<size_t> written_;
   bool released_ = false;
 };
@@ -126,8 +133,8 @@ at::Tensor unowned_view(const at::Tensor& t);
 // gets its strides over storage of its own. Static inputs are made so (the kernels captured
 // on them are those eager code runs on the argument), and the outputs a replay hands the
 // caller (a reduction over them adds in eager's order). A layout whose elements overlap
-// (expanded) cannot be written into: a dense copy, which StaticInputs::check then refuses
-// for an argument. Static inputs moved into a pool (move_into) are dense.
+// (expanded, unfolded) is a copy of the memory they lie in, with the same strides over it.
+// Static inputs moved into a pool (move_into) are dense.
 at::Tensor layout_copy(const at::Tensor& t);
 
 // "a float tensor of shape [2, 3] on cpu"

@@ -843,6 +843,8 @@ _HOST_INTEGER_READS = {
     "repeat_interleave_by_tensor": (lambda x: x.repeat_interleave(torch.tensor([1, 0, 2, 1, 1, 0, 1, 2])), "repeat_interleave"),
     "bincount": (lambda x: torch.bincount(torch.tensor([0, 3, 3, 1]), minlength=8).float() + x, "bincount"),
     "unique_dim": (lambda x: torch.unique(x.view(4, 2).round(), dim=0), "unique_dim"),
+    "pack_padded_sequence": (lambda x: torch.nn.utils.rnn.pack_padded_sequence(
+        x.view(2, 4, 1), torch.tensor([4, 3]), batch_first=True).data.sum(), "_pack_padded_sequence"),
 }
 
 
@@ -866,6 +868,19 @@ def test_a_sparse_gradient_is_refused_with_a_typed_error_leaving_the_module_as_i
     with pytest.raises(dwgraph.GraphStateError, match=r"a Sparse Float tensor .* pass sparse=False"):
         dwgraph.make_graphed_callables(model, (torch.randint(0, 20, (4, 6)),))
     assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("entry", ["make_graphed_callables", "graphed_step"])
+def test_a_sparse_argument_is_refused_with_a_typed_error(entry):
+    lin = torch.nn.Linear(4, 4)
+    x, b = torch.randn(4, 4), torch.randn(4, 4).relu().to_sparse()
+    with pytest.raises(dwgraph.ArgumentError, match=r"tensor argument 1 is a Sparse tensor"):
+        if entry == "make_graphed_callables":
+            dwgraph.make_graphed_callables(lambda a, s: torch.sparse.mm(s, lin(a)), (x, b))
+        else:
+            step = dwgraph.graphed_step(lambda a, s: torch.sparse.mm(s, lin(a)).sum().backward(), warmup_iters=0,
+                                        params=lin)
+            step(x, b)
 
 
 def test_repeat_interleave_with_output_size_replays_as_eager():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -76,6 +77,18 @@ class _Signature:
         return pytree.tree_unflatten([next(it) if t else c for t, c in zip(self.is_tensor, self.constants)], self.spec)
 
 
+def _binds_by_name(fn: Callable, names) -> bool:
+    """Whether `fn` takes every one of `names` as a named parameter (not through **kwargs)."""
+    if not names:
+        return False
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: keep the order
+        return False
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return all(n in params and params[n].kind in named for n in names)
+
+
 def _same_constant(a, b) -> bool:
     if type(a) is not type(b):
         return False
@@ -100,6 +113,9 @@ class GraphedCallable:
         self._out = out_sig
         # Positional tensors only, as captured: the count the common path of __call__ takes.
         self._positional = in_sig.num_leaves if in_sig.positional_tensors else -1
+        # Keywords the forward binds by name may come in any order; those a **kwargs takes
+        # keep the order it sees (a forward may iterate them: a review found one reordered).
+        self._kwarg_order = in_sig.kwarg_order if _binds_by_name(forward, in_sig.kwarg_order) else None
         is_module = isinstance(target, torch.nn.Module)
         self._dw_modules = [m for m in target.modules() if _spec.is_dwgraph_module(m)] if is_module else []
 
@@ -147,9 +163,9 @@ class GraphedCallable:
             if outs is not NotImplemented:
                 return outs if out_sig.single_tensor else out_sig.rebuild(outs)
         in_sig = self._in_sig
-        if kwargs and in_sig.kwarg_order is not None and tuple(kwargs) != in_sig.kwarg_order and \
-                set(kwargs) == set(in_sig.kwarg_order):
-            kwargs = {k: kwargs[k] for k in in_sig.kwarg_order}  # keywords in another order: the same call
+        order = self._kwarg_order
+        if kwargs and order is not None and tuple(kwargs) != order and set(kwargs) == set(order):
+            kwargs = {k: kwargs[k] for k in order}  # named parameters in another order: the same call
         sig = _Signature((args, kwargs))
         if not sig.matches(in_sig):
             if not self._native.replays():
