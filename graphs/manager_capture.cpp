@@ -987,20 +987,15 @@ void GraphManager::share_static_buffers() {
   std::vector<std::shared_ptr<StaticBuffers>> groups;
   std::map<const StaticBuffers*, size_t> holder;  // the group's latest slot
   for (size_t s : by_start) {
-    const auto& mine = slots_[s].buffers->inputs.tensors();
+    const StaticInputs& mine = slots_[s].buffers->inputs;
     for (auto& g : groups) {
       const size_t h = holder[g.get()];
       if (slots_[h].info.callable != slots_[s].info.callable || last[h] >= first[s]) continue;
-      const auto& theirs = g->inputs.tensors();
-      bool same = theirs.size() == mine.size();
-      for (size_t i = 0; i < mine.size() && same; ++i) {
-        same = mine[i].sizes() == theirs[i].sizes() && mine[i].strides() == theirs[i].strides() &&
-               mine[i].scalar_type() == theirs[i].scalar_type() && mine[i].requires_grad() == theirs[i].requires_grad();
-      }
-      if (!same) continue;
+      // Arguments repeated and expanded alike too (a review found a slot joining one whose
+      // samples repeated a tensor, and running eagerly at every call made as its own).
+      if (!g->inputs.interchangeable_with(mine)) continue;
       // The sample's values: warmup and capture of this slot read them.
-      const at::NoGradGuard no_grad;
-      for (size_t i = 0; i < mine.size(); ++i) theirs[i].copy_(mine[i]);
+      g->inputs.copy_values_from(mine);
       slots_[s].buffers = g;
       break;
     }

@@ -497,6 +497,7 @@ class GraphManager : public std::enable_shared_from_this<GraphManager> {
   bool grad_at_capture_ = true;  // grad mode at capture (Note [Calls eager autograd would differentiate further])
   bool inference_at_capture_ = false;  // inference mode at capture: its static tensors are inference tensors
   std::atomic<bool> warned_eager_autograd_{false};
+  std::atomic<bool> warned_eager_identity_{false};  // calls passing arguments otherwise than the samples
   std::atomic<bool> warned_grad_layout_{false};  // once per set: a gradient in another dense layout
   std::vector<CapturedParameters> params_;    // per callable
   std::vector<CapturedMainGrads> main_grads_;  // per callable

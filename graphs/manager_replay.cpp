@@ -439,6 +439,7 @@ bool GraphManager::runs_eagerly(size_t s, const std::vector<at::Tensor>& inputs)
     }
   }
   const char* advice = "Capture in the grad mode of the calls, with samples that require grad where their inputs do";
+  bool identity = false;
   if (why.empty() && !slot.buffers->inputs.writes_arguments()) {
     // Note [One tensor in two argument positions] (graphs/replay_checks.cpp): eager's kernels
     // may take another path than the captured ones; a module that does not branch on it
@@ -447,9 +448,12 @@ bool GraphManager::runs_eagerly(size_t s, const std::vector<at::Tensor>& inputs)
     // arguments sharing memory.
     why = slot.buffers->inputs.identity_mismatch(inputs);
     advice = "Give the samples as the calls give their tensors (one tensor where they pass one)";
+    identity = true;
   }
   if (why.empty()) return false;
-  if (!warned_eager_autograd_.exchange(true)) {
+  // One warning per set and reason: an earlier grad-mode one does not hide this one.
+  std::atomic<bool>& warned = identity ? warned_eager_identity_ : warned_eager_autograd_;
+  if (!warned.exchange(true)) {
     log::warning(slot.where, ": ", why, "; such calls run eagerly (eager's results and gradients, nothing "
                  "replayed). ", advice, ", to replay them (docs/memory-contract.md)");
   }
@@ -648,19 +652,20 @@ BackwardResult GraphManager::backward(size_t s, uint64_t generation, const std::
         // the capture's layout, where eager runs them on this one, which can round
         // differently (a review found 1.5e-8 that grew with the steps); an expanded one
         // (y.sum()) is the documented common case and says nothing.
-        auto other_layout = [&] {  // a dimension of size 1 has no layout of its own
-          for (int64_t d = 0; d < g.dim(); ++d) {
-            if (g.size(d) > 1 && g.stride(d) != dst.stride(d)) return true;
-          }
-          return false;
-        };
-        if (g.is_non_overlapping_and_dense() && g.numel() > 1 && other_layout() &&
-            !warned_grad_layout_.exchange(true)) {
-          log::warning(w, ": the gradient of output ", i, " has strides ", g.strides(), " where the output has ",
-                       dst.strides(), "; the graphs copy it into the output's layout and run the backward captured "
-                       "for that one, where eager code runs it on this layout: results can differ in the last bits "
-                       "(docs/memory-contract.md, row 15). A loss whose gradient has the output's layout (e.g. a "
-                       "target in the output's memory format) is exact");
+        // Dimensions of size 1 have no layout of their own; an expanded gradient (a zero
+        // stride) is the documented common case.
+        bool expanded = false, other = false;
+        for (int64_t d = 0; d < g.dim(); ++d) {
+          if (g.size(d) < 2) continue;
+          expanded = expanded || g.stride(d) == 0;
+          other = other || g.stride(d) != dst.stride(d);
+        }
+        if (other && !expanded && !warned_grad_layout_.exchange(true)) {
+          log::warning(w, ": the gradient of output ", i, " has strides ", g.strides(), " where the graphs' buffer "
+                       "for it, the layout the backward was captured for, has ", dst.strides(), "; the graphs copy "
+                       "it into that layout and run the backward captured for it, where eager code runs it on this "
+                       "one: results can differ in the last bits (docs/memory-contract.md, row 15). A loss whose "
+                       "gradient has the output's layout (e.g. a target in the output's memory format) is exact");
         }
         dst.copy_(g);
       }

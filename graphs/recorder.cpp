@@ -56,7 +56,9 @@ bool reads_value_on_host(const c10::OperatorName& name) {
       // Packed sequences: the lengths and batch sizes are read through the data pointer (the
       // packing's output size too); the backward and the unpacking keep a capture's batch
       // sizes (a review found an input gradient 1.08 off).
-      "aten::_pack_padded_sequence", "aten::_pack_padded_sequence_backward", "aten::_pad_packed_sequence"};
+      "aten::_pack_padded_sequence", "aten::_pack_padded_sequence_backward", "aten::_pad_packed_sequence",
+      // A shape given as a tensor (torch.onnx's reshape_from_tensor_shape), read the same way.
+      "aten::_reshape_from_tensor"};
   if (kSync.count(name.name) > 0) return true;
   // Overloads that take integers as a tensor and read them on the host through the data
   // pointer, not .item(): the capture would keep its call's integers (split points,

@@ -217,16 +217,42 @@ int64_t extent(const at::Tensor& t) {
 // The memory t's elements lie in, as a flat tensor over its storage.
 at::Tensor flat_extent(const at::Tensor& t) { return t.as_strided({extent(t)}, {1}, t.storage_offset()); }
 
+// t with each expanded dimension (stride 0) cut to size 1: the elements that hold its values.
+at::Tensor unexpanded(const at::Tensor& t) {
+  at::Tensor c = t;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) == 0 && t.size(d) > 1) c = c.narrow(d, 0, 1);
+  }
+  return c;
+}
+
+// Copies the values of `from` into `to` (same sizes and strides, elements that may overlap):
+// through their unexpanded elements where those lie apart (an expanded tensor: numel of its
+// source), else through the memory they lie in.
+void copy_overlapping(const at::Tensor& to, const at::Tensor& from) {
+  const at::Tensor a = unexpanded(to), b = unexpanded(from);
+  if (elements_apart(a)) {
+    a.copy_(b);
+  } else {
+    flat_extent(to).copy_(flat_extent(from));
+  }
+}
+
 }  // namespace
 
 at::Tensor layout_copy(const at::Tensor& t) {
   if (t.layout() != at::kStrided || t.is_non_overlapping_and_dense()) return t.clone();
   if (elements_apart(t)) return at::empty_strided(t.sizes(), t.strides(), t.options()).copy_(t);
-  // Overlapping (expanded, unfolded): a copy of the memory its elements lie in, with its
-  // strides over it (a review found expanded outputs made dense, and their sums 0.095 off).
-  // Not a view of that copy: nothing else holds it.
-  const at::Tensor memory = flat_extent(t).clone();
-  return at::empty({0}, t.options()).set_(memory.storage(), 0, t.sizes(), t.strides());
+  // Overlapping (expanded, unfolded): its strides over memory of its own, the size of the
+  // memory its elements lie in (a review found expanded outputs made dense, and their sums
+  // 0.095 off); only its unexpanded elements copied (an expanded row of a large tensor
+  // copied the whole tensor, another found). Not a view of that memory: nothing else holds it.
+  const at::Tensor u = unexpanded(t);
+  const at::Tensor memory = elements_apart(u) ? at::empty_strided(u.sizes(), u.strides(), u.options())
+                                              : at::empty({extent(t)}, t.options());
+  at::Tensor out = at::empty({0}, t.options()).set_(memory.storage(), 0, t.sizes(), t.strides());
+  copy_overlapping(out, t);
+  return out;
 }
 
 namespace {
@@ -265,6 +291,7 @@ std::vector<size_t> first_positions(const std::vector<at::Tensor>& ts) {
 StaticInputs::StaticInputs(const std::vector<at::Tensor>& samples) : first_of_(first_positions(samples)) {
   const at::NoGradGuard no_grad;
   overlapping_.assign(samples.size(), false);
+  held_dense_.assign(samples.size(), false);
   for (size_t i = 0; i < samples.size(); ++i) {
     const auto& t = samples[i];
     // Before its storage is asked for (a sparse one has none: torch's untyped error, a review found).
@@ -275,9 +302,10 @@ StaticInputs::StaticInputs(const std::vector<at::Tensor>& samples) : first_of_(f
     // An expanded sample (position ids, arange(S).expand(B, S)) keeps its layout, copied in
     // through the memory it lies in; one that requires grad is made dense (its gradient is
     // per element), which the call's same layout then cannot match (check says so).
-    const bool overlapping = t.defined() && t.layout() == at::kStrided && !t.is_non_overlapping_and_dense() &&
-                             !elements_apart(t) && !t.requires_grad();
+    const bool expanded = t.defined() && !t.is_non_overlapping_and_dense() && !elements_apart(t);
+    const bool overlapping = expanded && !t.requires_grad();
     overlapping_[i] = overlapping;
+    held_dense_[i] = expanded && !overlapping;
     at::Tensor copy;
     if (t.defined() && first_of_its_tensor(i)) {
       const at::Tensor d = t.detach();
@@ -303,10 +331,15 @@ void StaticInputs::move_into(GraphPool& pool) {
   for (size_t i = 0; i < tensors_.size(); ++i) {
     // Dense: the pool's replay order accounts for its blocks by what the kernels touch, which
     // a layout with gaps would under-count (a review found a copy into one passing the check).
+    // An expanded one whose values lie dense keeps its layout: its memory is what its
+    // kernels read, all of it.
+    const bool keep = overlapping_[i] && unexpanded(tensors_[i]).is_non_overlapping_and_dense();
+    if (overlapping_[i] && !keep) held_dense_[i] = true;
+    overlapping_[i] = keep;
     if (tensors_[i].defined() && first_of_its_tensor(i)) {
-      tensors_[i] = tensors_[i].clone(at::MemoryFormat::Contiguous).requires_grad_(requires_grad_[i]);
+      tensors_[i] = (keep ? layout_copy(tensors_[i]) : tensors_[i].clone(at::MemoryFormat::Contiguous))
+                        .requires_grad_(requires_grad_[i]);
     }
-    overlapping_[i] = false;  // dense now: an expanded argument no longer matches (check says so)
   }
   share_repeated();
 }
@@ -335,6 +368,10 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
                                             x.device() == st.device())),
                       where, ": argument ", i, " must be ", describe(st.defined() ? st.detach() : st),
                       " as at capture, got ", describe(x.defined() ? x.detach() : x));
+    DWGRAPH_CHECK_ARG(!x.defined() || same_layout(x, st) || !held_dense_[i] || elements_apart(x), where,
+                      ": argument ", i, " has strides ", x.strides(), ", its elements overlapping as its sample's "
+                      "did, but the graphs hold that sample dense (it requires grad, or its static input went into "
+                      "the pool dense); pass it dense (.contiguous())");
     DWGRAPH_CHECK_ARG(!x.defined() || same_layout(x, st), where, ": argument ", i, " has strides ", x.strides(),
                       " but its sample had ", st.strides(), "; the graphs replay the kernels captured for the "
                       "sample's layout, where eager code would choose kernels (and output layouts, and rounding) "
@@ -362,7 +399,36 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
   // eagerly before this is reached; a caller that bypasses it is refused.
   const std::string mismatch = identity_mismatch(inputs);
   DWGRAPH_CHECK_ARG(mismatch.empty(), where, ": ", mismatch, "; kernels branch on that, and a graph replays the "
-                    "path its capture took");
+                    "path its capture took. Pass them as the samples were passed, or capture with samples passed as "
+                    "the calls pass them");
+}
+
+bool StaticInputs::interchangeable_with(const StaticInputs& other) const {
+  if (other.tensors_.size() != tensors_.size() || other.first_of_ != first_of_ || other.overlapping_ != overlapping_ ||
+      other.held_dense_ != held_dense_) {
+    return false;
+  }
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const at::Tensor &a = tensors_[i], &b = other.tensors_[i];
+    if (a.defined() != b.defined()) return false;
+    if (a.defined() && (a.sizes() != b.sizes() || a.strides() != b.strides() || a.scalar_type() != b.scalar_type() ||
+                        a.requires_grad() != b.requires_grad())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void StaticInputs::copy_values_from(const StaticInputs& other) const {
+  const at::NoGradGuard no_grad;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    if (!tensors_[i].defined() || !first_of_its_tensor(i)) continue;
+    if (overlapping_[i]) {
+      copy_overlapping(tensors_[i], other.tensors_[i]);
+    } else {
+      tensors_[i].copy_(other.tensors_[i]);
+    }
+  }
 }
 
 std::string StaticInputs::identity_mismatch(const std::vector<at::Tensor>& inputs) const {
@@ -394,7 +460,7 @@ void StaticInputs::copy_in(const std::vector<at::Tensor>& inputs) const {
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined() || !first_of_its_tensor(i) || inputs[i].data_ptr() == tensors_[i].data_ptr()) continue;
     if (overlapping_[i]) {
-      flat_extent(tensors_[i]).copy_(flat_extent(inputs[i]));  // same strides (check): the same extent
+      copy_overlapping(tensors_[i], inputs[i]);  // same sizes and strides (check)
     } else {
       tensors_[i].copy_(inputs[i]);
     }

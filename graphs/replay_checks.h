@@ -91,6 +91,11 @@ class StaticInputs {
   // the samples were two" (or the other way round) for the first position `inputs` are
   // passed otherwise than the samples were; empty when they are passed alike.
   std::string identity_mismatch(const std::vector<at::Tensor>& inputs) const;
+  // Whether `other` could serve the calls these serve: the same sizes, strides, dtypes and
+  // requires_grad, and arguments repeated and expanded alike (reuse_static_buffers).
+  bool interchangeable_with(const StaticInputs& other) const;
+  // Copies the values `other` holds into these (interchangeable_with(other)).
+  void copy_values_from(const StaticInputs& other) const;
   // Whether the graphs write an argument in place (note_writes).
   bool writes_arguments() const { return !written_.empty(); }
   // Whether argument i is the first position of its tensor among the samples (a later one
@@ -121,6 +126,7 @@ class StaticInputs {
   std::vector<size_t> first_of_;
   std::vector<bool> requires_grad_;  // of the samples (released views do not require grad)
   std::vector<bool> overlapping_;    // an expanded sample's layout, kept (copied in by its memory)
+  std::vector<bool> held_dense_;     // an expanded sample held dense (it requires grad, or went into the pool)
   std::vector<size_t> written_;
   bool released_ = false;
 };

@@ -843,6 +843,7 @@ _HOST_INTEGER_READS = {
     "repeat_interleave_by_tensor": (lambda x: x.repeat_interleave(torch.tensor([1, 0, 2, 1, 1, 0, 1, 2])), "repeat_interleave"),
     "bincount": (lambda x: torch.bincount(torch.tensor([0, 3, 3, 1]), minlength=8).float() + x, "bincount"),
     "unique_dim": (lambda x: torch.unique(x.view(4, 2).round(), dim=0), "unique_dim"),
+    "reshape_from_tensor": (lambda x: torch._reshape_from_tensor(x, torch.tensor([2, 4])).sum(0), "_reshape_from_tensor"),
     "pack_padded_sequence": (lambda x: torch.nn.utils.rnn.pack_padded_sequence(
         x.view(2, 4, 1), torch.tensor([4, 3]), batch_first=True).data.sum(), "_pack_padded_sequence"),
 }
