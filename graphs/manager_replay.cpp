@@ -440,13 +440,15 @@ bool GraphManager::runs_eagerly(size_t s, const std::vector<at::Tensor>& inputs)
   }
   const char* advice = "Capture in the grad mode of the calls, with samples that require grad where their inputs do";
   bool identity = false;
-  if (why.empty() && !slot.buffers->inputs.writes_arguments()) {
+  if (why.empty()) {
     // Note [One tensor in two argument positions] (graphs/replay_checks.cpp): eager's kernels
     // may take another path than the captured ones; a module that does not branch on it
-    // loses nothing but the replay (a review found refusing such calls too strict). Graphs
-    // that write an argument refuse such calls (StaticInputs::check), as they refuse
-    // arguments sharing memory.
-    why = slot.buffers->inputs.identity_mismatch(inputs);
+    // loses nothing but the replay (a review found refusing such calls too strict). A call
+    // that passes one tensor where the samples were two, to graphs that write an argument,
+    // is refused (StaticInputs::check), as arguments sharing memory are.
+    bool aliases = false;
+    why = slot.buffers->inputs.identity_mismatch(inputs, &aliases);
+    if (aliases && slot.buffers->inputs.writes_arguments()) return false;
     advice = "Give the samples as the calls give their tensors (one tensor where they pass one)";
     identity = true;
   }

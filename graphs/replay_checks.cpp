@@ -431,7 +431,7 @@ void StaticInputs::copy_values_from(const StaticInputs& other) const {
   }
 }
 
-std::string StaticInputs::identity_mismatch(const std::vector<at::Tensor>& inputs) const {
+std::string StaticInputs::identity_mismatch(const std::vector<at::Tensor>& inputs, bool* aliases) const {
   // No allocation: argument counts are small.
   for (size_t i = 1; i < inputs.size() && i < tensors_.size(); ++i) {
     size_t now = i;
@@ -441,6 +441,7 @@ std::string StaticInputs::identity_mismatch(const std::vector<at::Tensor>& input
     const size_t then = first_of_.empty() ? i : first_of_[i];
     if (now == then) continue;
     const bool one_now = now != i;
+    if (aliases != nullptr) *aliases = one_now;
     return c10::str("arguments ", one_now ? now : then, " and ", i,
                     one_now ? " are one tensor, where the samples were two" : " are two tensors, where the samples were one",
                     " (torch's MultiheadAttention takes its self-attention path for one tensor, reading the query only)");

@@ -90,7 +90,9 @@ class StaticInputs {
   // Note [One tensor in two argument positions]: "arguments 0 and 2 are one tensor, where
   // the samples were two" (or the other way round) for the first position `inputs` are
   // passed otherwise than the samples were; empty when they are passed alike.
-  std::string identity_mismatch(const std::vector<at::Tensor>& inputs) const;
+  // `aliases`, when given, is set to whether the call passes one tensor where the samples
+  // were two (against two where they were one).
+  std::string identity_mismatch(const std::vector<at::Tensor>& inputs, bool* aliases = nullptr) const;
   // Whether `other` could serve the calls these serve: the same sizes, strides, dtypes and
   // requires_grad, and arguments repeated and expanded alike (reuse_static_buffers).
   bool interchangeable_with(const StaticInputs& other) const;

@@ -490,6 +490,28 @@ def test_arguments_passed_otherwise_than_the_samples_run_eagerly_with_one_warnin
     g(*sample, need_weights=False)[0].sum().backward()  # passed as the samples were: replays
 
 
+def test_distinct_tensors_where_the_samples_were_one_run_eagerly_where_the_graph_writes_one(caplog):
+    """The graph writes the one static input both positions share; eager writes only the
+    first argument: such calls run eagerly (refusing them was too strict, a review found)."""
+    torch.manual_seed(24)
+    model = _WritesFirst()
+    eager = copy.deepcopy(model)
+    x0 = torch.randn(B, H)
+    g = dwgraph.make_graphed_callables(model, (x0, x0))
+    with caplog.at_level(logging.WARNING, logger="dwgraph"):
+        a, b = torch.randn(B, H), torch.randn(B, H)
+        ae, be = a.clone(), b.clone()
+        out, eout = g(a, b), eager(ae, be)
+        assert torch.equal(out, eout) and torch.equal(a, ae) and torch.equal(b, be)
+        out.square().sum().backward()
+        eout.square().sum().backward()
+        g.backward_dw()
+        eager_backward_dw(eager)
+        assert_same_as_eager(model, eager, "distinct call")
+    assert any("are two tensors, where the samples were one" in r.getMessage() for r in caplog.records
+               if r.name == "dwgraph")
+
+
 def test_one_tensor_in_two_positions_written_in_place_reaches_both_as_in_eager():
     """With the samples one tensor the graph writes one static input, which both positions
     are: exact, where distinct samples are refused (test_arguments_sharing_memory)."""
@@ -533,6 +555,43 @@ def test_an_expanded_argument_replays_with_its_layout():
     with pytest.raises(dwgraph.ArgumentError, match=r"argument 0 has strides \[0, 1\], its elements overlapping as its "
                        r"sample's did, but the graphs hold that sample dense \(it requires grad"):
         g(torch.randn(1, H, requires_grad=True).expand(B, H))
+
+
+class _FirstThird(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(H, 3 * H)
+
+    def forward(self, x):
+        return self.lin(x)[:, :H]  # a view with gaps, as eager returns it
+
+
+@pytest.mark.parametrize("second_sample", ["dense", "with_gaps"])
+def test_an_output_with_gaps_passed_to_another_graphed_callable(second_sample):
+    """Outputs keep eager's strides, so the next callable meets the layout eager's next
+    module meets: captured for it, the chain replays exactly; captured dense, the call is
+    refused naming the layout (before, the output came back dense and the dense capture
+    replayed it)."""
+    torch.manual_seed(8)
+    first, second = _FirstThird(), torch.nn.Linear(H, H)
+    e_first, e_second = copy.deepcopy(first), copy.deepcopy(second)
+    g1 = dwgraph.make_graphed_callables(first, (torch.randn(B, H),))
+    sample = torch.randn(B, H) if second_sample == "dense" else torch.randn(B, 3 * H)[:, :H]
+    g2 = dwgraph.make_graphed_callables(second, (sample.requires_grad_(),))
+    x = torch.randn(B, H)
+    if second_sample == "dense":
+        with pytest.raises(dwgraph.ArgumentError, match=rf"argument 0 has strides \[{3 * H}, 1\] but its sample had "
+                           rf"\[{H}, 1\].*or capture with a sample of this layout"):
+            g2(g1(x))
+        return
+    for step in range(3):
+        x = torch.randn(B, H)
+        out, eout = g2(g1(x)), e_second(e_first(x))
+        assert torch.equal(out, eout), f"step {step}"
+        out.square().sum().backward()
+        eout.square().sum().backward()
+        for p, pe in zip([*first.parameters(), *second.parameters()], [*e_first.parameters(), *e_second.parameters()]):
+            assert torch.equal(p.grad, pe.grad), f"step {step}"
 
 
 class _EmbedPositions(torch.nn.Module):
