@@ -71,6 +71,17 @@ bool reads_value_on_host(const c10::OperatorName& name) {
          (name.overload_name == "data" && kPackedData.count(name.name) > 0);
 }
 
+// F.one_hot with num_classes given reads the labels' range with .item() on the CPU only to
+// refuse one out of range (its CUDA kernel reads nothing); the output's size is the given one,
+// and the replayed scatter still refuses an index out of range.
+bool validates_on_host(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t base) {
+  if (schema.operator_name().name != "aten::one_hot") return false;
+  const auto index = schema.argumentIndexWithName("num_classes");
+  if (!index || base + *index >= stack.size()) return false;
+  const c10::IValue& n = stack[base + *index];
+  return n.isInt() && n.toInt() >= 0;
+}
+
 // A repeat_interleave with tensor repeats and no output_size sizes its output by the sum of
 // the repeats, read on the host (CUDA's kernel with .item()).
 bool sizes_output_from_values(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t base) {
@@ -349,7 +360,8 @@ void Recorder::snapshot_if_caller(const TensorSlot& s, const at::Tensor& t) {
 // shapes, draws after a reseed.
 void Recorder::refuse_uncapturable(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t base) const {
   const std::string& op_name = schema.operator_name().name;
-  DWGRAPH_CHECK_STATE(!reads_value_on_host(schema.operator_name()), "dwgraph graph capture: ", op_name,
+  const bool validating = std::any_of(frames_.begin(), frames_.end(), [](const Frame& f) { return f.validates_on_host; });
+  DWGRAPH_CHECK_STATE(validating || !reads_value_on_host(schema.operator_name()), "dwgraph graph capture: ", op_name,
                       schema.overload_name().empty() ? std::string() : "." + schema.overload_name(),
                       " reads a tensor's value on the host (e.g. .item(), torch.equal, nonzero, tensor split points "
                       "or lengths), which a CUDA graph cannot capture and a replay would not read again; move it out "
@@ -463,7 +475,7 @@ void Recorder::on_call(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   if (advance_generator_mark() && !frames_.empty()) frames_.back().drew = true;
   exclude.reset();
   ++depth_;
-  frames_.push_back(Frame{layer, false});
+  frames_.push_back(Frame{layer, false, validates_on_host(schema, *stack, base)});
   bool drew = false;
   auto leave = [&] {
     --depth_;

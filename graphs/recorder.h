@@ -217,6 +217,10 @@ class Recorder {
   struct Frame {
     AutogradLayer layer;
     bool drew;
+    // Its kernel reads values on the host only to validate them (F.one_hot's label range
+    // with num_classes given): a CUDA kernel does not read them, and a replay's kernels
+    // still raise for an out-of-range index.
+    bool validates_on_host = false;
   };
   std::vector<Frame> frames_;
   // Host: the first recorded call that raised ("" while none did), and its message.

@@ -1435,3 +1435,44 @@ def test_a_capture_leaves_the_generator_where_it_was_and_the_first_replay_draws_
     replayed, after = out.clone(), torch.get_rng_state()
     torch.set_rng_state(before)
     assert torch.equal(replayed, F.dropout(x, 0.5, training=True)) and torch.equal(torch.get_rng_state(), after)
+
+
+@pytest.mark.parametrize("entry", ["graph", "graphed_step"])
+def test_one_hot_with_num_classes_replays_as_eager_and_without_it_is_refused(entry):
+    """F.one_hot's CPU kernel reads the labels' range with .item() only to refuse one out of
+    range (its CUDA kernel reads nothing): with num_classes given it replays, and the
+    replayed scatter still raises for a label out of range; without, the class count comes
+    from the values, which a graph cannot replay."""
+    torch.manual_seed(0)
+    y = torch.randint(0, 5, (8,))
+    if entry == "graph":
+        g = Graph("cpu")
+        with g.capture():
+            out = F.one_hot(y, 5).float() * 2
+        for _ in range(3):
+            y.copy_(torch.randint(0, 5, (8,)))
+            g.replay()
+            assert torch.equal(out, F.one_hot(y, 5).float() * 2)
+        y[0] = 7
+        with pytest.raises(RuntimeError):
+            g.replay()
+        with pytest.raises(dwgraph.GraphStateError, match="reads a tensor's value on the host"):
+            with Graph("cpu").capture():
+                F.one_hot(y.clamp(0, 4))
+    else:
+        lin, twin = torch.nn.Linear(5, 3), None
+        twin = torch.nn.Linear(5, 3)
+        twin.load_state_dict(lin.state_dict())
+
+        def body(model, labels):
+            model.zero_grad(set_to_none=True)
+            loss = model(F.one_hot(labels, 5).float()).square().mean()
+            loss.backward()
+            return loss.detach()
+
+        step = dwgraph.graphed_step(lambda labels: body(lin, labels))
+        for _ in range(6):
+            labels = torch.randint(0, 5, (8,))
+            assert torch.equal(step(labels), body(twin, labels))
+            assert torch.equal(lin.weight.grad, twin.weight.grad)
+        assert step.num_captures == 1
