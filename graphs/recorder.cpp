@@ -360,8 +360,9 @@ void Recorder::snapshot_if_caller(const TensorSlot& s, const at::Tensor& t) {
 // shapes, draws after a reseed.
 void Recorder::refuse_uncapturable(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t base) const {
   const std::string& op_name = schema.operator_name().name;
-  const bool validating = std::any_of(frames_.begin(), frames_.end(), [](const Frame& f) { return f.validates_on_host; });
-  DWGRAPH_CHECK_STATE(validating || !reads_value_on_host(schema.operator_name()), "dwgraph graph capture: ", op_name,
+  const bool refused = reads_value_on_host(schema.operator_name()) &&
+                       std::none_of(frames_.begin(), frames_.end(), [](const Frame& f) { return f.validates_on_host; });
+  DWGRAPH_CHECK_STATE(!refused, "dwgraph graph capture: ", op_name,
                       schema.overload_name().empty() ? std::string() : "." + schema.overload_name(),
                       " reads a tensor's value on the host (e.g. .item(), torch.equal, nonzero, tensor split points "
                       "or lengths), which a CUDA graph cannot capture and a replay would not read again; move it out "

@@ -309,7 +309,7 @@ StaticInputs::StaticInputs(const std::vector<at::Tensor>& samples) : first_of_(f
     at::Tensor copy;
     if (t.defined() && first_of_its_tensor(i)) {
       const at::Tensor d = t.detach();
-      copy = overlapping || elements_apart(d) ? layout_copy(d) : d.clone();
+      copy = held_dense_[i] ? d.clone() : layout_copy(d);
       copy.requires_grad_(t.requires_grad());
     }
     tensors_.push_back(copy);
@@ -381,22 +381,22 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
                       " requires grad but its sample did not, so the graphs compute no gradient for it; capture "
                       "with a sample that requires grad (or detach the input)");
   }
+  if (written_.empty()) return;
   // Before the identity check: where a call aliases what the samples did not and the graph
   // writes one of them, that is the message to read.
-  if (!written_.empty()) {
-    if (first_of_.empty()) {
-      check_distinct_memory(inputs, written_, where);
-    } else {
-      // A repeated position is the same static input: a write through it reaches both, as eager's.
-      std::vector<at::Tensor> distinct(inputs);
-      for (size_t i = 0; i < distinct.size(); ++i) {
-        if (!first_of_its_tensor(i)) distinct[i] = at::Tensor();
-      }
-      check_distinct_memory(distinct, written_, where);
+  if (first_of_.empty()) {
+    check_distinct_memory(inputs, written_, where);
+  } else {
+    // A repeated position is the same static input: a write through it reaches both, as eager's.
+    std::vector<at::Tensor> distinct(inputs);
+    for (size_t i = 0; i < distinct.size(); ++i) {
+      if (!first_of_its_tensor(i)) distinct[i] = at::Tensor();
     }
+    check_distinct_memory(distinct, written_, where);
   }
-  // Note [One tensor in two argument positions]: GraphManager::runs_eagerly runs such calls
-  // eagerly before this is reached; a caller that bypasses it is refused.
+  // Note [One tensor in two argument positions]: GraphManager::runs_eagerly runs the other
+  // mismatches eagerly before this is reached; one tensor where the samples were two, to a
+  // graph that writes an argument, is refused.
   const std::string mismatch = identity_mismatch(inputs);
   DWGRAPH_CHECK_ARG(mismatch.empty(), where, ": ", mismatch, "; kernels branch on that, and a graph replays the "
                     "path its capture took. Pass them as the samples were passed, or capture with samples passed as "

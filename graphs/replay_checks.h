@@ -79,10 +79,10 @@ class StaticInputs {
   // ArgumentError naming the argument for a count, shape, strides, dtype or device that
   // differs from capture (eager code would run other kernels, with other rounding and
   // output layouts, for another layout), for an input that requires grad where the sample
-  // did not (the graph computes no gradient for it), for arguments that are one tensor
-  // where the samples were two or the other way round (Note [One tensor in two argument
-  // positions]), and for an argument the graph writes in place that shares memory with
-  // another argument (eager's write would reach both).
+  // did not (the graph computes no gradient for it), and where the graph writes an argument
+  // in place: for an argument that shares memory with another (eager's write would reach
+  // both), and for arguments passed otherwise than the samples (Note [One tensor in two
+  // argument positions]; without writes GraphManager::runs_eagerly runs such calls eagerly).
   void check(const std::vector<at::Tensor>& inputs, const std::string& where) const;
   // Copies `inputs` in (skipping those already in place, and an argument position that
   // repeats an earlier one's tensor).

@@ -90,12 +90,20 @@ TORCH_LIBRARY_IMPL(dwgraph_test_kernels, Autograd, m) {
   m.impl("adds_noise_autograd", TORCH_FN(adds_noise));
 }
 
+namespace {
+
+// A test kernel of this file, by name, typed as `Sig`.
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> test_kernel(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+}  // namespace
+
 TEST_CASE("host replay draws as eager where a composite draws below autograd", "[graphs][cpu]") {
   // Note [Calls in a kernel's body]: the draw, below autograd, passed as part of a kernel;
   // its output replayed as a constant, the same numbers every replay.
-  const auto op = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("dwgraph_test_kernels::adds_noise_composite", "")
-                      .typed<at::Tensor(const at::Tensor&)>();
+  const auto op = test_kernel<at::Tensor(const at::Tensor&)>("dwgraph_test_kernels::adds_noise_composite");
   const c10::Device cpu(c10::kCPU);
   auto static_x = randn({6}, at::kFloat, cpu);
   auto graph = dwgraph::graphs::make_graph(cpu);
@@ -117,9 +125,7 @@ TEST_CASE("host replay draws as eager where a composite draws below autograd", "
 TEST_CASE("host capture refuses a draw in an autograd kernel that its children replay", "[graphs][cpu]") {
   // The kernel's add, recorded as its child, writes all it returns, so the call replays
   // through it alone; the draw below autograd would repeat the capture's numbers.
-  const auto op = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("dwgraph_test_kernels::adds_noise_autograd", "")
-                      .typed<at::Tensor(const at::Tensor&)>();
+  const auto op = test_kernel<at::Tensor(const at::Tensor&)>("dwgraph_test_kernels::adds_noise_autograd");
   const c10::Device cpu(c10::kCPU);
   auto static_x = randn({6}, at::kFloat, cpu);
   auto graph = dwgraph::graphs::make_graph(cpu);
@@ -138,9 +144,7 @@ TEST_CASE("host replay reruns a kernel that writes its own output, given the sam
   // Note [A kernel's own writes]: recorded as a composite of its aten::empty_like, it was
   // skipped, and its output kept the capture's values at every replay. Note [The same tensor
   // twice in a call]: each argument rebuilt as its own tensor took the kernel's other path.
-  const auto op = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("dwgraph_test_kernels::marks_identity", "")
-                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  const auto op = test_kernel<at::Tensor(const at::Tensor&, const at::Tensor&)>("dwgraph_test_kernels::marks_identity");
   const c10::Device cpu(c10::kCPU);
   for (const bool twice : {true, false}) {
     INFO("one tensor twice: " << twice);
@@ -163,9 +167,7 @@ TEST_CASE("host replay reruns a kernel that writes its own output, given the sam
 TEST_CASE("host replay reruns such a kernel once, not its inner calls again", "[graphs][cpu]") {
   // Note [A kernel's own writes]: the kernel replays whole; its inner calls, recorded as its
   // children, do not replay on their own (the count would move by two a replay).
-  const auto op = c10::Dispatcher::singleton()
-                      .findSchemaOrThrow("dwgraph_test_kernels::counts_calls", "")
-                      .typed<at::Tensor(const at::Tensor&, at::Tensor&)>();
+  const auto op = test_kernel<at::Tensor(const at::Tensor&, at::Tensor&)>("dwgraph_test_kernels::counts_calls");
   const c10::Device cpu(c10::kCPU);
   auto static_x = randn({4}, at::kFloat, cpu);
   auto calls = at::zeros({1});
