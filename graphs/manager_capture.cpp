@@ -43,7 +43,12 @@ std::vector<at::Tensor> reached_leaves(const std::vector<at::Tensor>& outputs,
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
   for (const auto& o : outputs) {
-    if (o.defined() && o.grad_fn()) stack.push_back(o.grad_fn().get());
+    if (!o.defined()) continue;
+    if (o.grad_fn()) {
+      stack.push_back(o.grad_fn().get());
+    } else if (o.requires_grad()) {
+      out.push_back(o);  // an output that is a leaf (a parameter returned as itself) reaches itself
+    }
   }
   while (!stack.empty()) {
     auto* node = stack.back();

@@ -9,6 +9,7 @@
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <atomic>
@@ -363,6 +364,22 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
   for (size_t i = 0; i < inputs.size(); ++i) {
     const auto& x = inputs[i];
     const auto& st = tensors_[i];
+    // What a replay cannot hold, said before its sizes or memory are read (a review found
+    // each raising torch's untyped error, or a dual tensor's tangent silently dropped).
+    if (x.defined()) {
+      DWGRAPH_CHECK_ARG(x.layout() == at::kStrided, where, ": argument ", i, " is a ", x.layout(),
+                        " tensor; graphs capture strided tensors only (pass it dense)");
+      constexpr c10::DispatchKeySet kTransformed({c10::DispatchKey::FuncTorchBatched,
+                                                  c10::DispatchKey::FuncTorchGradWrapper});
+      DWGRAPH_CHECK_ARG(!x.unsafeGetTensorImpl()->key_set().has_any(kTransformed) && !x._fw_grad(0).defined(), where,
+                        ": argument ", i, " is a tensor of a torch.func transform (vmap, grad, jvp) or a dual tensor "
+                        "of forward-mode AD; a replay runs its kernels on plain tensors, with no batch dimension or "
+                        "tangent. Call the module itself under such transforms");
+      DWGRAPH_CHECK_ARG(!x.is_inference() || c10::InferenceMode::is_enabled(), where, ": argument ", i,
+                        " is an inference tensor (made under torch.inference_mode()) and the call is outside it; the "
+                        "graphs track their arguments' versions, which inference tensors do not have: clone it "
+                        "outside inference mode, or call under inference mode");
+    }
     DWGRAPH_CHECK_ARG(x.defined() == st.defined() &&
                           (!x.defined() || (x.sizes() == st.sizes() && x.scalar_type() == st.scalar_type() &&
                                             x.device() == st.device())),

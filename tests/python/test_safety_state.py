@@ -1416,3 +1416,84 @@ def test_a_capture_that_fails_for_another_reason_puts_back_what_its_forward_made
         dwgraph.make_graphed_callables(m, (torch.randn(SMALL_B, SMALL_H, requires_grad=True),))
     assert m.running is held and torch.equal(m.running, value)
     assert sorted(m.lin._buffers) == keys and {k for k in m.lin.__dict__ if k.startswith("_fp8_")} == attributes
+
+
+@pytest.mark.parametrize("entry", ["make_graphed_callables", "graphed_step"])
+def test_a_parameter_frozen_with_detach_after_capture_is_seen(entry):
+    """detach_() freezes a parameter as requires_grad_(False) does; the watch missed it and a
+    graphed step went on training the weight (a review)."""
+    torch.manual_seed(9)
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh(), torch.nn.Linear(H, H))
+    eager = copy.deepcopy(model)
+    x = torch.randn(B, H)
+    if entry == "make_graphed_callables":
+        g = dwgraph.make_graphed_callables(model, (x,))
+        g(x).sum().backward()
+        model[0].weight.detach_()
+        with pytest.raises(dwgraph.GraphStateError, match=r"parameter '0.weight' no longer requires grad"):
+            g(x)
+        return
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager)]
+
+    def body(m, opt, inp):
+        opt.zero_grad(set_to_none=True)
+        m(inp).square().mean().backward()
+        opt.step()
+
+    step = dwgraph.graphed_step(lambda inp: body(model, opts[0], inp))
+    for i in range(8):
+        if i == 5:
+            model[0].weight.detach_()
+            eager[0].weight.detach_()
+        inp = torch.randn(B, H)
+        step(inp)
+        body(eager, opts[1], inp)
+        for p, pe in zip(model.parameters(), eager.parameters()):
+            assert torch.equal(p, pe), f"step {i}"
+
+
+def test_a_parameter_returned_as_itself_gets_its_gradient():
+    """A learned embedding returned as is: the output is the parameter, whose gradient the
+    graphs dropped (a review); the engine never reaches its AccumulateGrad from a root."""
+    class Pos(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(H, H)
+            self.pos = torch.nn.Parameter(torch.randn(H))
+
+        def forward(self, x):
+            return self.proj(x), self.pos
+
+    torch.manual_seed(10)
+    model = Pos()
+    eager = copy.deepcopy(model)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
+    for step in range(3):
+        x = torch.randn(B, H)
+        (y, p), (ye, pe) = g(x), eager(x)
+        ((y * p).sum() + (p * 3).sum()).backward()
+        ((ye * pe).sum() + (pe * 3).sum()).backward()
+        for (n, a), b in zip(model.named_parameters(), eager.parameters()):
+            assert torch.equal(a.grad, b.grad), f"step {step}: {n}.grad"
+
+
+@pytest.mark.parametrize("argument", ["forward_ad_dual", "vmap", "inference_tensor", "sparse"])
+def test_arguments_a_replay_cannot_hold_are_refused_with_a_typed_error(argument):
+    model = torch.nn.Linear(H, H)
+    g = dwgraph.make_graphed_callables(model, (torch.randn(B, H),))
+    expected = {"forward_ad_dual": "a dual tensor of forward-mode AD", "vmap": "a torch.func transform",
+                "inference_tensor": "is an inference tensor", "sparse": "is a Sparse tensor"}[argument]
+    with pytest.raises(dwgraph.ArgumentError, match=expected):
+        if argument == "forward_ad_dual":
+            with torch.autograd.forward_ad.dual_level():
+                x = torch.randn(B, H)
+                g(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
+        elif argument == "vmap":
+            torch.func.vmap(g)(torch.randn(3, B, H))
+        elif argument == "inference_tensor":
+            with torch.inference_mode():
+                x = torch.randn(B, H)
+            g(x)
+        else:
+            g(torch.randn(B, H).relu().to_sparse())
+    g(torch.randn(B, H)).sum().backward()  # the graphs still replay

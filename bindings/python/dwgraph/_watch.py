@@ -12,8 +12,8 @@ those checks can see:
   ``eval()``, a direct assignment), dwgraph's module flags, and one of the dicts below
   assigned anew;
 * ``Module._apply`` (``.to()``, ``.half()``, ...), ``torch.utils.swap_tensors``, and
-  ``torch.Tensor.requires_grad_`` / ``set_`` on a watched parameter or tensor (as a method or
-  unbound);
+  ``torch.Tensor.requires_grad_`` / ``detach_`` / ``set_`` on a watched parameter or tensor
+  (as a method or unbound);
 * torch's global module hook dicts, replaced by watching dicts;
 * torch's reseeding functions (manual_seed, set_rng_state, ...): on a capturing thread
   they tell the core, which refuses a random draw after them (the RNG watch);
@@ -407,9 +407,11 @@ def install() -> None:
         torch.utils.swap_tensors = _after(torch.utils.swap_tensors)
         # On torch.Tensor, not Parameter: unbound calls (torch.Tensor.set_(p, t)), parameters
         # of tensor subclasses (whose type is not Parameter) and watched buffers go through it.
-        # The in-place methods that give a tensor other sizes or strides over its memory too.
-        for name in ("requires_grad_", "set_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_",
-                     "squeeze_", "unsqueeze_", "resize_", "resize_as_"):
+        # The in-place methods that give a tensor other sizes or strides over its memory too,
+        # and detach_ (it freezes a parameter as requires_grad_(False) does: a review found a
+        # graphed step training a weight frozen so).
+        for name in ("requires_grad_", "detach_", "set_", "t_", "transpose_", "swapdims_", "swapaxes_",
+                     "as_strided_", "squeeze_", "unsqueeze_", "resize_", "resize_as_"):
             fn = getattr(torch.Tensor, name, None)
             if fn is None:
                 continue
