@@ -375,10 +375,12 @@ void StaticInputs::check(const std::vector<at::Tensor>& inputs, const std::strin
                         ": argument ", i, " is a tensor of a torch.func transform (vmap, grad, jvp) or a dual tensor "
                         "of forward-mode AD; a replay runs its kernels on plain tensors, with no batch dimension or "
                         "tangent. Call the module itself under such transforms");
-      DWGRAPH_CHECK_ARG(!x.is_inference() || c10::InferenceMode::is_enabled(), where, ": argument ", i,
-                        " is an inference tensor (made under torch.inference_mode()) and the call is outside it; the "
-                        "graphs track their arguments' versions, which inference tensors do not have: clone it "
-                        "outside inference mode, or call under inference mode");
+      // With grad disabled nothing saves it for a backward, and it replays (as eager runs).
+      DWGRAPH_CHECK_ARG(!x.is_inference() || c10::InferenceMode::is_enabled() || !at::GradMode::is_enabled(), where,
+                        ": argument ", i, " is an inference tensor (made under torch.inference_mode()) and the call "
+                        "computes gradients outside inference mode; the graphs track the versions of what a backward "
+                        "reads, which inference tensors do not have (eager refuses to save one for a backward): clone "
+                        "it outside inference mode, or call under torch.no_grad() or inference mode");
     }
     DWGRAPH_CHECK_ARG(x.defined() == st.defined() &&
                           (!x.defined() || (x.sizes() == st.sizes() && x.scalar_type() == st.scalar_type() &&
